@@ -1,0 +1,1 @@
+"""Codecs and the wire encoding of tensors. Knows nothing about networking or torch."""

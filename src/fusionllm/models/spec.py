@@ -1,0 +1,57 @@
+"""Model specs: a built-in name (`gpt-micro`) or `package.module:factory`.
+
+A factory is called as `factory(vocab_size=V)` and returns an nn.Module that maps a LongTensor
+(B, T) to logits (B, T, V), or to an object with a `.logits` attribute (Hugging Face style).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fusionllm.core.errors import RegistryError
+from fusionllm.models.gpt import CONFIGS, gpt
+
+MODEL_NAMES: tuple[str, ...] = tuple(CONFIGS)
+
+
+def resolve_factory(spec: str) -> Callable[..., nn.Module]:
+    """Return a callable `factory(vocab_size)` for a model spec."""
+    if spec in CONFIGS:
+        return lambda vocab_size=256: gpt(spec, vocab_size=vocab_size)
+    if ":" not in spec:
+        raise RegistryError(
+            f"unknown model {spec!r}: use one of {', '.join(MODEL_NAMES)} or 'package.module:factory'"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(
+            f"cannot import {module_name!r} for model {spec!r} ({exc}); is it on PYTHONPATH?"
+        ) from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise RegistryError(f"model factory {spec!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise RegistryError(f"model factory {spec!r} is not callable")
+    return factory  # type: ignore[return-value]
+
+
+def build_model(
+    spec: str, vocab_size: int = 256, *, device: str | torch.device = "cpu", seed: int | None = None
+) -> nn.Module:
+    """Build a model from its spec; `device="meta"` builds it without allocating weights."""
+    factory = resolve_factory(spec)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = factory(vocab_size=vocab_size)
+    if not isinstance(model, nn.Module):
+        raise RegistryError(f"model factory {spec!r} returned {type(model).__name__}, not nn.Module")
+    return model

@@ -1,0 +1,1 @@
+"""Executes stages of an OpGraph: forward, backward, remote autodiff semantics."""

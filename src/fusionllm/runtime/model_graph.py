@@ -1,0 +1,69 @@
+"""From a model spec to what the executor needs: the OpGraph, the tensors, the module source."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fusionllm.graph import registry
+from fusionllm.graph.ir import OpGraph
+from fusionllm.graph.trace import trace
+from fusionllm.models.loss import lm_loss
+from fusionllm.models.spec import build_model
+
+
+def trace_lm(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    *,
+    vocab_size: int = 256,
+    spec: str | None = None,
+    **trace_kwargs: object,
+) -> OpGraph:
+    """Trace ``model`` with the LM loss on token batches of (batch_size, seq_len)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    targets = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    source = {"model": spec, "vocab_size": vocab_size} if spec else None
+    return trace(
+        model, (idx,), loss=lm_loss, loss_inputs=(targets,), source=source,
+        input_names=["tokens", "targets"], **trace_kwargs,  # type: ignore[arg-type]
+    )
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a model by its global name (tied ones once)."""
+    out = dict(model.named_parameters())
+    for name, b in model.named_buffers():
+        out.setdefault(name, b)
+    return {k: v.detach() for k, v in out.items()}
+
+
+def root_source(root: nn.Module) -> registry.SourceProvider:
+    """Modules of ``submodule`` nodes taken from a live model (same process)."""
+    return root.get_submodule
+
+
+def spec_source(spec: str, vocab_size: int) -> registry.SourceProvider:
+    """Modules of ``submodule`` nodes rebuilt from the model spec, on meta (a worker's path)."""
+    module_name = spec.partition(":")[0]
+    if ":" in spec and module_name:
+        registry.allow_import(module_name)
+
+    @functools.cache
+    def meta_model() -> nn.Module:
+        return build_model(spec, vocab_size, device="meta")
+
+    provider: Callable[[str], nn.Module] = lambda path: meta_model().get_submodule(path)  # noqa: E731
+    return provider
+
+
+def graph_source(graph: OpGraph) -> registry.SourceProvider | None:
+    src = graph.meta.get("source")
+    if not src:
+        return None
+    return spec_source(str(src["model"]), int(src["vocab_size"]))
