@@ -41,6 +41,7 @@ _NP_DTYPES: dict[str, str] = {
     "bool": "?",
 }
 _PREFIX = struct.Struct("<4sI")
+_MAX_SPAN_BYTES = 1 << 62  # product of non-zero dims * itemsize; NumPy needs it to fit intp
 
 
 def encode_array(array: np.ndarray, dtype: str | None = None) -> bytes:
@@ -68,14 +69,16 @@ def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAY
     if len(view) < _PREFIX.size + hlen:
         raise WireError("tensor message truncated inside its header")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"tensor header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("v") != VERSION:
-        got = header.get("v") if isinstance(header, dict) else None
+        # strict UTF-8 (json.loads on bytes would also take UTF-16/32 and a BOM); ValueError
+        # covers bad UTF-8, bad JSON and over-long integer literals, RecursionError deep nesting
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"tensor header is not valid UTF-8 JSON: {exc}") from None
+    got = header.get("v") if isinstance(header, dict) else None
+    if type(got) is not int or got != VERSION:  # not True, not 1.0
         raise WireError(f"tensor header version {got!r} not supported (this side speaks {VERSION})")
     dtype, shape = header.get("dtype"), header.get("shape")
-    if dtype not in _NP_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _NP_DTYPES:  # a list/dict is unhashable
         raise WireError(f"unknown dtype {dtype!r} in tensor header; supported: {sorted(_NP_DTYPES)}")
     if (
         not isinstance(shape, list)
@@ -83,10 +86,15 @@ def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAY
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise WireError(f"bad shape {shape!r} in tensor header (at most {MAX_RANK} non-negative ints)")
-    numel = 1
+    numel, span = 1, 1
     for d in shape:
         numel *= d
+        span *= max(d, 1)
     nbytes = numel * DTYPE_SIZES[dtype]
+    # an empty tensor may declare huge non-zero dims; NumPy still refuses shapes whose
+    # non-zero dims overflow its index type, so bound them too
+    if span * DTYPE_SIZES[dtype] > _MAX_SPAN_BYTES:
+        raise WireError(f"bad shape {shape!r} in tensor header: dimensions too large")
     if nbytes > max_payload:
         raise WireError(f"tensor header declares {nbytes} bytes, over the limit of {max_payload}")
     offset = _PREFIX.size + hlen

@@ -305,10 +305,11 @@ def trace(
         if loss_edge is None or loss_value.numel() != 1:
             raise TraceError("the loss function must return a scalar tensor computed from the model output")
         outputs.append(loss_edge)
-    used = {name for n in recorder.nodes for name in n.params.values()}
+    nodes = _prune(recorder.nodes, outputs)
+    used = {name for n in nodes for name in n.params.values()}
     params = {k: v for k, v in recorder.params.items() if k in used}
     graph = OpGraph(
-        nodes=recorder.nodes,
+        nodes=nodes,
         params=params,
         outputs=list(dict.fromkeys(outputs)),
         loss=loss_edge,
@@ -322,6 +323,17 @@ def trace(
     )
     graph.validate()
     return graph
+
+
+def _prune(nodes: list[Node], outputs: list[str]) -> list[Node]:
+    """Drop ops whose results nobody uses (glue code computed values it then ignored)."""
+    live = set(outputs)
+    keep: list[Node] = []
+    for n in reversed(nodes):
+        if n.kind == "input" or any(e.id in live for e in n.outputs):
+            keep.append(n)
+            live.update(n.inputs)
+    return keep[::-1]
 
 
 def _where(recorder: _Recorder, what: str) -> str:

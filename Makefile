@@ -1,0 +1,42 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+DEMO_STEPS ?= 300
+
+.PHONY: demo test lint install install-dev clean
+
+# Reuse a torch the system Python already has (venv with system site-packages); otherwise pin 2.13.0,
+# which on the development machines installs the CPU build that lies on disk.
+$(VENV)/.created:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "reusing the installed torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q $(TORCH_PIN); \
+	fi
+	@touch $@
+
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/fusionllm train --single-process --model gpt-micro --steps $(DEMO_STEPS) --metrics runs/demo/metrics.jsonl
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check src tests
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from fusionllm.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""The `fusionllm` command."""

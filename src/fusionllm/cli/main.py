@@ -1,0 +1,177 @@
+"""`fusionllm`: train, verify, trace, models."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from fusionllm import __version__
+from fusionllm.core.errors import FusionError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train language models over slow, uneven networks.")
+console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(fn: F) -> F:
+    """A FusionError becomes one line on stderr and exit status 2; nothing else is hidden."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FusionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"fusionllm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """fusionllm: the OP-DAG of any PyTorch model, trained across machines with remote autodiff."""
+
+
+ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl) or package.module:factory.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
+
+
+@app.command()
+@_user_errors
+def train(
+    model: ModelOpt = "gpt-micro",
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 16,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 128,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")] = 3e-3,
+    seed: SeedOpt = 0,
+    data: Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")] = None,
+    metrics: Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")] = None,
+    warmup: Annotated[int, typer.Option(help="Warmup steps.")] = 20,
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps (0: never).")] = 50,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    single_process: Annotated[bool, typer.Option("--single-process", help="Plain PyTorch in this process (the reference).")] = False,
+) -> None:
+    """Train a model; `--single-process` is the plain PyTorch reference run."""
+    from fusionllm.runtime.single import TrainConfig, train_single
+
+    if not single_process:
+        raise FusionError("distributed training (--cluster) is not available yet; run with --single-process")
+    config = TrainConfig(
+        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
+    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    first: list[float] = []
+    with Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as bar:
+        task = bar.add_task("train", total=steps, info="")
+
+        def on_step(rec: dict) -> None:
+            if not first:
+                first.append(rec["loss"])
+            val = f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""
+            bar.update(task, advance=1, info=f"loss {rec['loss']:.3f}{val}  {rec['tokens_per_s']:.0f} tok/s")
+
+        result = train_single(config, on_step)
+    last = sum(result.losses[-10:]) / len(result.losses[-10:])
+    print(
+        f"model={model} params={result.num_params} steps={steps} tokens={result.tokens} "
+        f"elapsed_s={result.elapsed_s:.1f} tokens_per_s={result.tokens / result.elapsed_s:.0f} "
+        f"first_loss={first[0]:.4f} final_loss={last:.4f}"
+        + (f" val_loss={result.val_losses[-1][1]:.4f}" if result.val_losses else "")
+    )
+
+
+@app.command()
+@_user_errors
+def verify(
+    model: ModelOpt = "gpt-mini",
+    parts: Annotated[int, typer.Option(help="Number of random stages.")] = 4,
+    seed: SeedOpt = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 2,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 32,
+) -> None:
+    """Split a model's OpGraph into random stages, run it through the executor, compare with autograd."""
+    from fusionllm.runtime.verify import TOLERANCE, verify_spec
+
+    def say(msg: str) -> None:
+        console.print(f"[dim]{msg}[/dim]")
+
+    report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, progress=say)
+    worst = sorted(report.errors.items(), key=lambda kv: -kv[1])[:5]
+    print(f"model={model} ops={report.nodes} stages={report.stages} wire_bytes={report.bytes_on_wire}")
+    print(f"loss reference={report.loss_reference:.6f} split={report.loss_split:.6f}")
+    print(f"compared {len(report.errors)} tensors (loss and every parameter gradient); largest errors:")
+    for name, err in worst:
+        print(f"  {name}: {err:.3e}")
+    print("PASS" if report.ok else f"FAIL: above tolerance {TOLERANCE:g}")
+    print(f"max_rel_err={report.max_rel_err:.3e}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command("trace")
+@_user_errors
+def trace_cmd(
+    model: ModelOpt = "gpt-micro",
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 1,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
+    out: Annotated[Path | None, typer.Option(help="Write the OpGraph JSON here.")] = None,
+    granularity: Annotated[str, typer.Option(help="layer (blocks are ops) or fine (torch.nn layers are ops).")] = "layer",
+    leaf: Annotated[list[str] | None, typer.Option(help="Make this module (qualified name or class) one op; repeatable.")] = None,
+) -> None:
+    """Trace a model on the meta device (no weights allocated) and summarise its OpGraph."""
+    from fusionllm.models.spec import build_model
+    from fusionllm.runtime.model_graph import trace_lm
+
+    started = time.perf_counter()
+    net = build_model(model, device="meta")
+    graph = trace_lm(net, batch_size, seq_len, spec=model, granularity=granularity, leaf_modules=leaf or ())
+    seconds = time.perf_counter() - started
+    kinds: dict[str, int] = {}
+    for n in graph.compute_nodes:
+        kinds[n.kind] = kinds.get(n.kind, 0) + 1
+    print(f"model={model} ops={len(graph.compute_nodes)} params={graph.num_params()} seconds={seconds:.2f}")
+    for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:5d}  {kind}")
+    if out:
+        out.write_text(graph.to_json(indent=1))
+        print(f"wrote {out}")
+
+
+@app.command()
+@_user_errors
+def models() -> None:
+    """List the built-in models with their sizes."""
+    from fusionllm.models.gpt import CONFIGS
+    from fusionllm.models.spec import build_model
+
+    for name, cfg in CONFIGS.items():
+        n = sum(p.numel() for p in build_model(name, device="meta").parameters())
+        print(f"{name:12s} params={n / 1e6:9.2f}M  " + " ".join(f"{k}={v}" for k, v in cfg.items()))
+
+
+def main() -> None:
+    app()

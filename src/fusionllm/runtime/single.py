@@ -1,0 +1,108 @@
+"""`fusionllm train --single-process`: plain PyTorch training, the reference for every distributed run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import JsonlWriter
+from fusionllm.data import Batcher, ByteTokenizer, load_corpus
+from fusionllm.models.loss import lm_loss
+from fusionllm.models.spec import build_model
+from fusionllm.runtime.optim import lr_at, make_adamw
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "gpt-micro"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    seed: int = 0
+    data: str | None = None
+    metrics: str | None = None
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.warmup < 0 or self.eval_every < 0 or self.grad_clip < 0:
+            raise ConfigError("--warmup, --eval-every and --grad-clip must be >= 0")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    num_params: int = 0
+
+
+StepCallback = Callable[[dict], None]
+
+
+def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None) -> TrainResult:
+    """Train `config.model` in this process; one metrics record per optimizer step."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tokenizer = ByteTokenizer()
+    corpus = load_corpus(config.data)
+    train_tokens, val_tokens = corpus.split(0.1)
+    train_batches = Batcher(train_tokens, config.batch_size, config.seq_len, config.seed)
+    val_batches = Batcher(val_tokens, config.batch_size, config.seq_len, config.seed)
+    model = build_model(config.model, tokenizer.vocab_size, seed=config.seed)
+    block = getattr(getattr(model, "config", None), "block_size", None)
+    if isinstance(block, int) and config.seq_len > block:
+        raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
+    optimizer = make_adamw(model.named_parameters(), config.lr, config.weight_decay)
+    result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
+    started = time.perf_counter()
+    with JsonlWriter(config.metrics) as metrics:
+        for step in range(config.steps):
+            model.train()
+            lr = lr_at(step, lr=config.lr, steps=config.steps, warmup=config.warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = train_batches.get(step)
+            loss = lm_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf")))
+            optimizer.step()
+            result.tokens += x.numel()
+            result.losses.append(loss.item())
+            elapsed = time.perf_counter() - started
+            record = {
+                "step": step, "loss": result.losses[-1], "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
+                "lr": lr, "grad_norm": grad_norm, "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1),
+            }
+            last = step == config.steps - 1
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                record["val_loss"] = evaluate(model, val_batches, config.eval_batches)
+                result.val_losses.append((step, record["val_loss"]))
+            metrics.write(record)
+            on_step(record)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Batcher, max_batches: int) -> float:
+    model.eval()
+    losses = [float(lm_loss(model(x), y)) for x, y in batches.iter_eval(max_batches)]
+    model.train()
+    return sum(losses) / len(losses)

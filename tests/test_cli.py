@@ -1,0 +1,77 @@
+"""The `fusionllm` command as a user runs it: real subprocesses, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fusionllm", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_verify_builtin_model_passes() -> None:
+    proc = run("verify", "--model", "gpt-mini", "--parts", "4", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("max_rel_err=")
+    assert float(last.split("=")[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("spec", ["tests.zoo:dense", "tests.zoo:skip_tied"])
+def test_verify_model_defined_outside_the_package(spec: str) -> None:
+    proc = run("verify", "--model", spec, "--parts", "4", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.strip().splitlines()[-1].split("=")[1]) <= 1e-5
+
+
+def test_bad_model_spec_is_one_clear_line() -> None:
+    proc = run("verify", "--model", "no_such_module:factory")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: cannot import 'no_such_module'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_train_single_process_writes_metrics_and_loss_falls(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = run(
+        "train", "--single-process", "--model", "gpt-nano", "--steps", "40", "--batch-size", "8",
+        "--seq-len", "32", "--lr", "1e-2", "--warmup", "5", "--eval-every", "20", "--metrics", str(metrics),
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(40))
+    assert all({"step", "loss", "tokens", "elapsed_s"} <= r.keys() for r in records)
+    assert records[-1]["tokens"] == 40 * 8 * 32
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert "val_loss" in records[19] and "val_loss" in records[39]
+    assert "final_loss=" in proc.stdout
+
+
+def test_train_bad_corpus_path_is_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing-here.txt"
+    proc = run("train", "--single-process", "--model", "gpt-nano", "--steps", "2", "--data", str(missing))
+    assert proc.returncode == 2
+    assert str(missing) in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+
+
+def test_train_without_single_process_says_what_to_do() -> None:
+    proc = run("train", "--model", "gpt-nano", "--steps", "1")
+    assert proc.returncode == 2 and "--single-process" in proc.stderr
+
+
+def test_trace_writes_the_opgraph(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    proc = run("trace", "--model", "gpt2-xl", "--seq-len", "1024", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "module:fusionllm.models.gpt.Block" in proc.stdout
+    from fusionllm.graph.ir import OpGraph
+
+    graph = OpGraph.from_json(out.read_text())
+    assert graph.num_params() > 1.4e9
