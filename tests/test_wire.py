@@ -94,7 +94,9 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
         assert torch.equal(got, want)
 
 
-def _msg(header: object, payload: bytes = b"", *, magic: bytes = MAGIC, hlen: int | None = None) -> bytes:
+def _msg(
+    header: object, payload: bytes = b"", *, magic: bytes = MAGIC, hlen: int | None = None
+) -> bytes:
     """A message with an arbitrary header (dict/list/... as JSON, or raw bytes)."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     n = len(raw) if hlen is None else hlen
@@ -255,7 +257,11 @@ def test_layout_is_magic_u32le_length_json_then_payload() -> None:
 
 def test_payload_is_little_endian() -> None:
     values = [1.0, -2.5, 1024.75, -0.0, float("inf")]
-    for src in (np.array(values, dtype="<f4"), np.array(values, dtype=">f4"), np.array(values, dtype=np.float32)):
+    for src in (
+        np.array(values, dtype="<f4"),
+        np.array(values, dtype=">f4"),
+        np.array(values, dtype=np.float32),
+    ):
         buf = encode_array(src)
         _, payload = _split(buf)
         assert payload == np.array(values, dtype="<f4").tobytes()
@@ -318,7 +324,9 @@ HOSTILE = {
     "utf8-bom-header": _msg(b"\xef\xbb\xbf" + json.dumps(_hdr("uint8", ())).encode(), b"\0"),
     "nul-header": _msg(b"\0" * 16),
     "deep-nesting": _msg(b"[" * 60000),
-    "deep-nesting-in-shape": _msg(b'{"v":1,"dtype":"uint8","shape":' + b"[" * 30000 + b"]" * 30000 + b"}"),
+    "deep-nesting-in-shape": _msg(
+        b'{"v":1,"dtype":"uint8","shape":' + b"[" * 30000 + b"]" * 30000 + b"}"
+    ),
     "huge-int-literal": _msg(b'{"v":1,"dtype":"uint8","shape":[' + b"9" * 5000 + b"]}"),
     "huge-version-literal": _msg(b'{"v":' + b"1" * 5000 + b',"dtype":"uint8","shape":[]}', b"\0"),
     # JSON but not an object
@@ -513,7 +521,9 @@ def test_fuzz_truncation_and_extension(seed: bytes, data: st.DataObject) -> None
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=10,
 )
 
@@ -522,7 +532,11 @@ _JSON = st.recursive(
 @given(
     st.one_of(st.just(1), _JSON),
     st.one_of(st.sampled_from(sorted(ITEMSIZE) + ["float8", "complex64", "uint16"]), _JSON),
-    st.one_of(st.lists(st.integers(-3, 2**66), max_size=MAX_RANK + 2), st.lists(st.integers(0, 4), max_size=5), _JSON),
+    st.one_of(
+        st.lists(st.integers(-3, 2**66), max_size=MAX_RANK + 2),
+        st.lists(st.integers(0, 4), max_size=5),
+        _JSON,
+    ),
     st.binary(max_size=64),
 )
 def test_fuzz_headers(v: object, dtype: object, shape: object, payload: bytes) -> None:
@@ -565,7 +579,9 @@ def test_dtype_names_round_trip(dtype: torch.dtype) -> None:
 
 
 _UNSUPPORTED_TORCH = [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64]
-_UNSUPPORTED_TORCH += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+_UNSUPPORTED_TORCH += [
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
+]
 
 
 @pytest.mark.parametrize("dtype", _UNSUPPORTED_TORCH, ids=str)

@@ -168,9 +168,11 @@ def models() -> None:
     from fusionllm.models.gpt import CONFIGS
     from fusionllm.models.spec import build_model
 
+    print(f"{'name':12s} {'params (bytes, V=256)':>22s} {'params (GPT-2 V=50257)':>23s}  shape")
     for name, cfg in CONFIGS.items():
-        n = sum(p.numel() for p in build_model(name, device="meta").parameters())
-        print(f"{name:12s} params={n / 1e6:9.2f}M  " + " ".join(f"{k}={v}" for k, v in cfg.items()))
+        sizes = [sum(p.numel() for p in build_model(name, v, device="meta").parameters()) for v in (256, 50257)]
+        shape = " ".join(f"{k}={v}" for k, v in cfg.items())
+        print(f"{name:12s} {sizes[0] / 1e6:21.2f}M {sizes[1] / 1e6:22.2f}M  {shape}")
 
 
 def main() -> None:
