@@ -614,3 +614,16 @@ def test_unsupported_tensors_and_arrays_refuse_to_encode() -> None:
             encode_array(array)
     with pytest.raises(WireError):
         encode_array(np.zeros(2, dtype=np.float32), "float8")
+
+
+def test_bool_payload_with_other_bytes_is_refused() -> None:
+    import numpy as np
+    import pytest as _pytest
+
+    from fusionllm.compress.wire import decode_array, encode_array
+    from fusionllm.core.errors import WireError
+
+    buf = bytearray(encode_array(np.array([True, False, True])))
+    buf[-1] = 2
+    with _pytest.raises(WireError, match="0 or 1"):
+        decode_array(bytes(buf))

@@ -108,5 +108,9 @@ def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAY
 def decode_array(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[np.ndarray, str]:
     """Decode to (array, dtype string). The array is a read-only view of ``buf``."""
     dtype, shape, offset = decode_header(buf, max_payload=max_payload)
+    if dtype == "bool":
+        raw = np.frombuffer(buf, dtype=np.uint8, offset=offset)
+        if raw.size and int(raw.max()) > 1:
+            raise WireError("bool tensor payload holds a byte other than 0 or 1")
     array = np.frombuffer(buf, dtype=np.dtype(_NP_DTYPES[dtype]), offset=offset).reshape(shape)
     return array, dtype
