@@ -141,14 +141,15 @@ def trace_cmd(
     out: Annotated[Path | None, typer.Option(help="Write the OpGraph JSON here.")] = None,
     granularity: Annotated[str, typer.Option(help="layer (blocks are ops) or fine (torch.nn layers are ops).")] = "layer",
     leaf: Annotated[list[str] | None, typer.Option(help="Make this module (qualified name or class) one op; repeatable.")] = None,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="Vocabulary (256: bytes; 50257: GPT-2).")] = 256,
 ) -> None:
     """Trace a model on the meta device (no weights allocated) and summarise its OpGraph."""
     from fusionllm.models.spec import build_model
     from fusionllm.runtime.model_graph import trace_lm
 
     started = time.perf_counter()
-    net = build_model(model, device="meta")
-    graph = trace_lm(net, batch_size, seq_len, spec=model, granularity=granularity, leaf_modules=leaf or ())
+    net = build_model(model, vocab_size, device="meta")
+    graph = trace_lm(net, batch_size, seq_len, vocab_size=vocab_size, spec=model, granularity=granularity, leaf_modules=leaf or ())
     seconds = time.perf_counter() - started
     kinds: dict[str, int] = {}
     for n in graph.compute_nodes:

@@ -7,6 +7,8 @@ A factory is called as `factory(vocab_size=V)` and returns an nn.Module that map
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -28,7 +30,7 @@ def resolve_factory(spec: str) -> Callable[..., nn.Module]:
         )
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as exc:
         raise RegistryError(
             f"cannot import {module_name!r} for model {spec!r} ({exc}); is it on PYTHONPATH?"
@@ -41,6 +43,18 @@ def resolve_factory(spec: str) -> Callable[..., nn.Module]:
     if not callable(factory):
         raise RegistryError(f"model factory {spec!r} is not callable")
     return factory  # type: ignore[return-value]
+
+
+def _import(module_name: str) -> object:
+    """Import a user's model module; like `python -m`, the current directory is searched too."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        cwd = os.getcwd()
+        if cwd in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        return importlib.import_module(module_name)
 
 
 def build_model(
