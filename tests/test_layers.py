@@ -19,7 +19,8 @@ ALLOWED = {
     "sim": {"core", "graph", "cluster", "cost", "compress", "schedule"},
     "transport": {"core", "compress"},
     "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models"},
-    "control": {"core", "schedule", "cluster", "transport"},
+    # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
+    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "runtime", "data", "models"},
     "testbed": {"core", "cluster"},
 }
 

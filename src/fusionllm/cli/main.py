@@ -54,54 +54,182 @@ ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano 
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 
 
+StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
+SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
+LrOpt = Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")]
+DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")]
+MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
+WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
+EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps (0: never; --single-process only for now).")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads (per worker with --cluster).")]
+ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule: gpipe or 1f1b.")]
+MicroOpt = Annotated[int, typer.Option("--micro-batches", help="Micro-batches per step (divides --batch-size).")]
+ReplicasOpt = Annotated[str | None, typer.Option(help="Workers per stage, e.g. 1,2 (data parallel); default one stage per worker.")]
+CkptDirOpt = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here.")]
+CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only with --resume use).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in --checkpoint-dir.")]
+
+
+def _replicas(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise FusionError(f"--replicas {text!r}: expected comma-separated worker counts such as 1,2") from None
+
+
+def _progress_bar(total: int, label: str) -> tuple[Any, Callable[[dict], None], list[float]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    first: list[float] = []
+    bar = Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    )
+    task = bar.add_task(label, total=total, info="")
+
+    def on_step(rec: dict) -> None:
+        if not first:
+            first.append(rec["loss"])
+            bar.update(task, completed=rec["step"])
+        val = f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""
+        bar.update(task, advance=1, info=f"loss {rec['loss']:.3f}{val}  {rec['tokens_per_s']:.0f} tok/s")
+
+    return bar, on_step, first
+
+
+def _summary(model: str, result: Any, first: list[float], steps: int) -> None:
+    if not result.losses:
+        print(f"model={model} nothing to do (already at step {steps})")
+        return
+    last = sum(result.losses[-10:]) / len(result.losses[-10:])
+    print(
+        f"model={model} params={result.num_params} steps={steps} tokens={result.tokens} "
+        f"elapsed_s={result.elapsed_s:.1f} tokens_per_s={result.tokens / max(result.elapsed_s, 1e-9):.0f} "
+        f"first_loss={first[0]:.4f} final_loss={last:.4f}"
+        + (f" val_loss={result.val_losses[-1][1]:.4f}" if result.val_losses else "")
+    )
+
+
 @app.command()
 @_user_errors
 def train(
     model: ModelOpt = "gpt-micro",
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 16,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 128,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")] = 3e-3,
+    steps: StepsOpt = 200,
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    lr: LrOpt = 3e-3,
     seed: SeedOpt = 0,
-    data: Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")] = None,
-    metrics: Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")] = None,
-    warmup: Annotated[int, typer.Option(help="Warmup steps.")] = 20,
-    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps (0: never).")] = 50,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    data: DataOpt = None,
+    metrics: MetricsOpt = None,
+    warmup: WarmupOpt = 20,
+    eval_every: EvalOpt = 50,
+    threads: ThreadsOpt = None,
     single_process: Annotated[bool, typer.Option("--single-process", help="Plain PyTorch in this process (the reference).")] = False,
+    cluster: Annotated[str | None, typer.Option(help="local:N starts a coordinator and N workers on this machine.")] = None,
+    schedule: ScheduleOpt = "1f1b",
+    micro_batches: MicroOpt = 4,
+    replicas: ReplicasOpt = None,
+    checkpoint_dir: CkptDirOpt = None,
+    checkpoint_every: CkptEveryOpt = 0,
+    resume: ResumeOpt = False,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Token file and worker logs of a local cluster.")] = Path("runs/local"),
 ) -> None:
-    """Train a model; `--single-process` is the plain PyTorch reference run."""
+    """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N`."""
     from fusionllm.runtime.single import TrainConfig, train_single
 
-    if not single_process:
-        raise FusionError("distributed training (--cluster) is not available yet; run with --single-process")
     config = TrainConfig(
         model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
     )
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    if single_process == bool(cluster):
+        raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
+    if cluster:
+        from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
 
-    first: list[float] = []
-    with Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(), console=console, transient=False,
-    ) as bar:
-        task = bar.add_task("train", total=steps, info="")
-
-        def on_step(rec: dict) -> None:
-            if not first:
-                first.append(rec["loss"])
-            val = f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""
-            bar.update(task, advance=1, info=f"loss {rec['loss']:.3f}{val}  {rec['tokens_per_s']:.0f} tok/s")
-
+        n = parse_cluster(cluster)
+        args = [
+            "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
+            "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
+            "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
+        ]
+        args += ["--data", data] if data else []
+        args += ["--metrics", str(metrics)] if metrics else []
+        args += ["--replicas", replicas] if replicas else []
+        args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
+        args += ["--resume"] if resume else []
+        raise typer.Exit(run_local_cluster(args, n, run_dir, threads=threads))
+    bar, on_step, first = _progress_bar(steps, "train")
+    with bar:
         result = train_single(config, on_step)
-    last = sum(result.losses[-10:]) / len(result.losses[-10:])
-    print(
-        f"model={model} params={result.num_params} steps={steps} tokens={result.tokens} "
-        f"elapsed_s={result.elapsed_s:.1f} tokens_per_s={result.tokens / result.elapsed_s:.0f} "
-        f"first_loss={first[0]:.4f} final_loss={last:.4f}"
-        + (f" val_loss={result.val_losses[-1][1]:.4f}" if result.val_losses else "")
+    _summary(model, result, first, steps)
+
+
+@app.command()
+@_user_errors
+def coordinator(
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on (0.0.0.0:PORT for other machines).")],
+    token_file: Annotated[Path, typer.Option("--token-file", help="Shared secret every call presents.")],
+    workers: Annotated[int, typer.Option(help="Workers to wait for.")],
+    model: ModelOpt = "gpt-micro",
+    steps: StepsOpt = 200,
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    lr: LrOpt = 3e-3,
+    seed: SeedOpt = 0,
+    data: DataOpt = None,
+    metrics: MetricsOpt = None,
+    warmup: WarmupOpt = 20,
+    schedule: ScheduleOpt = "1f1b",
+    micro_batches: MicroOpt = 4,
+    replicas: ReplicasOpt = None,
+    checkpoint_dir: CkptDirOpt = None,
+    checkpoint_every: CkptEveryOpt = 0,
+    resume: ResumeOpt = False,
+    join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
+) -> None:
+    """Wait for the workers, trace and plan the model, hand out stages, drive training."""
+    from fusionllm.control.coordinator import ClusterConfig, run_coordinator
+    from fusionllm.runtime.single import TrainConfig
+    from fusionllm.transport.auth import load_token
+
+    train_cfg = TrainConfig(
+        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0,
     )
+    cluster_cfg = ClusterConfig(
+        listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
+        replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
+    )
+    bar, on_step, first = _progress_bar(steps, "train")
+
+    def say(msg: str) -> None:
+        console.print(msg, highlight=False, markup=False)
+
+    with bar:
+        result = run_coordinator(train_cfg, cluster_cfg, say=say, on_step=on_step)
+    _summary(model, result, first, steps)
+
+
+@app.command()
+@_user_errors
+def worker(
+    join: Annotated[str, typer.Option(help="The coordinator's HOST:PORT.")],
+    token_file: Annotated[Path, typer.Option("--token-file", help="The coordinator's shared secret.")],
+    device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
+    threads: ThreadsOpt = None,
+    listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves tensors on (port 0: any).")] = "127.0.0.1:0",
+    advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
+) -> None:
+    """Join a coordinator, run the stage it assigns, exit when the run ends."""
+    from fusionllm.runtime.worker import WorkerConfig, run_worker
+    from fusionllm.transport.auth import load_token
+
+    config = WorkerConfig(join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise)
+    raise typer.Exit(run_worker(config))
 
 
 @app.command()

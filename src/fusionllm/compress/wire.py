@@ -56,6 +56,39 @@ def encode_array(array: np.ndarray, dtype: str | None = None) -> bytes:
     return _PREFIX.pack(MAGIC, len(header)) + header + data.tobytes()
 
 
+def check_meta(dtype: object, shape: object, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
+    """Check a declared dtype and shape (from any header); return the payload size in bytes."""
+    if not isinstance(dtype, str) or dtype not in _NP_DTYPES:  # a list/dict is unhashable
+        raise WireError(f"unknown dtype {dtype!r} in tensor header; supported: {sorted(_NP_DTYPES)}")
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > MAX_RANK
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"bad shape {shape!r} in tensor header (at most {MAX_RANK} non-negative ints)")
+    numel, span = 1, 1
+    for d in shape:
+        numel *= d
+        span *= max(d, 1)
+    nbytes = numel * DTYPE_SIZES[dtype]
+    # an empty tensor may declare huge non-zero dims; NumPy still refuses shapes whose
+    # non-zero dims overflow its index type, so bound them too
+    if span * DTYPE_SIZES[dtype] > _MAX_SPAN_BYTES:
+        raise WireError(f"bad shape {list(shape)!r} in tensor header: dimensions too large")
+    if nbytes > max_payload:
+        raise WireError(f"tensor header declares {nbytes} bytes, over the limit of {max_payload}")
+    return nbytes
+
+
+def array_from_payload(payload: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...] | list[int]) -> np.ndarray:
+    """View a checked payload as an array (call ``check_meta`` first and compare sizes)."""
+    if dtype == "bool":
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        if raw.size and int(raw.max()) > 1:
+            raise WireError("bool tensor payload holds a byte other than 0 or 1")
+    return np.frombuffer(payload, dtype=np.dtype(_NP_DTYPES[dtype])).reshape(tuple(shape))
+
+
 def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[str, tuple[int, ...], int]:
     """Parse and check the header; return (dtype, shape, payload offset)."""
     view = memoryview(buf)
@@ -78,25 +111,7 @@ def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAY
     if type(got) is not int or got != VERSION:  # not True, not 1.0
         raise WireError(f"tensor header version {got!r} not supported (this side speaks {VERSION})")
     dtype, shape = header.get("dtype"), header.get("shape")
-    if not isinstance(dtype, str) or dtype not in _NP_DTYPES:  # a list/dict is unhashable
-        raise WireError(f"unknown dtype {dtype!r} in tensor header; supported: {sorted(_NP_DTYPES)}")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_RANK
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise WireError(f"bad shape {shape!r} in tensor header (at most {MAX_RANK} non-negative ints)")
-    numel, span = 1, 1
-    for d in shape:
-        numel *= d
-        span *= max(d, 1)
-    nbytes = numel * DTYPE_SIZES[dtype]
-    # an empty tensor may declare huge non-zero dims; NumPy still refuses shapes whose
-    # non-zero dims overflow its index type, so bound them too
-    if span * DTYPE_SIZES[dtype] > _MAX_SPAN_BYTES:
-        raise WireError(f"bad shape {shape!r} in tensor header: dimensions too large")
-    if nbytes > max_payload:
-        raise WireError(f"tensor header declares {nbytes} bytes, over the limit of {max_payload}")
+    nbytes = check_meta(dtype, shape, max_payload)
     offset = _PREFIX.size + hlen
     if len(view) - offset != nbytes:
         raise WireError(
@@ -108,9 +123,4 @@ def decode_header(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAY
 def decode_array(buf: bytes | memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[np.ndarray, str]:
     """Decode to (array, dtype string). The array is a read-only view of ``buf``."""
     dtype, shape, offset = decode_header(buf, max_payload=max_payload)
-    if dtype == "bool":
-        raw = np.frombuffer(buf, dtype=np.uint8, offset=offset)
-        if raw.size and int(raw.max()) > 1:
-            raise WireError("bool tensor payload holds a byte other than 0 or 1")
-    array = np.frombuffer(buf, dtype=np.dtype(_NP_DTYPES[dtype]), offset=offset).reshape(shape)
-    return array, dtype
+    return array_from_payload(memoryview(buf)[offset:], dtype, shape), dtype

@@ -29,3 +29,15 @@ class DataError(FusionError):
 
 class ConfigError(FusionError):
     """A configuration value is out of range or inconsistent."""
+
+
+class TransportError(FusionError):
+    """A peer could not be reached, or a call failed on the way."""
+
+
+class AuthError(TransportError):
+    """A peer presented a wrong token or protocol version, or was refused for it."""
+
+
+class RemoteError(FusionError):
+    """The peer ran the call and reported an error."""

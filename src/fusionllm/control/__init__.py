@@ -1,0 +1,1 @@
+"""The coordinator: membership, heartbeats, planning, driving the workers step by step."""

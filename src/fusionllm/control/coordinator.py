@@ -1,0 +1,270 @@
+"""`fusionllm coordinator`: wait for the workers, trace, plan, hand out stages, drive training.
+
+Every step the coordinator sends each worker the token ids and targets of the micro-batches its
+stage needs, the workers run their action lists (talking to each other directly), and the worker
+holding the loss reports it back. Metrics, the progress callback and checkpoints happen here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.core.metrics import JsonlWriter
+from fusionllm.data import Batcher, ByteTokenizer, load_corpus
+from fusionllm.graph.ir import OpGraph
+from fusionllm.models.spec import build_model
+from fusionllm.runtime.checkpoint import (
+    latest_checkpoint,
+    pack_tensors,
+    read_checkpoint,
+    unpack_tensors,
+    write_checkpoint,
+)
+from fusionllm.runtime.model_graph import model_tensors, trace_lm
+from fusionllm.runtime.optim import lr_at
+from fusionllm.runtime.peers import WORKER_SERVICE
+from fusionllm.runtime.single import TrainConfig, TrainResult
+from fusionllm.runtime.tensors import tensor_to_wire
+from fusionllm.runtime.worker import COORDINATOR_SERVICE
+from fusionllm.schedule.actions import Action, format_grid
+from fusionllm.schedule.plan import Plan, make_plan, routes
+from fusionllm.transport.frames import CHUNK
+from fusionllm.transport.messages import pack
+from fusionllm.transport.rpc import RpcClient, RpcServer
+
+from .membership import Membership
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    listen: str
+    token: str
+    workers: int
+    schedule: str = "1f1b"
+    micro_batches: int = 4
+    replicas: list[int] | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    join_timeout: float = 300.0
+    step_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("--checkpoint-every must be >= 0")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+
+
+Say = Callable[[str], None]
+OnStep = Callable[[dict], None]
+
+
+@dataclass
+class _Run:
+    graph: OpGraph
+    plan: Plan
+    clients: dict[int, RpcClient]
+    actions: dict[int, list[Action]] = field(default_factory=dict)
+    bytes_before: dict[str, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, train: TrainConfig, cluster: ClusterConfig, *, say: Say = print, on_step: OnStep = lambda _: None, on_ready: Callable[[int], None] = lambda _: None) -> None:
+        self.train, self.cluster = train, cluster
+        self.say, self.on_step, self.on_ready = say, on_step, on_ready
+        if train.batch_size % cluster.micro_batches:
+            raise ConfigError(f"--batch-size {train.batch_size} must be a multiple of --micro-batches {cluster.micro_batches}")
+        self.membership = Membership(cluster.workers)
+        self.server = RpcServer(
+            COORDINATOR_SERVICE, cluster.token, role="coordinator",
+            control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat, "NormReduce": self.membership.norm_reduce},
+        )
+        self.port = 0
+
+    async def run(self) -> TrainResult:
+        self.port = await self.server.start(self.cluster.listen)
+        host = self.cluster.listen.rpartition(":")[0]
+        self.on_ready(self.port)
+        self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
+        run: _Run | None = None
+        try:
+            try:
+                await asyncio.wait_for(self.membership.full.wait(), self.cluster.join_timeout)
+            except asyncio.TimeoutError:
+                raise FusionError(
+                    f"only {len(self.membership.members)} of {self.cluster.workers} workers joined within "
+                    f"{self.cluster.join_timeout:.0f} s; start them with: fusionllm worker --join {host}:{self.port} --token-file FILE"
+                ) from None
+            self.membership.state = "running"
+            run = await self._setup()
+            return await self._train(run)
+        finally:
+            self.membership.state = "finished"
+            await self._shutdown(run)
+            await self.server.stop(0.5)
+
+    # ---- setup -----------------------------------------------------------------------------------
+    async def _setup(self) -> _Run:
+        t, c = self.train, self.cluster
+        model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
+        block = getattr(getattr(model, "config", None), "block_size", None)
+        if isinstance(block, int) and t.seq_len > block:
+            raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
+        graph = trace_lm(model, t.batch_size // c.micro_batches, t.seq_len, spec=t.model)
+        tensors: dict[str, torch.Tensor] = {f"param/{k}": v for k, v in model_tensors(model).items()}
+        self.start_step = 0
+        if c.resume:
+            tensors = self._resume(tensors)
+        plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
+        self.membership.participants = set(plan.workers)
+        addresses = {m.id: m.address for m in self.membership.members.values()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token) for w, a in addresses.items()}
+        run = _Run(graph, plan, clients)
+        self._print_plan(run, addresses)
+        hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout}
+        graph_json, plan_json = graph.to_json(), plan.to_json()
+
+        async def assign(w: int) -> None:
+            stage = plan.stage_of_worker(w)
+            names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
+            mine = {k: v for k, v in tensors.items() if k.split("/")[-1] in names and (k.startswith("param/") or k.startswith("adam/"))}
+            blob = pack_tensors(mine)
+            head = pack({"worker": w, "graph": graph_json, "plan": plan_json, "addresses": {str(k): v for k, v in addresses.items()}, "hyper": hyper, "nbytes": len(blob)})
+            frames = [head] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
+            reply = await clients[w].push("Assign", frames, timeout=c.step_timeout)
+            run.actions[w] = [Action.parse(a) for a in reply["actions"]]
+
+        await asyncio.gather(*(assign(w) for w in plan.workers))
+        self._graph_json, self._plan_json = graph_json, plan_json
+        return run
+
+    def _resume(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        path = latest_checkpoint(self.cluster.checkpoint_dir or "")
+        if path is None:
+            self.say(f"--resume: no complete checkpoint in {self.cluster.checkpoint_dir}; starting from step 0")
+            return fresh
+        state, tensors, _files = read_checkpoint(path)
+        for key in ("model", "seq_len", "batch_size", "seed"):
+            if state["train"].get(key) != asdict(self.train).get(key):
+                raise ConfigError(f"--resume: checkpoint {path} was made with {key}={state['train'].get(key)!r}, this run has {asdict(self.train).get(key)!r}")
+        missing = [k for k in fresh if k not in tensors]
+        if missing:
+            raise ConfigError(f"--resume: checkpoint {path} lacks {missing[:4]}")
+        self.start_step = int(state["step"])
+        self.say(f"resuming from {path} at step {self.start_step}")
+        return tensors
+
+    def _print_plan(self, run: _Run, addresses: dict[int, str]) -> None:
+        self.say(f"plan: {len(run.plan.stages)} stages, schedule {run.plan.schedule}, {run.plan.micro_batches} micro-batches per step")
+        for s in run.plan.stages:
+            nodes = [run.graph.node(n) for n in s.nodes]
+            params = sum(run.graph.params[p].meta.numel for p in {p for n in nodes for p in n.params.values()})
+            names = [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]
+            shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
+            for w in s.workers:
+                dev = self.membership.members[w].info.get("device", {}).get("kind", "?")
+                self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
+
+    # ---- training ----------------------------------------------------------------------------------
+    async def _train(self, run: _Run) -> TrainResult:
+        t, c = self.train, self.cluster
+        corpus = load_corpus(t.data)
+        train_tokens, _ = corpus.split(0.1)
+        batches = Batcher(train_tokens, t.batch_size, t.seq_len, t.seed)
+        r = routes(run.graph, run.plan)
+        tok_edge, tgt_edge = (n.outputs[0].id for n in run.graph.input_nodes)
+        mb_size = t.batch_size // c.micro_batches
+        result = TrainResult(num_params=run.graph.num_params())
+        started = time.perf_counter()
+        with JsonlWriter(t.metrics) as metrics:
+            for step in range(self.start_step, t.steps):
+                lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
+                x, y = batches.get(step)
+                calls = {}
+                for w in run.plan.workers:
+                    stage = run.plan.stage_of_worker(w).index
+                    inputs: dict[str, dict[str, bytes]] = {}
+                    for mb in run.plan.mbs_of(w):
+                        feeds = {}
+                        for edge, data in ((tok_edge, x), (tgt_edge, y)):
+                            if stage in r.consumers.get(edge, []):
+                                feeds[edge] = tensor_to_wire(data[mb * mb_size : (mb + 1) * mb_size])
+                        inputs[str(mb)] = feeds
+                    calls[w] = run.clients[w].call("Step", {"step": step, "lr": lr, "inputs": inputs}, timeout=c.step_timeout)
+                replies = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
+                self._check_failures(run, step, replies)
+                losses = {int(mb): v for rep in replies.values() for mb, v in rep["losses"].items()}
+                if len(losses) != c.micro_batches:
+                    raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {c.micro_batches}")
+                loss = sum(losses[m] for m in sorted(losses)) / len(losses)
+                result.losses.append(loss)
+                result.tokens = (step + 1 - self.start_step) * x.numel()
+                elapsed = time.perf_counter() - started
+                record = {
+                    "step": step, "loss": loss, "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
+                    "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
+                    "grad_norm": next(iter(replies.values()))["grad_norm"],
+                    "step_s": round(max(rep["seconds"] for rep in replies.values()), 4),
+                    "bytes": self._link_bytes(run, replies),
+                }
+                metrics.write(record)
+                self.on_step(record)
+                done = step + 1
+                if c.checkpoint_every and (done % c.checkpoint_every == 0 or done == t.steps):
+                    await self._checkpoint(run, done)
+        result.elapsed_s = time.perf_counter() - started
+        return result
+
+    def _link_bytes(self, run: _Run, replies: dict[int, dict[str, Any]]) -> dict[str, int]:
+        out = {}
+        for w, rep in replies.items():
+            for dst, total in rep["bytes_to"].items():
+                link = f"w{w}->w{dst}"
+                out[link] = total - run.bytes_before.get(link, 0)
+                run.bytes_before[link] = total
+        return out
+
+    def _check_failures(self, run: _Run, step: int, replies: dict[int, dict[str, Any]]) -> None:
+        failed = [(w, rep["failed"]) for w, rep in replies.items() if "failed" in rep]
+        if not failed:
+            return
+        # the first failure in time is usually the cause; others are workers left waiting
+        w, info = min(failed, key=lambda f: ("Timeout" in f[1]["error"], f[0]))
+        grid = format_grid({f"worker {k}": v for k, v in sorted(run.actions.items())}, (f"worker {w}", int(info["index"])))
+        raise FusionError(f"step {step} failed on worker {w} at {info['action']}: {info['error']}\naction grid (the failing action is marked !):\n{grid}")
+
+    async def _checkpoint(self, run: _Run, done: int) -> None:
+        states = {}
+        for s in run.plan.stages:
+            reply = await run.clients[s.workers[0]].call("GetState", {}, timeout=self.cluster.step_timeout)
+            states[s.index] = reply["state"]
+            unpack_tensors(states[s.index])  # refuse to write a checkpoint we could not read back
+        files = {"plan.json": self._plan_json, "graph.json": self._graph_json}
+        state = {"data_position": done, "train": asdict(self.train), "cluster": {k: v for k, v in asdict(self.cluster).items() if k != "token"}}
+        path = write_checkpoint(self.cluster.checkpoint_dir or "", done, states, files, state)
+        self.say(f"checkpoint {path}")
+
+    async def _shutdown(self, run: _Run | None) -> None:
+        clients = run.clients.values() if run else [RpcClient(m.address, WORKER_SERVICE, self.cluster.token) for m in self.membership.members.values()]
+        for client in clients:
+            with contextlib.suppress(FusionError):  # already gone: its heartbeat tells it the rest
+                await client.call("Shutdown", {}, timeout=5)
+            await client.close()
+
+
+def run_coordinator(train: TrainConfig, cluster: ClusterConfig, **kwargs: Any) -> TrainResult:
+    return asyncio.run(Coordinator(train, cluster, **kwargs).run())
+
+
+__all__ = ["ClusterConfig", "Coordinator", "run_coordinator"]

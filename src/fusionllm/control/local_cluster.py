@@ -1,0 +1,100 @@
+"""`--cluster local:N`: a coordinator and N ordinary `fusionllm worker` processes on loopback.
+
+Every child is started so that it dies with this process (Linux parent-death signal), is stopped
+on error and Ctrl+C (SIGTERM, then SIGKILL), and is waited for: no process is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fusionllm.core.errors import ConfigError
+from fusionllm.transport.auth import load_token
+
+
+def parse_cluster(spec: str) -> int:
+    kind, _, count = spec.partition(":")
+    if kind != "local" or not count.isdigit() or int(count) < 1:
+        raise ConfigError(f"--cluster {spec!r}: expected local:N with N >= 1 (for other machines, run `fusionllm coordinator` and `fusionllm worker`)")
+    return int(count)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_local_cluster(coordinator_args: list[str], workers: int, run_dir: Path, *, threads: int | None = None, worker_args: list[list[str]] | None = None) -> int:
+    """Start, run and stop a local cluster; returns the coordinator's exit status."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token_file = run_dir / "token"
+    load_token(token_file, create=True)
+    port = free_port()
+    base = [sys.executable, "-m", "fusionllm"]
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        coord = subprocess.Popen(
+            [*base, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
+            preexec_fn=_die_with_parent,
+        )
+        procs.append(coord)
+        for i in range(workers):
+            log = open(run_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed in finally
+            logs.append(log)
+            extra = worker_args[i] if worker_args else []
+            procs.append(subprocess.Popen(
+                [*base, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token_file), "--threads", str(threads), *extra],
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            ))
+        rc = coord.wait()
+        deadline = time.monotonic() + 15
+        for p in procs[1:]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        if rc != 0:
+            _show_worker_errors(run_dir, workers)
+        return rc
+    except KeyboardInterrupt:
+        print("interrupted: stopping the local cluster", file=sys.stderr)
+        return 130
+    finally:
+        _stop_all(procs)
+        for log in logs:
+            log.close()
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _show_worker_errors(run_dir: Path, workers: int) -> None:
+    for i in range(workers):
+        lines = (run_dir / f"worker-{i}.log").read_text(errors="replace").splitlines()
+        bad = [line for line in lines if "error" in line.lower()]
+        if bad:
+            print(f"worker {i} ({run_dir / f'worker-{i}.log'}): {bad[-1]}", file=sys.stderr)

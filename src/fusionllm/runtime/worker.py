@@ -1,0 +1,219 @@
+"""`fusionllm worker`: join a coordinator, receive a stage, train it, exit when the run ends.
+
+The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tensor pushes from
+other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats, the gradient-norm
+reduction). It exits when the coordinator says so, when the coordinator stops answering for
+``coordinator_timeout`` seconds, or on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fusionllm import __version__
+from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError, WireError
+from fusionllm.core.logging import get_logger
+from fusionllm.graph.ir import OpGraph
+from fusionllm.runtime.checkpoint import pack_tensors, unpack_tensors
+from fusionllm.runtime.model_graph import graph_source
+from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
+from fusionllm.runtime.stage_runtime import Hyper, StageRuntime, StepFailure
+from fusionllm.runtime.tensors import tensor_from_wire
+from fusionllm.schedule.plan import Plan
+from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport.messages import unpack
+from fusionllm.transport.rpc import RpcClient, RpcServer
+
+COORDINATOR_SERVICE = "fusionllm.Coordinator"
+MAX_WEIGHTS = 1 << 40
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    join: str
+    token: str
+    device: str = "cpu"
+    threads: int | None = None
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    coordinator_timeout: float = 20.0
+    join_timeout: float = 120.0
+    heartbeat_s: float = 2.0
+    max_payload: int = 8 << 30
+
+
+def device_info(device: str) -> dict[str, Any]:
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise FusionError(f"--device {device}: this machine has no CUDA device visible to torch {torch.__version__}")
+        idx = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(idx)
+        return {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory)}
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"kind": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": int(mem), "cores": os.cpu_count()}
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.id: int | None = None
+        self.log = get_logger("worker", "worker")
+        self.done = asyncio.Event()
+        self.exit_code = 0
+        self.inbox = Inbox(config.max_payload)
+        self.runtime: StageRuntime | None = None
+        self.peers: PeerNet | None = None
+        self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token)
+        self.server = RpcServer(
+            WORKER_SERVICE, config.token, role="worker",
+            control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping},
+            streams={"Push": self.inbox.receive, "Assign": self._on_assign},
+        )
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        info = device_info(self.config.device)
+        port = await self.server.start(self.config.listen)
+        address = f"{self._advertise_host()}:{port}"
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
+        try:
+            await self._register(address, info)
+            beat = asyncio.create_task(self._heartbeat())
+            await self.done.wait()
+            beat.cancel()
+        except FusionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            self.exit_code = 2
+        finally:
+            if self.peers:
+                await self.peers.close()
+            await self.coordinator.close()
+            await self.server.stop(0.5)
+        return self.exit_code
+
+    def _stop(self, code: int) -> None:
+        self.exit_code = code
+        self.done.set()
+
+    def _advertise_host(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.listen.rpartition(":")[0].strip("[]")
+        if host not in ("0.0.0.0", "::", ""):
+            return host
+        # the address this machine uses towards the coordinator (a UDP connect sends nothing)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((self.config.join.rpartition(":")[0], 1))
+            return s.getsockname()[0]
+
+    async def _register(self, address: str, info: dict[str, Any]) -> None:
+        request = {
+            "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "device": info,
+            "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
+            "hostname": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
+        }
+        deadline = time.monotonic() + self.config.join_timeout
+        while True:
+            try:
+                reply = await self.coordinator.call("Register", request, timeout=10)
+                break
+            except (AuthError, RemoteError):
+                raise
+            except TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"could not join {self.config.join} within {self.config.join_timeout:.0f} s: {exc}") from None
+                await asyncio.sleep(0.5)
+        self.id = int(reply["worker"])
+        self.log = get_logger("worker", f"worker {self.id}")
+        self.log.info("joined %s as worker %d, serving on %s", self.config.join, self.id, address)
+
+    async def _heartbeat(self) -> None:
+        last_ok = time.monotonic()
+        while not self.done.is_set():
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                reply = await self.coordinator.call("Heartbeat", {"worker": self.id}, timeout=5)
+                last_ok = time.monotonic()
+                if reply.get("state") == "finished":
+                    self._stop(0)
+            except FusionError as exc:
+                if time.monotonic() - last_ok > self.config.coordinator_timeout:
+                    print(f"error: the coordinator at {self.config.join} went away ({exc}); stopping", file=sys.stderr)
+                    self._stop(1)
+
+    # ---- handlers --------------------------------------------------------------------------------
+    async def _on_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"worker": self.id}
+
+    async def _on_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
+        asyncio.get_running_loop().call_later(0.05, self._stop, 0)
+        return {}
+
+    async def _on_assign(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
+        first = await anext(frames, None)
+        if first is None:
+            raise WireError("empty assignment")
+        msg = unpack(first)
+        nbytes = int(msg.get("nbytes", -1))
+        if not 0 <= nbytes <= MAX_WEIGHTS:
+            raise WireError(f"assignment declares {nbytes} bytes of weights")
+        buf = bytearray(nbytes)
+        filled = 0
+        async for chunk in frames:
+            if filled + len(chunk) > nbytes:
+                raise WireError("assignment longer than declared")
+            buf[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        if filled != nbytes:
+            raise WireError(f"assignment truncated: {filled} of {nbytes} bytes")
+        graph = OpGraph.from_json(msg["graph"])
+        plan = Plan.from_json(msg["plan"])
+        tensors = unpack_tensors(bytes(buf))
+        params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+        adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
+        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token)
+        hyper = Hyper(**msg["hyper"])
+        self.runtime = await asyncio.to_thread(
+            StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,
+            device=self.config.device, source=graph_source(graph), optimizer_state=adam,
+        )
+        return {"actions": [str(a) for a in self.runtime.actions]}
+
+    async def _norm_reduce(self, step: int, sq: float) -> float:
+        reply = await self.coordinator.call("NormReduce", {"step": step, "worker": self.id, "sq": sq}, timeout=self.runtime.hyper.recv_timeout if self.runtime else 600)
+        return float(reply["total"])
+
+    async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.runtime is None:
+            raise FusionError("Step before Assign")
+        inputs = {int(mb): {e: tensor_from_wire(b) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
+        try:
+            return await self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs)
+        except StepFailure as exc:
+            self.log.error("%s", exc)
+            return {"failed": {"worker": exc.worker, "index": exc.index, "action": str(exc.action), "error": exc.error}}
+
+    async def _on_get_state(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.runtime is None:
+            raise FusionError("GetState before Assign")
+        return {"state": await asyncio.to_thread(lambda: pack_tensors(self.runtime.state_tensors()))}
+
+
+def run_worker(config: WorkerConfig) -> int:
+    return asyncio.run(Worker(config).run())

@@ -1,0 +1,1 @@
+"""Plans (stages on workers) and pipeline schedules as action lists."""

@@ -1,0 +1,170 @@
+"""A Plan: which OpGraph nodes form each stage, which workers run each stage, the schedule.
+
+Stages are contiguous segments of the graph's topological order, so every edge runs from a lower
+stage to a higher one (skip edges may jump several). A stage with several workers is replicated
+(data parallel): micro-batch ``m`` of stage ``s`` runs on ``workers[m % len(workers)]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fusionllm.core.errors import ConfigError, GraphError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.actions import SCHEDULES, Action, lower
+
+
+@dataclass
+class StagePlan:
+    index: int
+    nodes: list[str]
+    workers: list[int]
+
+
+@dataclass
+class Plan:
+    stages: list[StagePlan]
+    schedule: str = "1f1b"
+    micro_batches: int = 4
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro-batches must be >= 1, got {self.micro_batches}")
+        seen: set[int] = set()
+        for s in self.stages:
+            if not s.workers:
+                raise ConfigError(f"stage {s.index} has no worker")
+            if seen & set(s.workers):
+                raise ConfigError(f"a worker runs more than one stage: {sorted(seen & set(s.workers))}")
+            seen.update(s.workers)
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(w for s in self.stages for w in s.workers)
+
+    def stage_of_worker(self, worker: int) -> StagePlan:
+        for s in self.stages:
+            if worker in s.workers:
+                return s
+        raise ConfigError(f"worker {worker} has no stage in the plan")
+
+    def worker_for(self, stage: int, mb: int) -> int:
+        ws = self.stages[stage].workers
+        return ws[mb % len(ws)]
+
+    def mbs_of(self, worker: int) -> list[int]:
+        s = self.stage_of_worker(worker)
+        return [m for m in range(self.micro_batches) if self.worker_for(s.index, m) == worker]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "stages": [{"index": s.index, "nodes": s.nodes, "workers": s.workers} for s in self.stages],
+            "schedule": self.schedule, "micro_batches": self.micro_batches, "meta": self.meta,
+        })
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        obj = json.loads(text)
+        stages = [StagePlan(int(s["index"]), [str(n) for n in s["nodes"]], [int(w) for w in s["workers"]]) for s in obj["stages"]]
+        return Plan(stages, str(obj["schedule"]), int(obj["micro_batches"]), dict(obj.get("meta", {})))
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Where every tensor that crosses a stage boundary comes from and goes to."""
+
+    stage_of: dict[str, int]  # node id -> stage
+    producer: dict[str, int]  # edge id -> producing stage (-1: a graph input)
+    consumers: dict[str, list[int]]  # edge id -> stages reading it (other than the producer)
+    entering: dict[int, list[str]]  # stage -> edges it reads from other stages or inputs
+    leaving: dict[int, list[str]]  # stage -> edges other stages read
+
+
+def routes(graph: OpGraph, plan: Plan) -> Routes:
+    stage_of = {nid: s.index for s in plan.stages for nid in s.nodes}
+    missing = [n.id for n in graph.compute_nodes if n.id not in stage_of]
+    if missing:
+        raise GraphError(f"plan leaves nodes {missing[:8]} without a stage")
+    producer = {e.id: (-1 if n.kind == "input" else stage_of[n.id]) for n in graph.nodes for e in n.outputs}
+    consumers: dict[str, list[int]] = {}
+    for n in graph.compute_nodes:
+        for e in dict.fromkeys(n.inputs):
+            s = stage_of[n.id]
+            if producer[e] != s and s not in consumers.setdefault(e, []):
+                if producer[e] > s:
+                    raise GraphError(f"edge {e} runs backwards from stage {producer[e]} to stage {s}: stages must follow the topological order")
+                consumers[e].append(s)
+    entering: dict[int, list[str]] = {s.index: [] for s in plan.stages}
+    leaving: dict[int, list[str]] = {s.index: [] for s in plan.stages}
+    for e, stages in consumers.items():
+        for s in stages:
+            entering[s].append(e)
+        if producer[e] >= 0:
+            leaving[producer[e]].append(e)
+    return Routes(stage_of, producer, consumers, entering, leaving)
+
+
+def balanced_partition(graph: OpGraph, num_stages: int) -> list[list[str]]:
+    """Contiguous stages in topological order, minimising the largest stage's parameter count."""
+    nodes = graph.compute_nodes
+    if not 1 <= num_stages <= len(nodes):
+        raise ConfigError(f"cannot make {num_stages} stages from {len(nodes)} ops")
+    weight = [sum(graph.params[p].meta.numel for p in dict.fromkeys(n.params.values())) + 1 for n in nodes]
+    prefix = [0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    n = len(nodes)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest load when the first i ops form k stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                load = max(best[k - 1][j], prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i], cut[k][i] = load, j
+    bounds, i = [n], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [[nodes[t].id for t in range(bounds[s], bounds[s + 1])] for s in range(num_stages)]
+
+
+def make_plan(graph: OpGraph, num_workers: int, *, replicas: list[int] | None = None, schedule: str = "1f1b", micro_batches: int = 4) -> Plan:
+    """Balanced stages; ``replicas[s]`` workers run stage s (default: one stage per worker)."""
+    replicas = replicas or [1] * num_workers
+    if any(r < 1 for r in replicas) or sum(replicas) != num_workers:
+        raise ConfigError(f"--replicas {','.join(map(str, replicas))} must be positive and add up to the {num_workers} workers")
+    parts = balanced_partition(graph, len(replicas))
+    stages, next_worker = [], 0
+    for s, (nodes, r) in enumerate(zip(parts, replicas, strict=True)):
+        stages.append(StagePlan(s, nodes, list(range(next_worker, next_worker + r))))
+        next_worker += r
+    plan = Plan(stages, schedule, micro_batches)
+    routes(graph, plan)  # checks the stages follow the topological order
+    return plan
+
+
+def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: bool) -> list[Action]:
+    """The lowered action list one worker runs every step."""
+    r = routes(graph, plan)
+    edges = graph.edges()
+    stage = plan.stage_of_worker(worker).index
+    compute = SCHEDULES[plan.schedule](stage, len(plan.stages), plan.mbs_of(worker))
+    from_stages = [e for e in r.entering[stage] if r.producer[e] >= 0]
+    return lower(
+        stage,
+        compute,
+        recv_f=bool(from_stages),
+        send_f=bool(r.leaving[stage]),
+        recv_b=any(edges[e].requires_grad for e in r.leaving[stage]),
+        send_b=any(edges[e].requires_grad for e in from_stages),
+        reduce=shared_grads,
+    )

@@ -1,0 +1,167 @@
+"""gRPC servers and clients with generic byte handlers: no protobuf, no version coupling.
+
+Every call carries the shared token and the protocol version as metadata; servers check both
+before anything else (constant-time token comparison) and log every refusal. Control calls are
+msgpack maps in and out; tensor pushes are client streams of frames (``frames.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError
+from fusionllm.core.logging import get_logger
+from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport.auth import PROTOCOL_KEY, TOKEN_KEY, token_matches
+from fusionllm.transport.messages import MAX_MESSAGE, pack, unpack
+
+ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+StreamHandler = Callable[[AsyncIterator[bytes]], Awaitable[dict[str, Any]]]
+OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class RpcServer:
+    """One gRPC server exposing control methods and stream methods under ``service``."""
+
+    def __init__(self, service: str, token: str, *, control: dict[str, ControlHandler], streams: dict[str, StreamHandler] | None = None, role: str = "server") -> None:
+        self.service = service
+        self.token = token
+        self.log = get_logger("transport", role)
+        self.refusals = 0
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name, fn in control.items():
+            handlers[name] = grpc.unary_unary_rpc_method_handler(self._unary(fn))
+        for name, fn in (streams or {}).items():
+            handlers[name] = grpc.stream_unary_rpc_method_handler(self._stream(fn))
+        self._handlers = handlers
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, listen: str) -> int:
+        """Bind and serve (inside the running event loop); returns the port."""
+        self._server = grpc.aio.server(options=OPTIONS)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.service, self._handlers),))
+        try:
+            port = self._server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise TransportError(f"cannot listen on {listen}: {exc}") from None
+        if port == 0:
+            raise TransportError(f"cannot listen on {listen} (address in use or not local?)")
+        await self._server.start()
+        return port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        meta = {k: v for k, v in (context.invocation_metadata() or ())}
+        peer = context.peer()
+        if not token_matches(meta.get(TOKEN_KEY), self.token):
+            self.refusals += 1
+            why = "no token" if TOKEN_KEY not in meta else "wrong token"
+            self.log.warning("refused %s from %s: %s", self.service, peer, why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused: {why} (use the coordinator's token file)")
+        if meta.get(PROTOCOL_KEY) != str(PROTOCOL_VERSION):
+            self.refusals += 1
+            self.log.warning("refused %s from %s: protocol %s", self.service, peer, meta.get(PROTOCOL_KEY))
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"refused: peer speaks protocol {meta.get(PROTOCOL_KEY)}, this side speaks {PROTOCOL_VERSION}",
+            )
+
+    def _unary(self, fn: ControlHandler) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            await self._admit(context)
+            try:
+                return pack({"ok": True, **(await fn(unpack(request)))})
+            except FusionError as exc:
+                return pack({"ok": False, "error": str(exc)})
+            except Exception as exc:
+                self.log.exception("handler failed")
+                return pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+        return handle
+
+    def _stream(self, fn: StreamHandler) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[bytes]]:
+        async def handle(frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            await self._admit(context)
+            try:
+                return pack({"ok": True, **(await fn(frames))})
+            except FusionError as exc:
+                self.log.warning("stream refused: %s", exc)
+                return pack({"ok": False, "error": str(exc)})
+            except Exception as exc:
+                self.log.exception("stream handler failed")
+                return pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+        return handle
+
+
+class RpcClient:
+    """A channel to one peer; counts the bytes it sends."""
+
+    def __init__(self, address: str, service: str, token: str, *, protocol: int = PROTOCOL_VERSION) -> None:
+        self.address = address
+        self.service = service
+        self._meta = ((TOKEN_KEY, token), (PROTOCOL_KEY, str(protocol)))
+        self._chan: grpc.aio.Channel | None = None
+        self.bytes_sent = 0
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        if self._chan is None:  # created inside the running event loop
+            self._chan = grpc.aio.insecure_channel(self.address, options=OPTIONS)
+        return self._chan
+
+    async def call(self, method: str, msg: dict[str, Any], *, timeout: float | None = 60.0) -> dict[str, Any]:
+        data = pack(msg)
+        self.bytes_sent += len(data)
+        rpc = self._channel.unary_unary(f"/{self.service}/{method}")
+        try:
+            reply = await rpc(data, metadata=self._meta, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _transport_error(self.address, method, exc) from None
+        return _checked(unpack(reply), self.address, method)
+
+    async def push(self, method: str, frames: Iterable[bytes], *, timeout: float | None = 600.0) -> dict[str, Any]:
+        rpc = self._channel.stream_unary(f"/{self.service}/{method}")
+
+        async def gen() -> AsyncIterator[bytes]:
+            for frame in frames:
+                self.bytes_sent += len(frame)
+                yield frame
+
+        try:
+            reply = await rpc(gen(), metadata=self._meta, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _transport_error(self.address, method, exc) from None
+        return _checked(unpack(reply), self.address, method)
+
+    async def close(self) -> None:
+        if self._chan is not None:
+            await self._chan.close()
+            self._chan = None
+
+
+def _checked(reply: dict[str, Any], address: str, method: str) -> dict[str, Any]:
+    if not reply.get("ok"):
+        raise RemoteError(f"{method} on {address}: {reply.get('error', 'failed')}")
+    return reply
+
+
+def _transport_error(address: str, method: str, exc: grpc.aio.AioRpcError) -> TransportError:
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
+        return AuthError(f"{address} {exc.details()}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return TransportError(f"{address} is unreachable ({method}): {exc.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TransportError(f"{method} on {address} timed out")
+    return TransportError(f"{method} on {address} failed: {code.name} {exc.details()}")
