@@ -1,4 +1,4 @@
-"""Control messages: msgpack maps (bytes values allowed), size-limited on decode. No code, no pickle."""
+"""Control messages: msgpack maps (bytes values allowed), size-limited on decode; no code travels."""
 
 from __future__ import annotations
 
