@@ -223,12 +223,16 @@ def worker(
     threads: ThreadsOpt = None,
     listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves tensors on (port 0: any).")] = "127.0.0.1:0",
     advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
+    coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
     from fusionllm.runtime.worker import WorkerConfig, run_worker
     from fusionllm.transport.auth import load_token
 
-    config = WorkerConfig(join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise)
+    config = WorkerConfig(
+        join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise,
+        coordinator_timeout=coordinator_timeout,
+    )
     raise typer.Exit(run_worker(config))
 
 

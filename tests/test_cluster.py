@@ -1,0 +1,153 @@
+"""Real processes on loopback: a coordinator and workers train together and match one process."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BASE = [sys.executable, "-m", "fusionllm"]
+COMMON = ["--steps", "6", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
+
+
+def _leftovers() -> list[str]:
+    out = subprocess.run(["pgrep", "-fa", "fusionllm (worker|coordinator)"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    yield
+    left = _leftovers()
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, f"fusionllm processes left running: {left}"
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _single(tmp: Path, model: str) -> list[float]:
+    out = tmp / f"single-{model.replace(':', '_')}.jsonl"
+    if not out.exists():
+        subprocess.run([*BASE, "train", "--single-process", "--model", model, *COMMON, "--eval-every", "0", "--metrics", str(out)], check=True, capture_output=True, timeout=300)
+    return _losses(out)
+
+
+def _cluster(tmp: Path, model: str, n: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp / f"cluster-{len(list(tmp.glob('cluster-*')))}.jsonl"
+    proc = subprocess.run(
+        [*BASE, "train", "--cluster", f"local:{n}", "--model", model, *COMMON, "--metrics", str(out), "--run-dir", str(tmp / "run"), *extra],
+        capture_output=True, text=True, timeout=300,
+    )
+    return proc, out
+
+
+def _assert_close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= 1e-5 * abs(y), f"step {i}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cluster")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_three_workers_match_single_process(tmp: Path, schedule: str) -> None:
+    proc, out = _cluster(tmp, "gpt-nano", 3, "--schedule", schedule)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_close(_losses(out), _single(tmp, "gpt-nano"))
+    assert "worker 2" in proc.stderr and "stage 2" in proc.stderr  # the plan is shown
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all({"step", "loss", "tokens", "elapsed_s", "tokens_per_s", "bytes"} <= r.keys() for r in records)
+    assert records[0]["bytes"]["w0->w1"] > 0 and records[-1]["tokens"] == 6 * 8 * 16
+
+
+def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path) -> None:
+    """tests.zoo:skip_tied (skip edge embedding -> last layer, tied head), stage 1 on two workers."""
+    proc, out = _cluster(tmp, "tests.zoo:skip_tied", 3, "--replicas", "1,2", "--schedule", "1f1b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_close(_losses(out), _single(tmp, "tests.zoo:skip_tied"))
+    bytes_ = json.loads(out.read_text().splitlines()[-1])["bytes"]
+    assert bytes_.get("w1->w2", 0) > 0 and bytes_.get("w2->w1", 0) > 0  # the replicas reduced gradients
+
+
+def test_resume_continues_exactly(tmp: Path) -> None:
+    ckpt = tmp / "ckpt"
+    proc, full = _cluster(tmp, "gpt-nano", 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000003", "step-000006"]
+    assert {p.name for p in (ckpt / "step-000003").iterdir()} >= {"stage-0.safetensors", "stage-1.safetensors", "plan.json", "state.json"}
+    shutil.rmtree(ckpt / "step-000006")  # as if the run had died after step 5
+    (ckpt / ".tmp-step-000006-1").mkdir()  # and a half-written checkpoint lies around
+    proc, resumed = _cluster(tmp, "gpt-nano", 2, "--checkpoint-dir", str(ckpt), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr
+    records = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 4, 5]
+    _assert_close([r["loss"] for r in records], _losses(full)[3:])
+
+
+def test_wrong_token_is_refused_on_both_sides(tmp: Path) -> None:
+    good, bad = tmp / "good.token", tmp / "bad.token"
+    good.write_text("a" * 64)
+    bad.write_text("b" * 64)
+    port = 20000 + os.getpid() % 20000
+    coord = subprocess.Popen(
+        [*BASE, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(good), "--workers", "1", "--join-timeout", "20", "--model", "gpt-nano"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "FUSIONLLM_LOGLEVEL": "WARNING"},
+    )
+    try:
+        time.sleep(1.5)
+        worker = subprocess.run([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(bad)], capture_output=True, text=True, timeout=60)
+        assert worker.returncode == 2
+        assert "wrong token" in worker.stderr.strip().splitlines()[-1]
+    finally:
+        coord.send_signal(signal.SIGINT)
+        _, err = coord.communicate(timeout=30)
+    assert "refused" in err and "wrong token" in err
+
+
+def test_ctrl_c_stops_every_process(tmp: Path) -> None:
+    proc = subprocess.Popen(
+        [*BASE, "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "100000", "--batch-size", "8", "--seq-len", "16", "--run-dir", str(tmp / "run-int")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and len(_leftovers()) < 3:
+        time.sleep(0.5)
+    time.sleep(3)  # let it train a little
+    assert len(_leftovers()) == 3  # coordinator and two workers
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
+    proc.communicate(timeout=60)
+    time.sleep(1)
+    assert _leftovers() == []
+
+
+def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:
+    token = tmp / "t.token"
+    token.write_text("c" * 64)
+    port = 20001 + os.getpid() % 20000
+    coord = subprocess.Popen(
+        [*BASE, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--workers", "2", "--model", "gpt-nano",
+         "--steps", "100000", "--batch-size", "8", "--seq-len", "16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    workers = [
+        subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    time.sleep(12)
+    coord.kill()
+    coord.wait()
+    for w in workers:
+        _, err = w.communicate(timeout=60)
+        assert w.returncode != 0 and "went away" in err
