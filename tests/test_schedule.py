@@ -1,0 +1,83 @@
+"""Schedules as data: text form, GPipe and 1F1B orders, lowering, plans, the failure grid."""
+
+import pytest
+
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.models import build_model
+from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.schedule.actions import KINDS, Action, format_grid, gpipe, lower, one_f_one_b
+from fusionllm.schedule.plan import Plan, balanced_partition, make_plan, routes, worker_actions
+
+
+def test_text_form_round_trips() -> None:
+    for kind in KINDS:
+        a = Action(3, kind, None if kind in ("REDUCE", "STEP") else 12)
+        assert Action.parse(str(a)) == a
+    assert str(Action(2, "F", 5)) == "2F5" and str(Action(2, "SEND_F", 5)) == "2SEND_F5"
+    for bad in ("F5", "2X5", "2STEP3", "2F", ""):
+        with pytest.raises(ValueError):
+            Action.parse(bad)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("mbs", [1, 3, 8])
+def test_each_schedule_runs_every_micro_batch_once_forward_before_backward(stages: int, mbs: int) -> None:
+    for s in range(stages):
+        for make in (gpipe, one_f_one_b):
+            acts = make(s, stages, list(range(mbs)))
+            assert sorted((a.kind, a.mb) for a in acts) == sorted([("F", m) for m in range(mbs)] + [("B", m) for m in range(mbs)])
+            pos = {(a.kind, a.mb): i for i, a in enumerate(acts)}
+            assert all(pos[("F", m)] < pos[("B", m)] for m in range(mbs))
+
+
+def test_one_f_one_b_keeps_few_micro_batches_in_flight() -> None:
+    acts = one_f_one_b(0, 4, list(range(8)))
+    in_flight, peak = 0, 0
+    for a in acts:
+        in_flight += 1 if a.kind == "F" else -1
+        peak = max(peak, in_flight)
+    assert peak == 4  # stage 0 of 4 holds at most 4 micro-batches; GPipe holds all 8
+    assert [str(a) for a in one_f_one_b(3, 4, [0, 1, 2])] == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2"]
+
+
+def test_lower_inserts_communication() -> None:
+    out = lower(1, gpipe(1, 3, [0]), recv_f=True, send_f=True, recv_b=True, send_b=True, reduce=True)
+    assert [str(a) for a in out] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_B0", "1B0", "1SEND_B0", "1REDUCE", "1STEP"]
+    assert [str(a) for a in lower(0, [], recv_f=False, send_f=True, recv_b=True, send_b=False, reduce=False)] == ["0STEP"]
+
+
+def test_balanced_partition_and_plan() -> None:
+    graph = trace_lm(build_model("gpt-micro", device="meta"), 2, 8)
+    parts = balanced_partition(graph, 3)
+    assert [i for p in parts for i in p] == [n.id for n in graph.compute_nodes]
+    loads = [sum(graph.params[x].meta.numel for nid in p for x in set(graph.node(nid).params.values())) for p in parts]
+    assert max(loads) < 0.6 * sum(loads)
+    plan = make_plan(graph, 4, replicas=[1, 2, 1], schedule="gpipe", micro_batches=4)
+    assert [s.workers for s in plan.stages] == [[0], [1, 2], [3]]
+    assert plan.mbs_of(1) == [0, 2] and plan.mbs_of(2) == [1, 3] and plan.worker_for(1, 3) == 2
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    r = routes(graph, plan)
+    assert all(r.producer[e] < min(cs) for e, cs in r.consumers.items())
+    acts = [str(a) for a in worker_actions(graph, plan, 3, shared_grads=True)]
+    assert acts[:2] == ["2RECV_F0", "2F0"] and acts[-2:] == ["2REDUCE", "2STEP"]
+    with pytest.raises(ConfigError, match="add up"):
+        make_plan(graph, 4, replicas=[1, 1])
+    with pytest.raises(ConfigError, match="unknown schedule"):
+        make_plan(graph, 2, schedule="zigzag")
+
+
+def test_failure_grid_marks_the_failing_action() -> None:
+    lists = {"worker 0": [Action(0, "F", 0), Action(0, "SEND_F", 0)], "worker 1": [Action(1, "RECV_F", 0), Action(1, "F", 0)]}
+    grid = format_grid(lists, ("worker 1", 1))
+    assert grid.splitlines()[1].startswith("worker 1 | 1RECV_F0") and "!1F0!" in grid and "!" not in grid.splitlines()[0]
+
+
+def test_coordinator_reports_the_grid() -> None:
+    from fusionllm.control.coordinator import Coordinator, _Run
+
+    run = _Run(graph=None, plan=None, clients={}, actions={0: [Action(0, "F", 0), Action(0, "STEP")], 1: [Action(1, "F", 0), Action(1, "STEP")]})  # type: ignore[arg-type]
+    replies = {0: {"failed": {"worker": 0, "index": 1, "action": "0STEP", "error": "TimeoutError: waited"}}, 1: {"failed": {"worker": 1, "index": 0, "action": "1F0", "error": "GraphError: boom"}}}
+    with pytest.raises(FusionError) as info:
+        Coordinator._check_failures(None, run, 7, replies)  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert "step 7 failed on worker 1 at 1F0: GraphError: boom" in msg and "!1F0!" in msg
