@@ -28,8 +28,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# A local cluster: a coordinator and three worker processes on loopback, one pipeline stage each.
 demo: $(VENV)/.installed
-	$(VENV)/bin/fusionllm train --single-process --model gpt-micro --steps $(DEMO_STEPS) --metrics runs/demo/metrics.jsonl
+	$(VENV)/bin/fusionllm train --cluster local:3 --model gpt-micro --steps $(DEMO_STEPS) --metrics runs/demo/metrics.jsonl --run-dir runs/demo
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests

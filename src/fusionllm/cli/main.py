@@ -136,6 +136,7 @@ def train(
     checkpoint_every: CkptEveryOpt = 0,
     resume: ResumeOpt = False,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Token file and worker logs of a local cluster.")] = Path("runs/local"),
+    device: Annotated[str, typer.Option(help="Device of every local worker: cpu or cuda:N.")] = "cpu",
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -160,7 +161,7 @@ def train(
         args += ["--replicas", replicas] if replicas else []
         args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         args += ["--resume"] if resume else []
-        raise typer.Exit(run_local_cluster(args, n, run_dir, threads=threads))
+        raise typer.Exit(run_local_cluster(args, n, run_dir, threads=threads, worker_args=[["--device", device]] * n))
     bar, on_step, first = _progress_bar(steps, "train")
     with bar:
         result = train_single(config, on_step)
@@ -244,6 +245,7 @@ def verify(
     seed: SeedOpt = 0,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 32,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N (reference and stages both run there).")] = "cpu",
 ) -> None:
     """Split a model's OpGraph into random stages, run it through the executor, compare with autograd."""
     from fusionllm.runtime.verify import TOLERANCE, verify_spec
@@ -251,7 +253,7 @@ def verify(
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/dim]")
 
-    report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, progress=say)
+    report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device, progress=say)
     worst = sorted(report.errors.items(), key=lambda kv: -kv[1])[:5]
     print(f"model={model} ops={report.nodes} stages={report.stages} wire_bytes={report.bytes_on_wire}")
     print(f"loss reference={report.loss_reference:.6f} split={report.loss_split:.6f}")

@@ -78,13 +78,14 @@ def verify_model(
     seq_len: int = 32,
     vocab_size: int = 256,
     spec: str | None = None,
+    device: str = "cpu",
     progress: Callable[[str], None] = lambda _: None,
 ) -> VerifyReport:
-    """Compare the split run of ``model`` with plain autograd on the same batch."""
-    model.eval()  # dropout and other randomness off: both runs must see the same function
+    """Compare the split run of ``model`` with plain autograd on the same batch (on ``device``)."""
+    model.to(device).eval()  # dropout and other randomness off: both runs must see the same function
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
-    targets = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen).to(device)
+    targets = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen).to(device)
 
     progress("reference: plain autograd")
     model.zero_grad(set_to_none=True)
@@ -101,7 +102,7 @@ def verify_model(
     source = graph_source(graph) or root_source(model)
     tensors = model_tensors(model)
     stages = [
-        StageExecutor(graph, ids, tensors, source=source, name=f"stage{i}").train(False) for i, ids in enumerate(plan)
+        StageExecutor(graph, ids, tensors, device=device, source=source, name=f"stage{i}").train(False) for i, ids in enumerate(plan)
     ]
     for s in stages:
         s.training = True  # record autograd, modules stay in eval mode
@@ -112,16 +113,16 @@ def verify_model(
     grads = split.param_grads()
 
     report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
-    report.errors["loss"] = rel_err(loss, ref_loss.detach())
+    report.errors["loss"] = rel_err(loss.cpu(), ref_loss.detach().cpu())
     for name, ref in ref_grads.items():
         got = grads.get(name)
-        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got, ref)
+        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got.cpu(), ref.cpu())
     for name in grads.keys() - ref_grads.keys():
         report.errors[f"grad:{name}"] = float("inf")  # the split has a gradient the reference has not
     report.bytes_on_wire = split.bytes_sent
     return report
 
 
-def verify_spec(spec: str, *, parts: int, seed: int, batch_size: int = 2, seq_len: int = 32, vocab_size: int = 256, progress: Callable[[str], None] = lambda _: None) -> VerifyReport:
+def verify_spec(spec: str, *, parts: int, seed: int, batch_size: int = 2, seq_len: int = 32, vocab_size: int = 256, device: str = "cpu", progress: Callable[[str], None] = lambda _: None) -> VerifyReport:
     model = build_model(spec, vocab_size, seed=seed)
-    return verify_model(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size, spec=spec, progress=progress)
+    return verify_model(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size, spec=spec, device=device, progress=progress)
