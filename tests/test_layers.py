@@ -21,7 +21,7 @@ ALLOWED = {
     "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models"},
     # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
     "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "runtime", "data", "models"},
-    "testbed": {"core", "cluster"},
+    "testbed": {"core", "cluster", "transport"},  # the probe measures through our own transport
 }
 
 

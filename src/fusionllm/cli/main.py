@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -128,7 +129,7 @@ def train(
     eval_every: EvalOpt = 50,
     threads: ThreadsOpt = None,
     single_process: Annotated[bool, typer.Option("--single-process", help="Plain PyTorch in this process (the reference).")] = False,
-    cluster: Annotated[str | None, typer.Option(help="local:N starts a coordinator and N workers on this machine.")] = None,
+    cluster: Annotated[str | None, typer.Option(help="local:N (N workers on loopback) or CLUSTER.toml (an emulated testbed).")] = None,
     schedule: ScheduleOpt = "1f1b",
     micro_batches: MicroOpt = 4,
     replicas: ReplicasOpt = None,
@@ -150,7 +151,6 @@ def train(
     if cluster:
         from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
 
-        n = parse_cluster(cluster)
         args = [
             "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
             "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
@@ -161,11 +161,34 @@ def train(
         args += ["--replicas", replicas] if replicas else []
         args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         args += ["--resume"] if resume else []
-        raise typer.Exit(run_local_cluster(args, n, run_dir, threads=threads, worker_args=[["--device", device]] * n))
+        if cluster.endswith(".toml"):
+            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device))
+        n = parse_cluster(cluster)
+        worker_args = [["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n))]] * n
+        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
     bar, on_step, first = _progress_bar(steps, "train")
     with bar:
         result = train_single(config, on_step)
     _summary(model, result, first, steps)
+
+
+def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str) -> int:
+    from fusionllm.cluster.spec import load_cluster
+    from fusionllm.control.local_cluster import run_local_cluster
+    from fusionllm.testbed.testbed import Testbed
+
+    spec = load_cluster(path)
+    with Testbed(spec) as tb:
+        if tb.emulated:
+            console.print(f"testbed {spec.name}: {spec.num_devices} workers in network namespaces, links shaped with tc", highlight=False)
+        else:
+            console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits[/yellow]")
+        worker_args = [
+            ["--device", device, "--threads", str(s.threads()), *(["--listen", f"{s.address}:7100"] if tb.emulated else [])]
+            for s in tb.slots
+        ]
+        prefixes = [s.command_prefix() for s in tb.slots]
+        return run_local_cluster(args, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
 
 
 @app.command()
@@ -312,3 +335,74 @@ def models() -> None:
 
 def main() -> None:
     app()
+
+
+testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces, tc rate limits, CPU quotas.", no_args_is_help=True)
+app.add_typer(testbed_app, name="testbed")
+
+
+@testbed_app.command("up")
+@_user_errors
+def testbed_up(cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML).")]) -> None:
+    """Bring the testbed up and leave it up (until `fusionllm testbed down`)."""
+    from fusionllm.cluster.spec import load_cluster
+    from fusionllm.testbed.testbed import Testbed
+
+    tb = Testbed(load_cluster(cluster))
+    if not tb.emulated:
+        raise FusionError(f"cannot emulate here: {tb.why_not}")
+    tb.up()
+    for s in tb.slots:
+        print(f"device {s.index}: site {s.site}, netns {s.netns}, {s.address}, cpus {s.cpus}")
+    print(f"coordinator address: {tb.coordinator_host}; take it down with: fusionllm testbed down")
+
+
+@testbed_app.command("down")
+@_user_errors
+def testbed_down() -> None:
+    """Remove every namespace, link and cgroup a testbed made (also after a crash)."""
+    from fusionllm.testbed.testbed import down
+
+    removed = down()
+    print(" ".join(f"{k}={len(v)}" for k, v in removed.items()) + " removed")
+
+
+@testbed_app.command("probe")
+@_user_errors
+def testbed_probe(
+    cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON list only.")] = False,
+    seconds: Annotated[float, typer.Option(help="Seconds of streaming per link.")] = 2.0,
+) -> None:
+    """Bring the testbed up, measure every site pair and site through fusionllm's transport, take it down."""
+    import json
+    import tempfile
+
+    from fusionllm.cluster.spec import format_rate, load_cluster
+    from fusionllm.testbed.probe import probe
+    from fusionllm.testbed.testbed import Testbed
+    from fusionllm.transport.auth import load_token
+
+    spec = load_cluster(cluster)
+    with tempfile.TemporaryDirectory(prefix="fusion-probe-") as tmp, Testbed(spec) as tb:
+        if not tb.emulated:
+            console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); measuring loopback[/yellow]")
+        token = Path(tmp) / "token"
+        load_token(token, create=True)
+        results = probe(tb, token, seconds=seconds)
+    if as_json:
+        print(json.dumps(results, indent=1))
+        return
+    for r in results:
+        ratio = r["measured_bps"] / r["spec_bps"]
+        print(f"{r['src']:>6} -> {r['dst']:<6} spec {format_rate(r['spec_bps']):>9}  measured {r['measured_bps'] / 1e6:9.2f} Mbit/s  ({ratio:.1%})")
+
+
+@testbed_app.command("agent", hidden=True)
+@_user_errors
+def testbed_agent(listen: Annotated[str, typer.Option()], token_file: Annotated[Path, typer.Option("--token-file")]) -> None:
+    """(internal) the probe agent run inside a namespace."""
+    from fusionllm.testbed.agent import run_agent
+    from fusionllm.transport.auth import load_token
+
+    run_agent(listen, load_token(token_file))

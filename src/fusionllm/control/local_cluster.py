@@ -38,28 +38,42 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_local_cluster(coordinator_args: list[str], workers: int, run_dir: Path, *, threads: int | None = None, worker_args: list[list[str]] | None = None) -> int:
-    """Start, run and stop a local cluster; returns the coordinator's exit status."""
+def run_local_cluster(
+    coordinator_args: list[str],
+    workers: int,
+    run_dir: Path,
+    *,
+    threads: int | None = None,
+    worker_args: list[list[str]] | None = None,
+    host: str = "127.0.0.1",
+    worker_prefixes: list[list[str]] | None = None,
+) -> int:
+    """Start, run and stop a local cluster; returns the coordinator's exit status.
+
+    ``worker_prefixes`` wrap each worker's command (the testbed runs it in a network namespace and a
+    CPU cgroup); ``worker_args`` add flags per worker (its --listen address, --threads, --device).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     token_file = run_dir / "token"
     load_token(token_file, create=True)
-    port = free_port()
+    port = free_port() if host == "127.0.0.1" else 7000
     base = [sys.executable, "-m", "fusionllm"]
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         coord = subprocess.Popen(
-            [*base, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
+            [*base, "coordinator", "--listen", f"{host}:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
             preexec_fn=_die_with_parent,
         )
         procs.append(coord)
         for i in range(workers):
             log = open(run_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed in finally
             logs.append(log)
-            extra = worker_args[i] if worker_args else []
+            extra = worker_args[i] if worker_args else ["--threads", str(threads)]
+            prefix = worker_prefixes[i] if worker_prefixes else []
             procs.append(subprocess.Popen(
-                [*base, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token_file), "--threads", str(threads), *extra],
+                [*prefix, *base, "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), *extra],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             ))
         rc = coord.wait()

@@ -6,10 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from fusionllm.core.errors import WireError
-from fusionllm.runtime.tensors import dtype_name, torch_dtype
+from fusionllm.runtime.tensors import dtype_name
 from fusionllm.transport.frames import read_tensor, tensor_frames
 from fusionllm.transport.rpc import RpcClient
 
@@ -63,13 +64,11 @@ class Inbox:
             self._slots.pop(key, None)
 
 
-def _to_torch(array: Any, dtype: str) -> torch.Tensor:
-    import numpy as np
-
+def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch tensor of its own (np.array copies: the frames' buffer is not kept)."""
     if dtype == "bfloat16":
         return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(array))
-    # (np.array copies: the frames' buffer is not kept)
 
 
 class PeerNet:
@@ -105,4 +104,3 @@ class PeerNet:
         self._clients.clear()
 
 
-__all__ = ["Inbox", "PeerNet", "torch_dtype", "WORKER_SERVICE"]

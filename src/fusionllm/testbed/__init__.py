@@ -1,0 +1,1 @@
+"""An emulated geo-distributed cluster on one machine: network namespaces, tc rate limits, CPU quotas."""

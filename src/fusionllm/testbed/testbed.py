@@ -1,0 +1,192 @@
+"""The testbed: one network namespace per worker on a bridge, tc htb rate limits, CPU quotas.
+
+Layout (everything named ``fusion-*``, removed by ``down`` whatever state it is in):
+
+- bridge ``fusion-br`` in the root namespace, address ``<subnet>.1`` (the coordinator listens there);
+- worker i: namespace ``fusion-w<i>``, a veth pair ``fusion-v<i>`` (bridge side) / ``eth0`` (inside),
+  address ``<subnet>.<10+i>``; CPU cgroup ``fusion-w<i>`` with the site's quota;
+- on each worker's ``eth0``, an htb qdisc with one class per other worker (rate: the link between
+  their sites, or the site's own bandwidth) selected by destination address, and an unlimited
+  default class for the coordinator. Each direction is shaped by its sender.
+
+Latency is not emulated: ``netem`` is not available in this kernel, and delaying inside our own
+transport would not delay TCP's acknowledgements, so it would not behave like a real long link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import math
+import os
+from dataclasses import dataclass
+
+from fusionllm.cluster.spec import ClusterSpec
+from fusionllm.core.logging import get_logger
+from fusionllm.testbed import cgroups
+from fusionllm.testbed.sh import PREFIX, TestbedError, can_emulate, run
+
+DEFAULT_SUBNET = os.environ.get("FUSIONLLM_TESTBED_SUBNET", "10.213.7")
+BRIDGE = f"{PREFIX}-br"
+UNLIMITED = "10gbit"
+log = get_logger("testbed", "testbed")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one worker runs."""
+
+    index: int
+    site: str
+    netns: str | None
+    address: str
+    cpus: float | None
+    cgroup: str | None
+
+    def threads(self) -> int:
+        return max(1, math.ceil(self.cpus)) if self.cpus else max(1, (os.cpu_count() or 1))
+
+    def command_prefix(self) -> list[str]:
+        """Run a command in this worker's namespace and CPU cgroup."""
+        if self.netns is None:
+            return []
+        join = f'echo $$ > {cgroups.ROOT / self.cgroup / "cgroup.procs"} && exec "$@"' if self.cgroup else 'exec "$@"'
+        return ["sh", "-c", join, "sh", "ip", "netns", "exec", self.netns]
+
+
+class Testbed:
+    """``with Testbed(spec) as tb:`` brings the emulated cluster up, and always down."""
+
+    def __init__(self, spec: ClusterSpec, *, subnet: str = DEFAULT_SUBNET, emulate: bool | None = None) -> None:
+        self.spec = spec
+        self.subnet = subnet
+        ok, why = can_emulate()
+        self.emulated = ok if emulate is None else (emulate and ok)
+        self.why_not = "" if self.emulated else (why or "disabled")
+        self.slots: list[Slot] = []
+        devices = spec.devices()
+        for d in devices:
+            if self.emulated:
+                self.slots.append(Slot(d.index, d.site, f"{PREFIX}-w{d.index}", f"{subnet}.{10 + d.index}", d.cpus,
+                                       f"{PREFIX}-w{d.index}" if cgroups.available() else None))
+            else:
+                self.slots.append(Slot(d.index, d.site, None, "127.0.0.1", None, None))
+
+    @property
+    def coordinator_host(self) -> str:
+        return f"{self.subnet}.1" if self.emulated else "127.0.0.1"
+
+    def __enter__(self) -> Testbed:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # ---- up --------------------------------------------------------------------------------------
+    def up(self) -> None:
+        if not self.emulated:
+            log.warning("testbed not emulated (%s): workers run on loopback with no limits", self.why_not)
+            return
+        self._check_subnet()
+        down()  # leftovers of a crashed run
+        try:
+            run("ip", "link", "add", BRIDGE, "type", "bridge")
+            run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", BRIDGE)
+            run("ip", "link", "set", BRIDGE, "up")
+            for slot in self.slots:
+                self._add_worker(slot)
+            for slot in self.slots:
+                self._shape(slot)
+                if slot.cgroup:
+                    cgroups.create(slot.cgroup, slot.cpus or 1.0)
+        except BaseException:
+            down()
+            raise
+
+    def _check_subnet(self) -> None:
+        net = ipaddress.ip_network(f"{self.subnet}.0/24")
+        for line in run("ip", "-4", "-o", "addr", "show").splitlines():
+            parts = line.split()
+            if "inet" in parts:
+                addr = ipaddress.ip_interface(parts[parts.index("inet") + 1])
+                if addr.ip in net and not parts[1].startswith(PREFIX):
+                    raise TestbedError(f"subnet {net} is in use on {parts[1]}; set FUSIONLLM_TESTBED_SUBNET to another x.y.z")
+
+    def _add_worker(self, slot: Slot) -> None:
+        ns, host, peer = slot.netns, f"{PREFIX}-v{slot.index}", f"{PREFIX}-p{slot.index}"
+        run("ip", "netns", "add", ns)
+        run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+        run("ip", "link", "set", peer, "netns", ns)
+        run("ip", "link", "set", host, "master", BRIDGE)
+        run("ip", "link", "set", host, "up")
+        run("ip", "netns", "exec", ns, "ip", "link", "set", peer, "name", "eth0")
+        run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{slot.address}/24", "dev", "eth0")
+        run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+        run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    def _shape(self, slot: Slot) -> None:
+        tc = ["ip", "netns", "exec", slot.netns, "tc"]
+        run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "9")
+        run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:9", "htb", "rate", UNLIMITED)
+        for other in self.slots:
+            if other.index == slot.index:
+                continue
+            bps = self.spec.bandwidth(slot.index, other.index)
+            burst = max(16_000, bps // 8 // 250)  # about 4 ms of traffic: exact at low rates, no stalls at high
+            cls = f"1:{100 + other.index}"
+            run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                "rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", str(burst), "cburst", str(burst))
+            run(*tc, "qdisc", "add", "dev", "eth0", "parent", cls, "pfifo", "limit", "1000")
+            run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", "dst", f"{other.address}/32", "flowid", cls)
+
+    def set_link_rate(self, i: int, j: int, bps: int) -> None:
+        """Change the rate from worker i to worker j while running (a link that slows down)."""
+        slot, other = self.slots[i], self.slots[j]
+        burst = max(16_000, bps // 8 // 250)
+        run("ip", "netns", "exec", slot.netns, "tc", "class", "change", "dev", "eth0", "parent", "1:",
+            "classid", f"1:{100 + other.index}", "htb", "rate", f"{bps}bit", "ceil", f"{bps}bit",
+            "burst", str(burst), "cburst", str(burst))
+
+    def down(self) -> None:
+        if self.emulated:
+            down()
+
+
+def down() -> dict[str, list[str]]:
+    """Remove every namespace, link and cgroup named fusion-* (works after a crash too)."""
+    removed: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
+    ok, _ = can_emulate()
+    if not ok:
+        return removed
+    for line in run("ip", "netns", "list", check=False).splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith(f"{PREFIX}-"):
+            _kill_in_netns(name)
+            run("ip", "netns", "delete", name, check=False)
+            removed["netns"].append(name)
+    for line in run("ip", "-o", "link", "show", check=False).splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith(f"{PREFIX}-"):
+            run("ip", "link", "delete", name, check=False)
+            removed["links"].append(name)
+    removed["cgroups"] = cgroups.remove_all()
+    return removed
+
+
+def _kill_in_netns(name: str) -> None:
+    pids = run("ip", "netns", "pids", name, check=False).split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.kill(int(pid), 9)
+
+
+def leftovers() -> dict[str, list[str]]:
+    """What of a testbed still exists (for tests and `testbed down`)."""
+    out: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
+    out["netns"] = [ln.split()[0] for ln in run("ip", "netns", "list", check=False).splitlines() if ln.strip().startswith(f"{PREFIX}-")]
+    out["links"] = [ln.split(":")[1].strip().split("@")[0] for ln in run("ip", "-o", "link", "show", check=False).splitlines()
+                    if ":" in ln and ln.split(":")[1].strip().startswith(f"{PREFIX}-")]
+    out["cgroups"] = [p.name for p in cgroups.ROOT.glob(f"{PREFIX}-*")] if cgroups.ROOT.is_dir() else []
+    return out
