@@ -248,6 +248,7 @@ def worker(
     listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves tensors on (port 0: any).")] = "127.0.0.1:0",
     advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
     coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
+    rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
     from fusionllm.runtime.worker import WorkerConfig, run_worker
@@ -255,7 +256,7 @@ def worker(
 
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise,
-        coordinator_timeout=coordinator_timeout,
+        coordinator_timeout=coordinator_timeout, rank=rank,
     )
     raise typer.Exit(run_worker(config))
 

@@ -73,7 +73,7 @@ def run_local_cluster(
             extra = worker_args[i] if worker_args else ["--threads", str(threads)]
             prefix = worker_prefixes[i] if worker_prefixes else []
             procs.append(subprocess.Popen(
-                [*prefix, *base, "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), *extra],
+                [*prefix, *base, "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), "--rank", str(i), *extra],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             ))
         rc = coord.wait()

@@ -42,7 +42,12 @@ class Membership:
         address = str(msg.get("address", ""))
         if ":" not in address:
             raise FusionError(f"worker address {address!r} is not HOST:PORT")
-        member = Member(len(self.members), address, dict(msg))
+        rank = msg.get("rank")
+        if rank is None:
+            rank = min(set(range(self.expected)) - set(self.members))
+        elif not isinstance(rank, int) or not 0 <= rank < self.expected or rank in self.members:
+            raise FusionError(f"worker rank {rank!r} is taken or outside 0..{self.expected - 1}")
+        member = Member(rank, address, dict(msg))
         self.members[member.id] = member
         if len(self.members) == self.expected:
             self.full.set()

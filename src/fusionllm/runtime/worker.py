@@ -52,6 +52,7 @@ class WorkerConfig:
     join_timeout: float = 120.0
     heartbeat_s: float = 2.0
     max_payload: int = 8 << 30
+    rank: int | None = None
 
 
 def device_info(device: str) -> dict[str, Any]:
@@ -127,6 +128,7 @@ class Worker:
             "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "device": info,
             "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
             "hostname": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
+            "rank": self.config.rank,
         }
         deadline = time.monotonic() + self.config.join_timeout
         while True:

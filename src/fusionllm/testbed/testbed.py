@@ -57,6 +57,8 @@ class Slot:
 class Testbed:
     """``with Testbed(spec) as tb:`` brings the emulated cluster up, and always down."""
 
+    __test__ = False  # not a pytest test class
+
     def __init__(self, spec: ClusterSpec, *, subnet: str = DEFAULT_SUBNET, emulate: bool | None = None) -> None:
         self.spec = spec
         self.subnet = subnet

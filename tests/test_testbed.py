@@ -1,0 +1,80 @@
+"""The emulated testbed (root only): probe rates, training inside it, nothing left afterwards."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionllm.cluster.spec import load_cluster
+from fusionllm.testbed.sh import can_emulate
+from fusionllm.testbed.testbed import Testbed, leftovers
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTERS = ROOT / "examples" / "clusters"
+BASE = [sys.executable, "-m", "fusionllm"]
+OK, WHY = can_emulate()
+needs_root = pytest.mark.skipif(not OK, reason=f"testbed needs root on Linux with iproute2: {WHY}")
+COMMON = ["--model", "gpt-nano", "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--seed", "2"]
+
+
+def _empty() -> dict[str, list[str]]:
+    return {"netns": [], "links": [], "cgroups": []}
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    if OK:
+        subprocess.run([*BASE, "testbed", "down"], capture_output=True, timeout=60)
+    yield
+    if OK:
+        left = leftovers()
+        subprocess.run([*BASE, "testbed", "down"], capture_output=True, timeout=60)
+        assert left == _empty(), f"the testbed left {left}"
+
+
+@needs_root
+def test_probe_reports_each_link_within_ten_percent() -> None:
+    proc = subprocess.run([*BASE, "testbed", "probe", str(CLUSTERS / "probe-rates.toml"), "--json", "--seconds", "1.5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert {(r["src"], r["dst"]) for r in results} == {(a, b) for a in "PQR" for b in "PQR" if a != b}
+    assert {r["spec_bps"] for r in results} == {8_000_000, 50_000_000, 200_000_000}
+    for r in results:
+        assert abs(r["measured_bps"] - r["spec_bps"]) <= 0.10 * r["spec_bps"], r
+
+
+@needs_root
+def test_train_inside_the_testbed_matches_single_process(tmp_path: Path) -> None:
+    a, b = tmp_path / "tb.jsonl", tmp_path / "single.jsonl"
+    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), *COMMON, "--metrics", str(a), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "links shaped with tc" in proc.stderr and "10.213." in proc.stderr
+    subprocess.run([*BASE, "train", "--single-process", *COMMON, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
+    la = [json.loads(x)["loss"] for x in a.read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in b.read_text().splitlines()]
+    assert len(la) == len(lb) == 4
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
+    # the slow link carried bytes: activations crossed sites
+    assert sum(json.loads(a.read_text().splitlines()[-1])["bytes"].values()) > 0
+
+
+@needs_root
+def test_down_cleans_up_after_a_crash() -> None:
+    tb = Testbed(load_cluster(CLUSTERS / "three-sites.toml"))
+    tb.up()  # and never taken down, as if the process had died
+    left = leftovers()
+    assert len(left["netns"]) == 4 and left["links"] and len(left["cgroups"]) == 4
+    assert (Path("/sys/fs/cgroup/cpu/fusion-w3/cpu.cfs_quota_us").read_text().strip()) == "40000"
+    proc = subprocess.run([*BASE, "testbed", "down"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "netns=4" in proc.stdout
+    assert leftovers() == _empty()
+
+
+def test_without_emulation_it_warns_and_runs_on_loopback(tmp_path: Path) -> None:
+    env = {**os.environ, "FUSIONLLM_TESTBED": "off"}
+    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "uniform.toml"), *COMMON, "--steps", "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "NOT emulated" in proc.stderr and "127.0.0.1" in proc.stderr
