@@ -70,6 +70,8 @@ ReplicasOpt = Annotated[str | None, typer.Option(help="Workers per stage, e.g. 1
 CkptDirOpt = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here.")]
 CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only with --resume use).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in --checkpoint-dir.")]
+SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
+HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
 
 
 def _replicas(text: str | None) -> list[int] | None:
@@ -138,8 +140,10 @@ def train(
     resume: ResumeOpt = False,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Token file and worker logs of a local cluster.")] = Path("runs/local"),
     device: Annotated[str, typer.Option(help="Device of every local worker: cpu or cuda:N.")] = "cpu",
+    scheduler: SchedulerOpt = None,
+    probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
 ) -> None:
-    """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N`."""
+    """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
 
     config = TrainConfig(
@@ -162,7 +166,10 @@ def train(
         args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         args += ["--resume"] if resume else []
         if cluster.endswith(".toml"):
+            args += ["--scheduler", scheduler or "opfence"]
+            args += [] if probe_links else ["--hardware", cluster]
             raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device))
+        args += ["--scheduler", scheduler] if scheduler else []
         n = parse_cluster(cluster)
         worker_args = [["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n))]] * n
         raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
@@ -213,6 +220,9 @@ def coordinator(
     checkpoint_every: CkptEveryOpt = 0,
     resume: ResumeOpt = False,
     join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
+    scheduler: SchedulerOpt = None,
+    hardware: HardwareOpt = None,
+    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
@@ -227,6 +237,7 @@ def coordinator(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
+        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds,
     )
     bar, on_step, first = _progress_bar(steps, "train")
 
@@ -336,6 +347,81 @@ def models() -> None:
 
 def main() -> None:
     app()
+
+
+@app.command("plan")
+@_user_errors
+def plan_cmd(
+    cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
+    model: ModelOpt = "gpt-micro",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    micro_batches: MicroOpt = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck."""
+    import json
+
+    from fusionllm.control.planning import describe, offline
+    from fusionllm.schedule.plan import Request
+
+    req = Request(batch_size, seq_len, micro_batches)
+    started = time.perf_counter()
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    info = describe(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
+    if as_json:
+        print(json.dumps(info, indent=1))
+        return
+    pred = info["predicted"]
+    print(f"scheduler={info['scheduler']} layout={info['layout']} fences={info['fences']} micro_batches={plan.micro_batches} schedule={plan.schedule}")
+    for st in info["stages"]:
+        print(f"  stage {st['stage']} on {st['workers']}: {st['ops']} ops ({st['first_op']} .. {st['last_op']}), "
+              f"{st['params']:,} params, {st['memory_bytes'] / 2**20:.1f} MiB, sends {st['sends_bytes_per_micro_batch'] / 2**10:.0f} KiB per micro-batch")
+    if info["unused_devices"]:
+        print(f"  unused devices: {info['unused_devices']}")
+    print(f"predicted: {pred['step_time_s']:.3f} s/step, {pred['tokens_per_s']:.0f} tokens/s, bubble {pred['bubble_fraction']:.0%}")
+    print(f"bottleneck: {info['bottleneck']}")
+    print(f"planned in {info['planning_seconds']:.2f} s")
+
+
+@app.command()
+@_user_errors
+def simulate(
+    cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
+    model: ModelOpt = "gpt-micro",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    micro_batches: MicroOpt = 4,
+    gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG of one step here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
+    import json
+
+    from fusionllm.control.planning import offline
+    from fusionllm.schedule.plan import Request
+    from fusionllm.sim.gantt import plot_gantt
+    from fusionllm.sim.simulator import simulate as run_sim
+
+    req = Request(batch_size, seq_len, micro_batches)
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    result = run_sim(plan, cost, req, keep_timeline=gantt is not None)
+    out = result.to_json() | {"scheduler": scheduler, "micro_batches": plan.micro_batches, "stages": len(plan.stages)}
+    if gantt:
+        plot_gantt(result, gantt, f"{model} on {cluster.name}, {scheduler}: {result.step_time_s:.3f} s/step")
+        out["gantt"] = str(gantt)
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"step_time_s={result.step_time_s:.4f} tokens_per_s={result.tokens_per_s:.0f} bubble={result.bubble_fraction:.0%}")
+    for w, b in sorted(result.busy_s.items()):
+        print(f"  w{w}: computing {b:.3f} s ({b / result.step_time_s:.0%})")
+    for link, nbytes in sorted(result.link_bytes.items()):
+        print(f"  {link}: {nbytes / 2**20:.2f} MiB, {result.link_busy_s[link] / result.step_time_s:.0%} busy")
+    if gantt:
+        print(f"wrote {gantt}")
 
 
 testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces, tc rate limits, CPU quotas.", no_args_is_help=True)

@@ -56,6 +56,9 @@ class ClusterConfig:
     resume: bool = False
     join_timeout: float = 300.0
     step_timeout: float = 600.0
+    scheduler: str | None = None  # None: the plan balanced by parameters (or --replicas)
+    hardware: str | None = None  # a cluster file to plan with; None: probe the workers
+    probe_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -126,10 +129,15 @@ class Coordinator:
         self.start_step = 0
         if c.resume:
             tensors = self._resume(tensors)
-        plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
-        self.membership.participants = set(plan.workers)
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token) for w, a in addresses.items()}
+        if c.scheduler and c.replicas:
+            raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
+        if c.scheduler:
+            graph, plan = await self._schedule(model, graph, clients)
+        else:
+            plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
+        self.membership.participants = set(plan.workers)
         run = _Run(graph, plan, clients)
         self._print_plan(run, addresses)
         hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout}
@@ -149,6 +157,27 @@ class Coordinator:
         self._graph_json, self._plan_json = graph_json, plan_json
         return run
 
+    async def _schedule(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan]:
+        from fusionllm.control.planning import choose_plan, hardware_from_file, probe_hardware
+        from fusionllm.runtime.model_graph import graph_source, root_source
+        from fusionllm.schedule.plan import Request
+
+        t, c = self.train, self.cluster
+        if c.hardware:
+            hw = hardware_from_file(c.hardware, c.workers)
+        else:
+            hw = await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
+        req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
+        plan, _ = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say)
+        if plan.micro_batches != c.micro_batches:
+            if t.batch_size % plan.micro_batches:
+                raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")
+            again = trace_lm(model, t.batch_size // plan.micro_batches, t.seq_len, spec=t.model)
+            if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
+                raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and a plan by hand")
+            graph = again
+        return graph, plan
+
     def _resume(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         path = latest_checkpoint(self.cluster.checkpoint_dir or "")
         if path is None:
@@ -167,6 +196,8 @@ class Coordinator:
 
     def _print_plan(self, run: _Run, addresses: dict[int, str]) -> None:
         self.say(f"plan: {len(run.plan.stages)} stages, schedule {run.plan.schedule}, {run.plan.micro_batches} micro-batches per step")
+        for w in sorted(set(addresses) - set(run.plan.workers)):
+            self.say(f"  worker {w} ({addresses[w]}): idle (the plan is faster without it)")
         for s in run.plan.stages:
             nodes = [run.graph.node(n) for n in s.nodes]
             params = sum(run.graph.params[p].meta.numel for p in {p for n in nodes for p in n.params.values()})
@@ -184,7 +215,7 @@ class Coordinator:
         batches = Batcher(train_tokens, t.batch_size, t.seq_len, t.seed)
         r = routes(run.graph, run.plan)
         tok_edge, tgt_edge = (n.outputs[0].id for n in run.graph.input_nodes)
-        mb_size = t.batch_size // c.micro_batches
+        mb_size = t.batch_size // run.plan.micro_batches
         result = TrainResult(num_params=run.graph.num_params())
         started = time.perf_counter()
         with JsonlWriter(t.metrics) as metrics:
@@ -205,8 +236,8 @@ class Coordinator:
                 replies = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
                 self._check_failures(run, step, replies)
                 losses = {int(mb): v for rep in replies.values() for mb, v in rep["losses"].items()}
-                if len(losses) != c.micro_batches:
-                    raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {c.micro_batches}")
+                if len(losses) != run.plan.micro_batches:
+                    raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
                 loss = sum(losses[m] for m in sorted(losses)) / len(losses)
                 result.losses.append(loss)
                 result.tokens = (step + 1 - self.start_step) * x.numel()

@@ -26,7 +26,7 @@ from fusionllm.runtime.optim import make_adamw
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
-from fusionllm.schedule.plan import Plan, routes, worker_actions
+from fusionllm.schedule.plan import Plan, owners, routes, shared_groups, worker_actions
 
 NormReduce = Callable[[int, float], Awaitable[float]]
 
@@ -93,21 +93,10 @@ class StageRuntime:
 
     # ---- parameters shared with other workers (replicas, tied weights) -------------------------
     def _shared_groups(self) -> dict[tuple[int, ...], list[str]]:
-        holders: dict[str, set[int]] = {}
-        for s in self.plan.stages:
-            for nid in s.nodes:
-                for name in self.graph.node(nid).params.values():
-                    if self.graph.params[name].trainable:
-                        holders.setdefault(name, set()).update(s.workers)
-        groups: dict[tuple[int, ...], list[str]] = {}
-        self.owned: set[str] = set()
-        for name in self.executor.trainable():
-            group = tuple(sorted(holders[name]))
-            if group[0] == self.worker:
-                self.owned.add(name)  # its gradient norm is counted here, once
-            if len(group) > 1:
-                groups.setdefault(group, []).append(name)
-        return {g: sorted(names) for g, names in groups.items()}
+        mine = {n for n in self.executor.trainable()}
+        own = owners(self.graph, self.plan)
+        self.owned = {n for n in mine if own[n] == self.worker}  # counted in the global norm here, once
+        return {group: names for group, names, _ in shared_groups(self.graph, self.plan).get(self.worker, [])}
 
     # ---- one step --------------------------------------------------------------------------------
     async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -192,7 +181,7 @@ class StageRuntime:
             key = (header["kind"], header["step"], header["mb"], header["edge"], header["src"])
             return await self.inbox.get(key, self.hyper.recv_timeout)
 
-        for gi, (group, names) in enumerate(sorted(self._groups.items())):
+        for gi, (group, names) in enumerate(self._groups.items()):
             grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
             flat = torch.cat([g.reshape(-1) for g in grads])
             tag = {"kind": "reduce", "step": st.step, "edge": f"g{gi}"}

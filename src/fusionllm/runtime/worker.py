@@ -29,10 +29,11 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.runtime.checkpoint import pack_tensors, unpack_tensors
 from fusionllm.runtime.model_graph import graph_source
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
+from fusionllm.runtime.profile import matmul_flops
 from fusionllm.runtime.stage_runtime import Hyper, StageRuntime, StepFailure
 from fusionllm.runtime.tensors import tensor_from_wire
 from fusionllm.schedule.plan import Plan
-from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
@@ -53,6 +54,7 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     max_payload: int = 8 << 30
     rank: int | None = None
+    probe_seconds: float = 1.0  # the device probe (achieved matmul FLOP/s) when joining
 
 
 def device_info(device: str) -> dict[str, Any]:
@@ -79,8 +81,8 @@ class Worker:
         self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token)
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
-            control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping},
-            streams={"Push": self.inbox.receive, "Assign": self._on_assign},
+            control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
+            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink},
         )
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -129,6 +131,7 @@ class Worker:
             "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
             "hostname": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
             "rank": self.config.rank,
+            "probe": {"matmul_flops": await asyncio.to_thread(matmul_flops, self.config.device, seconds=self.config.probe_seconds)},
         }
         deadline = time.monotonic() + self.config.join_timeout
         while True:
@@ -162,6 +165,14 @@ class Worker:
     # ---- handlers --------------------------------------------------------------------------------
     async def _on_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"worker": self.id}
+
+    async def _on_measure_to(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The link probe: stream to another worker for a while, through this transport."""
+        client = RpcClient(str(msg["address"]), WORKER_SERVICE, self.config.token)
+        try:
+            return await probe.measure(client, seconds=float(msg.get("seconds", 1.0)))
+        finally:
+            await client.close()
 
     async def _on_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_later(0.05, self._stop, 0)

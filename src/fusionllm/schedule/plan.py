@@ -15,6 +15,26 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import SCHEDULES, Action, lower
 
 
+@dataclass(frozen=True)
+class Request:
+    """What a plan is for: the batch (sequences per step), their length, defaults for the rest."""
+
+    batch_size: int
+    seq_len: int
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def micro_batch_scale(graph: OpGraph, req: Request, micro_batches: int) -> float:
+    """How many times larger a micro-batch of this plan is than the one the graph was traced with."""
+    traced = graph.input_nodes[0].outputs[0].meta.shape[0] if graph.input_nodes else 1
+    return (req.batch_size / micro_batches) / max(traced, 1)
+
+
 @dataclass
 class StagePlan:
     index: int
@@ -168,3 +188,40 @@ def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: boo
         send_b=any(edges[e].requires_grad for e in from_stages),
         reduce=shared_grads,
     )
+
+
+def shared_groups(graph: OpGraph, plan: Plan) -> dict[int, list[tuple[tuple[int, ...], list[str], int]]]:
+    """Per worker, the gradients it shares with other workers (replicas, tied weights).
+
+    Each entry is (group of workers, parameter names, bytes), in the order every member
+    all-reduces them; the first worker of a group is the one that counts those gradients in the
+    global norm.
+    """
+    holders: dict[str, set[int]] = {}
+    for s in plan.stages:
+        for nid in s.nodes:
+            for name in graph.node(nid).params.values():
+                if graph.params[name].trainable:
+                    holders.setdefault(name, set()).update(s.workers)
+    by_group: dict[tuple[int, ...], list[str]] = {}
+    for name, ws in holders.items():
+        if len(ws) > 1:
+            by_group.setdefault(tuple(sorted(ws)), []).append(name)
+    out: dict[int, list[tuple[tuple[int, ...], list[str], int]]] = {}
+    for group in sorted(by_group):
+        names = sorted(by_group[group])
+        nbytes = sum(graph.params[n].meta.nbytes for n in names)
+        for w in group:
+            out.setdefault(w, []).append((group, names, nbytes))
+    return out
+
+
+def owners(graph: OpGraph, plan: Plan) -> dict[str, int]:
+    """The worker that counts each trainable parameter's gradient in the global norm."""
+    out: dict[str, int] = {}
+    for s in sorted(plan.stages, key=lambda s: min(s.workers)):
+        for nid in s.nodes:
+            for name in graph.node(nid).params.values():
+                if graph.params[name].trainable:
+                    out[name] = min(out.get(name, min(s.workers)), min(s.workers))
+    return out

@@ -1,0 +1,61 @@
+"""What the scheduler and simulator know of a cluster: device speeds and memory, link rates.
+
+Built from a cluster file (emulated or simulated clusters) or from probes of real workers.
+A device is either a CPU share (``cpus``: cores of the reference machine, the testbed's CPU quota)
+or an accelerator with a peak FLOP/s (``flops``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fusionllm.cluster.spec import ClusterSpec
+
+DEFAULT_CPU_MEMORY = 4 << 30  # per emulated CPU worker, when the cluster file says nothing
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    site: str
+    cpus: float | None = None  # a CPU share (cores of the reference machine)
+    flops: float | None = None  # an accelerator's peak flop/s
+    memory: int = DEFAULT_CPU_MEMORY
+
+    @property
+    def threads(self) -> int:
+        return max(1, math.ceil(self.cpus)) if self.cpus else 1
+
+
+@dataclass(frozen=True)
+class Hardware:
+    devices: tuple[Device, ...]
+    bandwidth: tuple[tuple[float, ...], ...]  # bit/s, [src][dst]
+    latency: tuple[tuple[float, ...], ...]  # seconds, [src][dst]
+    name: str = "cluster"
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def bps(self, i: int, j: int) -> float:
+        return self.bandwidth[i][j]
+
+    def subset(self, indices: list[int]) -> Hardware:
+        return Hardware(
+            tuple(self.devices[i] for i in indices),
+            tuple(tuple(self.bandwidth[i][j] for j in indices) for i in indices),
+            tuple(tuple(self.latency[i][j] for j in indices) for i in indices),
+            self.name,
+        )
+
+    @staticmethod
+    def from_spec(spec: ClusterSpec) -> Hardware:
+        devices = []
+        for d in spec.devices():
+            memory = d.memory or DEFAULT_CPU_MEMORY
+            devices.append(Device(d.index, d.site, None if d.flops else d.cpus, d.flops, memory))
+        n = len(devices)
+        bw = tuple(tuple(float(spec.bandwidth(i, j)) if i != j else math.inf for j in range(n)) for i in range(n))
+        lat = tuple(tuple(spec.latency_ms(i, j) / 1000 if i != j else 0.0 for j in range(n)) for i in range(n))
+        return Hardware(tuple(devices), bw, lat, spec.name)

@@ -1,0 +1,125 @@
+"""From joined workers to a Plan: hardware (probed or from a cluster file), cost model, scheduler."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fusionllm.cluster.hardware import DEFAULT_CPU_MEMORY, Device, Hardware
+from fusionllm.cluster.spec import load_cluster
+from fusionllm.core.errors import ConfigError
+from fusionllm.cost.model import CostModel
+from fusionllm.graph.ir import OpGraph
+from fusionllm.graph.registry import SourceProvider
+from fusionllm.runtime.profile import estimate, matmul_flops
+from fusionllm.schedule.plan import Plan, Request
+from fusionllm.schedule.schedulers import make_schedule
+from fusionllm.sim.simulator import simulate
+from fusionllm.transport.rpc import RpcClient
+
+
+def hardware_from_file(path: str, workers: int) -> Hardware:
+    hw = Hardware.from_spec(load_cluster(path))
+    if len(hw) != workers:
+        raise ConfigError(f"--hardware {path} describes {len(hw)} devices, the run has {workers} workers")
+    return hw
+
+
+async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient], *, seconds: float, say: Callable[[str], None]) -> Hardware:
+    """Device speeds from the workers' own matmul probes; every link measured through our transport."""
+    ref = matmul_flops("cpu", threads=1, seconds=0.5)
+    devices = []
+    for w in sorted(members):
+        info = members[w].info
+        dev = info.get("device", {})
+        flops = float(info.get("probe", {}).get("matmul_flops", ref))
+        if dev.get("kind") == "cuda":
+            devices.append(Device(w, info.get("hostname", "?"), None, flops / 0.4 * 1.0, int(dev.get("memory_bytes", DEFAULT_CPU_MEMORY))))
+        else:
+            devices.append(Device(w, info.get("hostname", "?"), flops / ref, None, int(dev.get("memory_bytes", DEFAULT_CPU_MEMORY))))
+    n = len(devices)
+    bw = [[math.inf] * n for _ in range(n)]
+    started = time.perf_counter()
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                reply = await clients[i].call("MeasureTo", {"address": members[j].address, "seconds": seconds}, timeout=seconds * 30 + 120)
+                bw[i][j] = float(reply["bps"])
+    say(f"probed {n * (n - 1)} links in {time.perf_counter() - started:.1f} s; device speeds (reference cores): "
+        + ", ".join(f"w{d.index}={d.cpus:.2f}" if d.cpus else f"w{d.index}={d.flops:.3g}flop/s" for d in devices))
+    return Hardware(tuple(devices), tuple(tuple(r) for r in bw), tuple(tuple(0.0 for _ in range(n)) for _ in range(n)), "probed")
+
+
+def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, source: SourceProvider | None, say: Callable[[str], None]) -> tuple[Plan, CostModel]:
+    started = time.perf_counter()
+    work = estimate(graph, source=source, calibrate=True)
+    cost = CostModel(graph, work, hw)
+    plan = make_schedule(scheduler, cost, req)
+    predicted = simulate(plan, cost, req)
+    plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})
+    say(f"scheduler {scheduler}: {len(plan.stages)} stages on {len(plan.workers)} of {len(hw)} workers, "
+        f"{plan.micro_batches} micro-batches, predicted {predicted.step_time_s:.3f} s/step "
+        f"({predicted.tokens_per_s:.0f} tokens/s) [{time.perf_counter() - started:.1f} s to plan]")
+    return plan, cost
+
+
+def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256) -> tuple[OpGraph, Hardware, CostModel, Plan]:
+    """Plan a model for a cluster file without any worker (what `fusionllm plan` / `simulate` do).
+
+    The model is traced on the meta device. Ops are timed on this machine when the cluster has CPU
+    devices (their speed is a quota of this machine's cores); accelerators use counted FLOPs.
+    """
+    from fusionllm.models.spec import build_model
+    from fusionllm.runtime.model_graph import spec_source, trace_lm
+
+    hw = Hardware.from_spec(load_cluster(cluster_file))
+    net = build_model(model, vocab_size, device="meta")
+    if req.batch_size % req.micro_batches:
+        raise ConfigError(f"--batch-size {req.batch_size} must be a multiple of --micro-batches {req.micro_batches}")
+    graph = trace_lm(net, req.batch_size // req.micro_batches, req.seq_len, vocab_size=vocab_size, spec=model)
+    calibrate = any(d.cpus for d in hw.devices)
+    work = estimate(graph, source=spec_source(model, vocab_size), calibrate=calibrate)
+    cost = CostModel(graph, work, hw)
+    return graph, hw, cost, make_schedule(scheduler, cost, req)
+
+
+def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
+    """What `fusionllm plan --json` prints: fences, stages, links, prediction, bottleneck."""
+    from fusionllm.schedule.fences import find_fences
+    from fusionllm.schedule.plan import micro_batch_scale, routes
+
+    result = simulate(plan, cost, req)
+    scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
+    graph = cost.graph
+    r = routes(graph, plan)
+    stages = []
+    for i, s in enumerate(plan.stages):
+        names = {p for n in s.nodes for p in graph.node(n).params.values()}
+        in_flight = plan.micro_batches if plan.schedule == "gpipe" else min(plan.micro_batches, len(plan.stages) - i)
+        stages.append({
+            "stage": s.index, "workers": s.workers, "ops": len(s.nodes),
+            "first_op": graph.node(s.nodes[0]).name, "last_op": graph.node(s.nodes[-1]).name,
+            "params": sum(graph.params[p].meta.numel for p in names),
+            "memory_bytes": scaled.stage_memory(s.nodes, in_flight),
+            "sends_bytes_per_micro_batch": sum(scaled.edge_bytes(graph.edges()[e].meta.nbytes) for e in r.leaving[s.index]),
+        })
+    busiest_dev = max(result.busy_s.items(), key=lambda kv: kv[1]) if result.busy_s else (None, 0.0)
+    busiest_link = max(result.link_busy_s.items(), key=lambda kv: kv[1]) if result.link_busy_s else (None, 0.0)
+    if busiest_link[1] > busiest_dev[1]:
+        bottleneck = f"link {busiest_link[0]}: busy {busiest_link[1]:.3f} s of {result.step_time_s:.3f} s"
+    else:
+        bottleneck = f"device w{busiest_dev[0]}: computing {busiest_dev[1]:.3f} s of {result.step_time_s:.3f} s"
+    return {
+        "scheduler": plan.meta.get("scheduler"), "layout": plan.meta.get("layout"),
+        "fences": find_fences(cost.hw), "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+        "stages": stages,
+        "links": {f"w{a}->w{b}": {"codec": "raw", "ratio": cost.ratio(a, b), "bandwidth_bps": cost.hw.bps(a, b)}
+                  for a in plan.workers for b in plan.workers if a != b and f"w{a}->w{b}" in result.link_bytes},
+        "unused_devices": sorted(set(range(len(cost.hw))) - set(plan.workers)),
+        "predicted": result.to_json(),
+        "bottleneck": bottleneck,
+        "plan": json.loads(plan.to_json()),
+    }

@@ -1,0 +1,110 @@
+"""The cost model: how long each action takes on a device or a link, and what a stage needs in memory.
+
+Compute: a calibrated op time (measured on one reference CPU thread) runs at the device's speed;
+an accelerator runs an op's counted FLOPs at ``gpu_efficiency`` of its peak. A transfer costs the
+link latency, a per-message overhead, and its bytes at the link's rate (times the codec ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from fusionllm.cluster.hardware import Device, Hardware
+from fusionllm.cost.work import OpWork
+from fusionllm.graph.ir import OpGraph
+
+REFERENCE_FLOPS = 5e10  # one reference CPU thread, when ops are not calibrated
+HEADER_BYTES = 120  # frame header and gRPC framing of one tensor message
+
+
+@dataclass
+class CostModel:
+    graph: OpGraph
+    work: dict[str, OpWork]
+    hw: Hardware
+    gpu_efficiency: float = 0.4  # achieved / peak for transformer blocks on accelerators
+    op_overhead_s: float = 2e-5  # dispatch of one op
+    action_overhead_s: float = 3e-4  # one compute action in the worker's loop (thread hand-off)
+    message_overhead_s: float = 8e-4  # one tensor message (gRPC stream set-up, both ends)
+    step_overhead_s: float = 6e-3  # the coordinator's Step round trip and the norm reduction
+    optimizer_bytes_per_s: float = 4e8  # AdamW over fp32 parameters on one reference thread
+    cpu_serialize_bytes_per_s: float = 1.5e9  # a CPU worker encoding/decoding tensors
+    ratios: dict[tuple[int, int], float] = field(default_factory=dict)  # codec ratio per link
+    scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
+
+    def scaled(self, scale: float) -> CostModel:
+        """The same model for micro-batches ``scale`` times as large (work and tensors grow linearly)."""
+        return replace(self, scale=scale)
+
+    def edge_bytes(self, nbytes: int) -> int:
+        return int(nbytes * self.scale)
+
+    # ---- compute -------------------------------------------------------------------------------
+    def op_seconds(self, node_id: str, device: Device, backward: bool) -> float:
+        w = self.work[node_id]
+        flops = w.bwd_flops if backward else w.fwd_flops
+        if device.flops:
+            return flops * self.scale / (device.flops * self.gpu_efficiency) + self.op_overhead_s
+        measured = w.bwd_s if backward else w.fwd_s
+        if measured is None:
+            return flops * self.scale / REFERENCE_FLOPS + self.op_overhead_s
+        # at full speed on one reference thread (CPU quotas are applied by the simulator); the
+        # fixed part of an op does not grow with the micro-batch
+        return max(measured - self.op_overhead_s, 0.0) * self.scale + self.op_overhead_s
+
+    def compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:
+        """Full-speed seconds (a CPU device's quota is applied on top, see ``cpu_rate``)."""
+        return sum(self.op_seconds(n, device, backward) for n in nodes) + self.action_overhead_s
+
+    @staticmethod
+    def cpu_rate(device: Device) -> float:
+        """Average fraction of full speed a CPU device gets (its quota); 1 for accelerators."""
+        return min(1.0, device.cpus / device.threads) * device.threads if device.cpus else 1.0
+
+    def mean_compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:
+        """Seconds under sustained load (quota applied): what the partitioner balances."""
+        t = self.compute_seconds(nodes, device, backward)
+        return t / self.cpu_rate(device) if device.cpus else t
+
+    # ---- communication -----------------------------------------------------------------------------
+    def ratio(self, src: int, dst: int) -> float:
+        return self.ratios.get((src, dst), 1.0)
+
+    def wire_bytes(self, nbytes: int, src: int, dst: int) -> float:
+        return nbytes * self.ratio(src, dst) + HEADER_BYTES
+
+    def transfer_seconds(self, nbytes: int, src: int, dst: int) -> float:
+        """Time a message occupies the link (without latency)."""
+        bps = self.hw.bps(src, dst)
+        wire = self.wire_bytes(nbytes, src, dst)
+        return (wire * 8 / bps if math.isfinite(bps) else 0.0) + self.message_overhead_s
+
+    def latency(self, src: int, dst: int) -> float:
+        return self.hw.latency[src][dst]
+
+    def allreduce_seconds(self, nbytes: int, group: list[int]) -> float:
+        """Ring all-reduce: 2(n-1) rounds, each moving nbytes/n on the slowest ring link."""
+        n = len(group)
+        if n < 2:
+            return 0.0
+        ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
+        slowest = max(self.transfer_seconds(math.ceil(nbytes / n), a, b) + self.latency(a, b) for a, b in ring)
+        return 2 * (n - 1) * slowest
+
+    def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
+        if device.flops:
+            return param_bytes / 1e11  # memory bound on an accelerator
+        return param_bytes / self.optimizer_bytes_per_s
+
+    def serialize_seconds(self, nbytes: int, device: Device) -> float:
+        return 0.0 if device.flops else nbytes / self.cpu_serialize_bytes_per_s
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def stage_memory(self, nodes: list[str], in_flight: int) -> int:
+        """Parameters, gradients, AdamW state (4x params), plus activations kept for backward."""
+        names = {p for n in nodes for p in self.graph.node(n).params.values()}
+        params = sum(self.graph.params[p].meta.nbytes for p in names)
+        acts = sum(self.work[n].out_bytes for n in nodes) * self.scale
+        return 4 * params + in_flight * acts

@@ -1,0 +1,1 @@
+"""Discrete-event simulation of the same lowered action lists the runtime executes."""

@@ -1,0 +1,191 @@
+"""Run a Plan's action lists in simulated time, with the cost model: the runtime, with a clock instead of work.
+
+Each worker walks its lowered action list (``fusionllm.schedule.plan.worker_actions``, the same
+function the runtime uses). ``F``/``B`` take the cost model's compute time; on a CPU-quota device
+they run at full speed until the cgroup's quota of the current 100 ms period is spent, then wait for
+the next period, as the kernel's CFS bandwidth control does. ``SEND_*`` queue each tensor on the
+directed link (one transfer at a time per link); ``RECV_*`` wait for arrival; ``REDUCE`` is a ring
+all-reduce among the workers sharing gradients; ``STEP`` is the global norm barrier plus AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionllm.cluster.hardware import Device
+from fusionllm.cost.model import CostModel
+from fusionllm.schedule.actions import Action
+from fusionllm.schedule.plan import (
+    Plan,
+    Request,
+    micro_batch_scale,
+    routes,
+    shared_groups,
+    worker_actions,
+)
+
+CFS_PERIOD = 0.1
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+class _Cpu:
+    """A worker's CPU under a CFS quota: full speed until the period's quota is used up."""
+
+    def __init__(self, device: Device) -> None:
+        self.quota = min(1.0, device.cpus) * CFS_PERIOD if device.cpus else math.inf
+        self.speed = max(1.0, device.cpus) if device.cpus else 1.0
+        self.period = -1
+        self.used = 0.0
+
+    def run(self, t: float, seconds: float) -> float:
+        seconds /= self.speed
+        if not math.isfinite(self.quota):
+            return t + seconds
+        while seconds > 1e-12:
+            p = math.floor(t / CFS_PERIOD + 1e-9)
+            if p != self.period:
+                self.period, self.used = p, 0.0
+            left = self.quota - self.used
+            if left <= 1e-12:
+                t = (p + 1) * CFS_PERIOD
+                continue
+            burn = min(seconds, left, (p + 1) * CFS_PERIOD - t)
+            t += burn
+            self.used += burn
+            seconds -= burn
+        return t
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+    busy_s: dict[int, float]
+    link_bytes: dict[str, int]
+    link_busy_s: dict[str, float]
+    timeline: list[tuple[int, str, float, float]] = field(default_factory=list)  # (worker, action, start, end)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "busy_s": {str(k): v for k, v in self.busy_s.items()},
+            "link_bytes": self.link_bytes,
+            "link_utilisation": {k: v / self.step_time_s for k, v in self.link_busy_s.items()},
+        }
+
+
+def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool = False) -> SimResult:
+    """One training step of ``plan`` (micro-batches of req.batch_size / plan.micro_batches sequences)."""
+    cost = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
+    tokens_per_step = req.tokens
+    graph = cost.graph
+    r = routes(graph, plan)
+    edges = graph.edges()
+    groups = shared_groups(graph, plan)
+    lists: dict[int, list[Action]] = {w: worker_actions(graph, plan, w, shared_grads=bool(groups.get(w))) for w in plan.workers}
+    device = {w: cost.hw.devices[w] for w in plan.workers}
+    cpu = {w: _Cpu(device[w]) for w in plan.workers}
+    clock = dict.fromkeys(plan.workers, 0.0)
+    pos = dict.fromkeys(plan.workers, 0)
+    arrival: dict[tuple, float] = {}
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    link_bytes: dict[str, int] = defaultdict(int)
+    link_busy: dict[str, float] = defaultdict(float)
+    busy: dict[int, float] = defaultdict(float)
+    barrier: dict[tuple, dict[int, float]] = defaultdict(dict)
+    reduce_idx: dict[int, int] = defaultdict(int)
+    timeline: list[tuple[int, str, float, float]] = []
+    stage_nodes = {s.index: s.nodes for s in plan.stages}
+    entering_from = {s: [e for e in r.entering[s] if r.producer[e] >= 0] for s in stage_nodes}
+
+    def send(w: int, dst: int, key: tuple, nbytes: int) -> None:
+        start = max(clock[w], link_free[(w, dst)])
+        dur = cost.transfer_seconds(nbytes, w, dst)
+        link_free[(w, dst)] = start + dur
+        name = f"w{w}->w{dst}"
+        link_bytes[name] += int(cost.wire_bytes(nbytes, w, dst))
+        link_busy[name] += dur
+        arrival[key] = start + dur + cost.latency(w, dst)
+        clock[w] = cpu[w].run(clock[w], cost.serialize_seconds(nbytes, device[w]))
+        if keep_timeline:
+            timeline.append((w, f"send->{dst}", start, start + dur))
+
+    def step_one(w: int) -> bool:
+        a = lists[w][pos[w]]
+        s = a.stage
+        t0 = clock[w]
+        if a.kind in ("F", "B"):
+            full = cost.compute_seconds(stage_nodes[s], device[w], a.kind == "B")
+            clock[w] = cpu[w].run(t0, full)
+            busy[w] += clock[w] - t0
+        elif a.kind == "RECV_F":
+            keys = [("act", a.mb, e, s) for e in entering_from[s]]
+            if any(k not in arrival for k in keys):
+                return False
+            clock[w] = max([t0, *(arrival[k] for k in keys)])
+        elif a.kind == "SEND_F":
+            for e in r.leaving[s]:
+                for c in r.consumers[e]:
+                    send(w, plan.worker_for(c, a.mb), ("act", a.mb, e, c), cost.edge_bytes(edges[e].meta.nbytes))
+        elif a.kind == "RECV_B":
+            keys = [("grad", a.mb, e, c) for e in r.leaving[s] if edges[e].requires_grad for c in r.consumers[e]]
+            if any(k not in arrival for k in keys):
+                return False
+            clock[w] = max([t0, *(arrival[k] for k in keys)])
+        elif a.kind == "SEND_B":
+            for e in entering_from[s]:
+                if edges[e].requires_grad:
+                    p = r.producer[e]
+                    send(w, plan.worker_for(p, a.mb), ("grad", a.mb, e, s), cost.edge_bytes(edges[e].meta.nbytes))
+        elif a.kind == "REDUCE":
+            mine = groups.get(w, [])
+            while reduce_idx[w] < len(mine):
+                group, _names, nbytes = mine[reduce_idx[w]]
+                barrier[("reduce", group)][w] = clock[w]
+                if len(barrier[("reduce", group)]) < len(group):
+                    return False
+                t0 = max(barrier[("reduce", group)].values())
+                clock[w] = t0 + cost.allreduce_seconds(nbytes, list(group))
+                reduce_idx[w] += 1
+        elif a.kind == "STEP":
+            barrier[("step",)][w] = max(clock[w], max((link_free[(w, d)] for d in plan.workers if (w, d) in link_free), default=0.0))
+            if len(barrier[("step",)]) < len(plan.workers):
+                return False
+            params = sum(cost.graph.params[p].meta.nbytes for n in stage_nodes[s] for p in set(cost.graph.node(n).params.values()))
+            t0 = max(barrier[("step",)].values())
+            clock[w] = cpu[w].run(t0, cost.optimizer_seconds(params, device[w]))
+        if keep_timeline and a.kind in ("F", "B", "REDUCE", "STEP"):
+            timeline.append((w, str(a), t0, clock[w]))
+        pos[w] += 1
+        return True
+
+    remaining = sum(len(v) for v in lists.values())
+    while remaining:
+        progress = False
+        for w in sorted(plan.workers, key=lambda x: clock[x]):
+            while pos[w] < len(lists[w]) and step_one(w):
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = {w: str(lists[w][pos[w]]) for w in plan.workers if pos[w] < len(lists[w])}
+            raise Deadlock(f"the schedule deadlocks: workers wait at {stuck}")
+    step = max(clock.values()) + cost.step_overhead_s
+    compute_total = sum(busy.values())
+    return SimResult(
+        step_time_s=step,
+        tokens_per_s=tokens_per_step / step,
+        bubble_fraction=1 - compute_total / (step * len(plan.workers)),
+        busy_s=dict(busy),
+        link_bytes=dict(link_bytes),
+        link_busy_s=dict(link_busy),
+        timeline=timeline,
+    )
