@@ -90,8 +90,7 @@ def test_three_sites_example() -> None:
     assert all(m[i][j] == m[j][i] for i in range(4) for j in range(4))
     rates = {link.bandwidth_bps for link in c.links.values()}
     assert min(rates) == 8 * M and max(rates) == 200 * M
-    assert c.link("C", "A").latency_ms == 40.0
-    assert c.latency_ms(0, 3) == 40.0 and c.latency_ms(0, 1) == 0.0
+    assert c.latency_ms(0, 3) == 0.0  # the testbed cannot emulate latency, so the example has none
 
 
 def test_uniform_example() -> None:
