@@ -69,51 +69,102 @@ def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
     cuts = cut_bytes(graph)
     fences = order_fences(hw, find_fences(hw))
     speed = {d.index: (d.flops or 0) + (d.cpus or 0) * 1e12 for d in hw.devices}
-    # chains of fences to try: all of them, and leaving out one fence (a site behind a slow link)
-    subsets = [fences]
-    if 1 < len(fences) <= 8:
-        subsets += [[f for f in fences if f is not skip] for skip in fences]
-        subsets += [[f] for f in fences]
+    # chains of fences to try: every contiguous run of the ordered fences (a site behind a slow
+    # link drops out), and in each fence every replication factor (1: a pipeline through its devices)
+    n_f = len(fences)
+    windows = [fences[i:j] for i in range(n_f) for j in range(i + 1, n_f + 1)] if n_f <= 12 else [fences, fences[:1]]
+    windows.sort(key=lambda w: -len(w))
     layouts: list[tuple[str, list[tuple[tuple[int, ...], list[str]]]]] = []
-    for subset in subsets:
-        for mode in ("pipeline", "replicate"):
+    for window in windows:
+        factors = sorted({r for fence in window for r in _factors(len(fence))})
+        for r in factors:
             chain: list[Element] = []
-            for fence in subset:
+            for fence in window:
                 members = sorted(fence, key=lambda d: -speed[d])
-                if mode == "pipeline" or len(members) == 1:
-                    chain += [Element((d,)) for d in members]
-                else:
-                    chain.append(Element(tuple(members)))
+                rr = r if len(members) % r == 0 else 1
+                chain += [Element(tuple(members[k : k + rr])) for k in range(0, len(members), rr)]
             split = split_chain(cost, ops, chain, cuts)
             if split is not None:
-                layouts.append((f"{mode}:{len(subset)}f", [(el.workers, nodes) for el, nodes in split]))
+                layouts.append((f"{len(window)} fences, replicas {r}", [(el.workers, nodes) for el, nodes in split]))
     for name, base in (("params", params), ("uniform", uniform), ("compute", compute)):
         p = base(cost, req)
-        layouts.append((f"like-{name}", [(tuple(s.workers), s.nodes) for s in p.stages]))
-    best: tuple[float, Plan] | None = None
+        layouts.append((f"like {name}", [(tuple(s.workers), s.nodes) for s in p.stages]))
     divisors = [m for m in range(1, req.batch_size + 1) if req.batch_size % m == 0]
-    seen = set()
+
+    def evaluate(stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> tuple[float, Plan] | None:
+        plan = _plan(stages, req, "opfence", m, "1f1b")
+        if not _fits(cost.scaled(micro_batch_scale(cost.graph, req, m)), plan):
+            return None
+        return simulate(plan, cost, req).step_time_s, plan
+
+    def m_choices(stages: list[tuple[tuple[int, ...], list[str]]]) -> list[int]:
+        depth, widest = len(stages), max(len(w) for w, _ in stages)
+        return sorted({m for m in divisors if widest <= m <= 4 * max(depth, widest)} | ({req.micro_batches} & set(divisors)))
+
+    # rank every (layout, micro-batches) by a closed-form estimate, then simulate the best few
+    ranked: list[tuple[float, str, list[tuple[tuple[int, ...], list[str]]], int]] = []
+    seen: set[str] = set()
     for name, stages in layouts:
         key = repr(stages)
         if key in seen:
             continue
         seen.add(key)
-        depth = len(stages)
-        widest = max(len(w) for w, _ in stages)
-        choices = sorted({m for m in divisors if m >= widest and m <= 8 * max(depth, widest)} | {req.micro_batches} & set(divisors))
-        for m in choices:
-            plan = _plan(stages, req, "opfence", m, "1f1b")
-            if not _fits(cost.scaled(micro_batch_scale(cost.graph, req, m)), plan):
-                continue
-            t = simulate(plan, cost, req).step_time_s
-            if best is None or t < best[0]:
-                plan.meta.update({"layout": name, "fences": fences})
-                best = (t, plan)
-        if time.perf_counter() - started > budget_s and best is not None:
+        for m in m_choices(stages):
+            ranked.append((_estimate(cost.scaled(micro_batch_scale(cost.graph, req, m)), stages, m), name, stages, m))
+    ranked.sort(key=lambda x: x[0])
+    best: tuple[float, Plan] | None = None
+    for i, (_, name, stages, m) in enumerate(ranked):
+        got = evaluate(stages, m)
+        if got is not None and (best is None or got[0] < best[0]):
+            got[1].meta.update({"layout": name, "fences": fences})
+            best = got
+        if best is not None and (i >= 12 or time.perf_counter() - started > budget_s):
             break
     if best is None:
         raise ConfigError("no plan fits the devices' memory; use more devices or a smaller model")
     return best[1]
+
+
+def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> float:
+    """Closed-form step time: one micro-batch through the pipeline, then (m - 1) at the bottleneck."""
+    from fusionllm.schedule.partition import op_seconds_per_element
+
+    graph = cost.graph
+    edges = graph.edges()
+    where = {n: k for k, (_, nodes) in enumerate(stages) for n in nodes}
+    fill, bottleneck, reduce = 0.0, 0.0, 0.0
+    for k, (workers, nodes) in enumerate(stages):
+        per_op = op_seconds_per_element(cost, nodes, Element(workers))
+        compute = sum(per_op) + 2 * cost.action_overhead_s
+        fill += compute * len(workers)
+        bottleneck = max(bottleneck, compute)
+        if k + 1 < len(stages):
+            out = sum(cost.edge_bytes(e.meta.nbytes) for n in nodes for e in graph.node(n).outputs
+                      if any(where.get(c, k) > k for c in _readers(graph).get(e.id, ())))
+            nxt = stages[k + 1][0]
+            link = max(cost.transfer_seconds(out, a, b) + cost.latency(a, b) for a in workers for b in nxt)
+            fill += 2 * link
+            bottleneck = max(bottleneck, link)
+        if len(workers) > 1:
+            params = sum(graph.params[p].meta.nbytes for p in {p for n in nodes for p in graph.node(n).params.values()})
+            reduce = max(reduce, cost.allreduce_seconds(params, list(workers)))
+    del edges
+    return fill + (m / max(1, min(len(w) for w, _ in stages)) - 1) * bottleneck + reduce + cost.step_overhead_s
+
+
+_READERS: dict[int, dict[str, list[str]]] = {}
+
+
+def _readers(graph) -> dict[str, list[str]]:  # noqa: ANN001
+    key = id(graph)
+    if key not in _READERS:
+        _READERS.clear()
+        _READERS[key] = graph.consumers()
+    return _READERS[key]
+
+
+def _factors(n: int) -> list[int]:
+    return [r for r in range(1, n + 1) if n % r == 0]
 
 
 def _fits(cost: CostModel, plan: Plan) -> bool:

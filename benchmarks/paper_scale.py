@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Paper scale, simulated: 48 GPUs of mixed kinds in sites joined by 8 Mbit/s to 10 Gbit/s.
+
+For three cluster files and the GPT-2 sizes, each scheduler's plan is simulated (the same
+discrete-event simulator and cost model that `fusionllm simulate` uses; GPUs run counted FLOPs at
+40% of their nominal peak). Writes paper_scale.json, paper_scale.md and paper_scale.png.
+
+    python benchmarks/paper_scale.py [--out benchmarks/results] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write  # noqa: E402
+
+from fusionllm.control.planning import offline  # noqa: E402
+from fusionllm.schedule.plan import Request  # noqa: E402
+from fusionllm.schedule.schedulers import SCHEDULERS, make_schedule  # noqa: E402
+from fusionllm.sim.simulator import simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTERS = ["paper-6x8", "paper-3x16", "paper-12x4"]
+MODELS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--quick", action="store_true", help="one cluster, two models")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    args = ap.parse_args()
+    clusters = CLUSTERS[:1] if args.quick else CLUSTERS
+    models = MODELS[::3] if args.quick else MODELS
+    req = Request(args.batch_size, args.seq_len, args.micro_batches)
+    rows = []
+    for cluster in clusters:
+        for model in models:
+            started = time.perf_counter()
+            _graph, hw, cost, opf = offline(model, str(ROOT / "examples" / "clusters" / f"{cluster}.toml"), "opfence", req, vocab_size=50257)
+            plan_s = time.perf_counter() - started
+            row = {"cluster": cluster, "model": model, "devices": len(hw), "opfence_plan_s": round(plan_s, 2)}
+            for name in SCHEDULERS:
+                plan = opf if name == "opfence" else make_schedule(name, cost, req)
+                sim = simulate(plan, cost, req)
+                row[name] = {"tokens_per_s": round(sim.tokens_per_s, 1), "step_time_s": round(sim.step_time_s, 4),
+                             "stages": len(plan.stages), "devices_used": len(plan.workers), "micro_batches": plan.micro_batches}
+            base = {k: row[k]["tokens_per_s"] for k in SCHEDULERS if k != "opfence"}
+            row["speedup_vs_best_baseline"] = round(row["opfence"]["tokens_per_s"] / max(base.values()), 2)
+            row["speedup_vs_worst_baseline"] = round(row["opfence"]["tokens_per_s"] / min(base.values()), 2)
+            rows.append(row)
+            print(f"{cluster} {model}: " + ", ".join(f"{k} {row[k]['tokens_per_s']:.0f}" for k in SCHEDULERS) + f" tok/s; x{row['speedup_vs_best_baseline']} over the best baseline", flush=True)
+    table = [
+        f"Simulated tokens/s, batch {req.batch_size} x {req.seq_len} tokens, GPT-2 vocabulary; "
+        "GPUs at 40% of nominal peak; OP-Fence chooses its own micro-batch count, baselines use "
+        f"{req.micro_batches}.", "",
+        "| cluster | model | opfence | uniform | params | compute | x best baseline | x worst baseline | opfence plan (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        table.append(f"| {r['cluster']} | {r['model']} | " + " | ".join(f"{r[k]['tokens_per_s']:.0f}" for k in SCHEDULERS)
+                     + f" | {r['speedup_vs_best_baseline']} | {r['speedup_vs_worst_baseline']} | {r['opfence_plan_s']} |")
+    write(args.out, "paper_scale", rows, table, {"batch_size": req.batch_size, "seq_len": req.seq_len, "micro_batches": req.micro_batches})
+    _plot(rows, args.out / "paper_scale.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['cluster']}\n{r['model']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 4.5))
+    width = 0.2
+    for k, name in enumerate(SCHEDULERS):
+        ax.bar([i + (k - 1.5) * width for i in range(len(rows))], [r[name]["tokens_per_s"] for r in rows], width, label=name)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("simulated tokens/s")
+    ax.set_yscale("log")
+    ax.set_title("48 simulated GPUs: OP-Fence against the baselines")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
