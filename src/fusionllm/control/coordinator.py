@@ -249,6 +249,8 @@ class Coordinator:
                     "step_s": round(max(rep["seconds"] for rep in replies.values()), 4),
                     "bytes": self._link_bytes(run, replies),
                 }
+                if "predicted_step_s" in run.plan.meta:
+                    record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
                 metrics.write(record)
                 self.on_step(record)
                 done = step + 1

@@ -27,10 +27,11 @@ class CostModel:
     gpu_efficiency: float = 0.4  # achieved / peak for transformer blocks on accelerators
     op_overhead_s: float = 2e-5  # dispatch of one op
     action_overhead_s: float = 3e-4  # one compute action in the worker's loop (thread hand-off)
-    message_overhead_s: float = 8e-4  # one tensor message (gRPC stream set-up, both ends)
+    message_overhead_s: float = 2e-4  # one tensor message on the wire (stream set-up, wake-ups)
+    message_cpu_s: float = 4.5e-4  # CPU time one message costs its sender, and again its receiver
+    cpu_bytes_per_s: float = 5e8  # copying a tensor into frames (sender) or out of them (receiver)
     step_overhead_s: float = 6e-3  # the coordinator's Step round trip and the norm reduction
     optimizer_bytes_per_s: float = 4e8  # AdamW over fp32 parameters on one reference thread
-    cpu_serialize_bytes_per_s: float = 1.5e9  # a CPU worker encoding/decoding tensors
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)  # codec ratio per link
     scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
 
@@ -85,21 +86,25 @@ class CostModel:
         return self.hw.latency[src][dst]
 
     def allreduce_seconds(self, nbytes: int, group: list[int]) -> float:
-        """Ring all-reduce: 2(n-1) rounds, each moving nbytes/n on the slowest ring link."""
+        """Ring all-reduce: 2(n-1) rounds, each moving nbytes/n on the slowest ring link (wire time only)."""
         n = len(group)
         if n < 2:
             return 0.0
+        return 2 * (n - 1) * self.allreduce_round_seconds(nbytes, group)
+
+    def allreduce_round_seconds(self, nbytes: int, group: list[int]) -> float:
+        n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
-        slowest = max(self.transfer_seconds(math.ceil(nbytes / n), a, b) + self.latency(a, b) for a, b in ring)
-        return 2 * (n - 1) * slowest
+        return max(self.transfer_seconds(math.ceil(nbytes / n), a, b) + self.latency(a, b) for a, b in ring)
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         if device.flops:
             return param_bytes / 1e11  # memory bound on an accelerator
         return param_bytes / self.optimizer_bytes_per_s
 
-    def serialize_seconds(self, nbytes: int, device: Device) -> float:
-        return 0.0 if device.flops else nbytes / self.cpu_serialize_bytes_per_s
+    def message_cpu_seconds(self, nbytes: float) -> float:
+        """CPU time one end spends on a message (measured: about 1 ms for both ends of a small one)."""
+        return self.message_cpu_s + nbytes / self.cpu_bytes_per_s
 
     # ---- memory ------------------------------------------------------------------------------------
     def stage_memory(self, nodes: list[str], in_flight: int) -> int:

@@ -185,7 +185,7 @@ def _infinite_links(cost: CostModel):  # noqa: ANN202
 
 
 def _knobs(cost: CostModel) -> dict:
-    return {k: getattr(cost, k) for k in ("gpu_efficiency", "op_overhead_s", "action_overhead_s", "message_overhead_s", "step_overhead_s", "optimizer_bytes_per_s", "cpu_serialize_bytes_per_s")}
+    return {k: getattr(cost, k) for k in ("gpu_efficiency", "op_overhead_s", "action_overhead_s", "message_overhead_s", "message_cpu_s", "cpu_bytes_per_s", "step_overhead_s", "optimizer_bytes_per_s")}
 
 
 SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute}

@@ -104,6 +104,15 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     barrier: dict[tuple, dict[int, float]] = defaultdict(dict)
     reduce_idx: dict[int, int] = defaultdict(int)
     timeline: list[tuple[int, str, float, float]] = []
+    sizes: dict[tuple, int] = {}
+
+    def receive(w: int, keys: list[tuple]) -> None:
+        """Wait for the messages, and spend the CPU time of taking them in."""
+        t = clock[w]
+        for k in sorted(keys, key=lambda k: arrival[k]):
+            t = cpu[w].run(max(t, arrival[k]), cost.message_cpu_seconds(sizes[k]))
+        clock[w] = t
+
     stage_nodes = {s.index: s.nodes for s in plan.stages}
     entering_from = {s: [e for e in r.entering[s] if r.producer[e] >= 0] for s in stage_nodes}
 
@@ -115,7 +124,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         link_bytes[name] += int(cost.wire_bytes(nbytes, w, dst))
         link_busy[name] += dur
         arrival[key] = start + dur + cost.latency(w, dst)
-        clock[w] = cpu[w].run(clock[w], cost.serialize_seconds(nbytes, device[w]))
+        sizes[key] = nbytes
+        clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes))
         if keep_timeline:
             timeline.append((w, f"send->{dst}", start, start + dur))
 
@@ -131,7 +141,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             keys = [("act", a.mb, e, s) for e in entering_from[s]]
             if any(k not in arrival for k in keys):
                 return False
-            clock[w] = max([t0, *(arrival[k] for k in keys)])
+            receive(w, keys)
         elif a.kind == "SEND_F":
             for e in r.leaving[s]:
                 for c in r.consumers[e]:
@@ -140,7 +150,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             keys = [("grad", a.mb, e, c) for e in r.leaving[s] if edges[e].requires_grad for c in r.consumers[e]]
             if any(k not in arrival for k in keys):
                 return False
-            clock[w] = max([t0, *(arrival[k] for k in keys)])
+            receive(w, keys)
         elif a.kind == "SEND_B":
             for e in entering_from[s]:
                 if edges[e].requires_grad:
@@ -154,7 +164,16 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
                 if len(barrier[("reduce", group)]) < len(group):
                     return False
                 t0 = max(barrier[("reduce", group)].values())
-                clock[w] = t0 + cost.allreduce_seconds(nbytes, list(group))
+                if ("reduced", group) not in arrival:  # the ring runs in lock step: the slowest member sets the pace
+                    ends = []
+                    for m in group:
+                        t = t0
+                        for _ in range(2 * (len(group) - 1)):
+                            t = cpu[m].run(t, 2 * cost.message_cpu_seconds(nbytes / len(group)))
+                            t += cost.allreduce_round_seconds(nbytes, list(group))
+                        ends.append(t)
+                    arrival[("reduced", group)] = max(ends)
+                clock[w] = arrival[("reduced", group)]
                 reduce_idx[w] += 1
         elif a.kind == "STEP":
             barrier[("step",)][w] = max(clock[w], max((link_free[(w, d)] for d in plan.workers if (w, d) in link_free), default=0.0))
