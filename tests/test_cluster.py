@@ -71,6 +71,15 @@ def test_three_workers_match_single_process(tmp: Path, schedule: str) -> None:
     assert records[0]["bytes"]["w0->w1"] > 0 and records[-1]["tokens"] == 6 * 8 * 16
 
 
+def test_opfence_plan_from_probes_matches_single_process(tmp: Path) -> None:
+    """Workers probe their device and links when they join; OP-Fence plans; losses still match."""
+    proc, out = _cluster(tmp, "gpt-nano", 3, "--scheduler", "opfence", "--probe-seconds", "0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "probed 6 links" in proc.stderr and "scheduler opfence" in proc.stderr
+    _assert_close(_losses(out), _single(tmp, "gpt-nano"))
+    assert "predicted_step_s" in json.loads(out.read_text().splitlines()[0])
+
+
 def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path) -> None:
     """tests.zoo:skip_tied (skip edge embedding -> last layer, tied head), stage 1 on two workers."""
     proc, out = _cluster(tmp, "tests.zoo:skip_tied", 3, "--replicas", "1,2", "--schedule", "1f1b")

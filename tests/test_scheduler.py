@@ -38,9 +38,12 @@ def test_linear_flops_match_hand_count() -> None:
     first = next(n for n in graph.nodes if n.name == "0")
     b_t = 4 * 5
     assert work[first.id].fwd_flops == 2 * b_t * 16 * 32
-    assert work[first.id].bwd_flops == 2 * 2 * b_t * 16 * 32  # input and weight gradients
+    assert work[first.id].bwd_flops == 2 * b_t * 16 * 32  # the data needs no gradient: weights only
     assert work[first.id].param_bytes == (16 * 32 + 32) * 4
     assert work[first.id].out_bytes == b_t * 32 * 4
+    second = next(n for n in graph.nodes if n.name == "2")
+    assert work[second.id].fwd_flops == 2 * b_t * 32 * 8
+    assert work[second.id].bwd_flops == 2 * 2 * b_t * 32 * 8  # input and weight gradients
 
 
 def test_gpt_block_flops_match_hand_count() -> None:
@@ -95,7 +98,7 @@ def test_opfence_never_predicts_worse_than_a_baseline(micro_cost: CostModel) -> 
 
 def test_partitioner_respects_memory(micro_cost: CostModel) -> None:
     req = Request(16, 128, 4)
-    tight = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 3 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
+    tight = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 6 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
     cost = CostModel(micro_cost.graph, micro_cost.work, tight)
     plan = make_schedule("opfence", cost, req)
     from fusionllm.schedule.plan import micro_batch_scale
@@ -103,8 +106,8 @@ def test_partitioner_respects_memory(micro_cost: CostModel) -> None:
     scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     for i, s in enumerate(plan.stages):
         need = scaled.stage_memory(s.nodes, min(plan.micro_batches, len(plan.stages) - i))
-        assert need <= 3 << 20
-    assert len(plan.stages) > 1  # the whole model (about 13.5 MiB with AdamW) fits no single device
+        assert need <= 6 << 20
+    assert len(plan.stages) > 2  # the whole model (about 13.5 MiB with AdamW) fits no single device
     tiny = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 1 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
     with pytest.raises(Exception, match="memory"):
         make_schedule("opfence", CostModel(micro_cost.graph, micro_cost.work, tiny), req)

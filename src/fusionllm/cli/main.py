@@ -142,6 +142,7 @@ def train(
     device: Annotated[str, typer.Option(help="Device of every local worker: cpu or cuda:N.")] = "cpu",
     scheduler: SchedulerOpt = None,
     probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
+    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -159,6 +160,7 @@ def train(
             "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
             "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
             "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
+            "--probe-seconds", str(probe_seconds),
         ]
         args += ["--data", data] if data else []
         args += ["--metrics", str(metrics)] if metrics else []
