@@ -466,11 +466,19 @@ def test_missing_link_names_both_sites() -> None:
 
 
 def test_too_many_devices() -> None:
-    assert parse_cluster(_site("A", devices="250")).num_devices == 250
+    assert parse_cluster(_site("A", devices="1000")).num_devices == 1000  # simulated clusters may be big
     _fails(
-        _site("A", devices="200") + _site("B", devices="51") + _link("A", "B"),
-        "sites: 251 devices in total, at most 250",
+        _site("A", devices="60000") + _site("B", devices="40001") + _link("A", "B"),
+        "sites: 100001 devices in total, at most 100000",
     )
+
+
+def test_testbed_refuses_more_than_a_subnet_of_workers() -> None:
+    from fusionllm.testbed.sh import TestbedError
+    from fusionllm.testbed.testbed import Testbed
+
+    with pytest.raises(TestbedError, match="at most 240 workers"):
+        Testbed(parse_cluster(_site("A", devices="241")))
 
 
 def test_bad_site_name_and_name() -> None:

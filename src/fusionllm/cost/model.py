@@ -37,7 +37,9 @@ class CostModel:
 
     def scaled(self, scale: float) -> CostModel:
         """The same model for micro-batches ``scale`` times as large (work and tensors grow linearly)."""
-        return replace(self, scale=scale)
+        out = replace(self, scale=scale)
+        out.__dict__.pop("_op_vectors", None)  # per-op caches hold the old scale
+        return out
 
     def edge_bytes(self, nbytes: int) -> int:
         return int(nbytes * self.scale)

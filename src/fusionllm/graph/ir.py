@@ -104,10 +104,13 @@ class OpGraph:
 
     # ---- lookups -------------------------------------------------------------------------
     def node(self, node_id: str) -> Node:
-        for n in self.nodes:
-            if n.id == node_id:
-                return n
-        raise GraphError(f"no node {node_id!r} in the graph")
+        index = self.__dict__.get("_index")
+        if index is None or len(index) != len(self.nodes):
+            index = self.__dict__["_index"] = {n.id: n for n in self.nodes}
+        try:
+            return index[node_id]
+        except KeyError:
+            raise GraphError(f"no node {node_id!r} in the graph") from None
 
     def edges(self) -> dict[str, Edge]:
         return {e.id: e for n in self.nodes for e in n.outputs}

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fusionllm.cost.model import CostModel
+import numpy as np
+
+from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.graph.ir import OpGraph
 
 
@@ -48,14 +50,25 @@ class Element:
 
 def op_seconds_per_element(cost: CostModel, ops: Sequence[str], element: Element) -> list[float]:
     """Forward + backward seconds of each op on an element, under sustained load, per micro-batch."""
-    rates = []
-    for w in element.workers:
-        d = cost.hw.devices[w]
-        rates.append([(cost.op_seconds(n, d, False) + cost.op_seconds(n, d, True)) / cost.cpu_rate(d) for n in ops])
-    if len(rates) == 1:
-        return rates[0]
+    return list(_element_vector(cost, ops, element))
+
+
+def _device_vector(cost: CostModel, device: int) -> dict[str, float]:
+    """Per-op seconds on one device, computed once per cost model (cached on it)."""
+    cache = cost.__dict__.setdefault("_op_vectors", {})
+    if device not in cache:
+        d = cost.hw.devices[device]
+        rate = cost.cpu_rate(d)
+        cache[device] = {n.id: (cost.op_seconds(n.id, d, False) + cost.op_seconds(n.id, d, True)) / rate for n in cost.graph.compute_nodes}
+    return cache[device]
+
+
+def _element_vector(cost: CostModel, ops: Sequence[str], element: Element) -> np.ndarray:
+    rows = [np.fromiter((_device_vector(cost, w)[n] for n in ops), float, len(ops)) for w in element.workers]
+    if len(rows) == 1:
+        return rows[0]
     # replicas take micro-batches round robin: the slowest sets the pace, shared by all of them
-    return [max(r[i] for r in rates) / len(rates) for i in range(len(ops))]
+    return np.max(np.stack(rows), axis=0) / len(rows)
 
 
 def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], cuts: Sequence[int], *, iterations: int = 40) -> list[tuple[Element, list[str]]] | None:
@@ -63,28 +76,31 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
     n = len(ops)
     if n == 0 or not chain:
         return None
-    times = [op_seconds_per_element(cost, ops, el) for el in chain]
-    prefix = []
-    for t in times:
-        acc, p = 0.0, [0.0]
-        for x in t:
-            acc += x
-            p.append(acc)
-        prefix.append(p)
+    times = [_element_vector(cost, ops, el) for el in chain]
+    prefix = [np.concatenate([[0.0], np.cumsum(t)]) for t in times]
     overhead = 2 * cost.action_overhead_s
 
+    # seconds to send the tensors crossing a cut after op c-1 over the slowest link of chain step k
+    cut_arr = np.array([cost.edge_bytes(x) for x in cuts], dtype=float)
+    links = []
+    for k in range(len(chain) - 1):
+        x, y = min(((x, y) for x in chain[k].workers for y in chain[k + 1].workers), key=lambda p: cost.hw.bps(*p) / cost.ratio(*p))
+        bps = cost.hw.bps(x, y)
+        per_byte = 8 * cost.ratio(x, y) / bps if np.isfinite(bps) else 0.0
+        fixed = (HEADER_BYTES * 8 / bps if np.isfinite(bps) else 0.0) + cost.message_overhead_s + cost.latency(x, y)
+        links.append(np.concatenate([[np.inf], cut_arr * per_byte + fixed]))  # index c: the cut before op c
+
     def link_time(k: int, c: int) -> float:
-        a, b = chain[k], chain[k + 1]
-        return max(cost.transfer_seconds(cost.edge_bytes(cuts[c - 1]), x, y) + cost.latency(x, y) for x in a.workers for y in b.workers)
+        return float(links[k][c])
 
     def walk(bound: float) -> list[tuple[int, int, int]] | None:
         i, out = 0, []
         for k in range(len(chain)):
             if i == n:
                 break
-            j = i
-            while j < n and prefix[k][j + 1] - prefix[k][i] + overhead <= bound:
-                j += 1
+            # the furthest j with prefix[j] - prefix[i] + overhead <= bound
+            j = int(np.searchsorted(prefix[k], prefix[k][i] + bound - overhead, side="right")) - 1
+            j = min(max(j, i), n)
             if j == i:
                 return None
             if j == n:
@@ -93,17 +109,16 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
                 break
             if k == len(chain) - 1:
                 return None
-            c = j
-            while c > i and link_time(k, c) > bound:
-                c -= 1
-            if c == i:
+            ok = np.nonzero(links[k][i + 1 : j + 1] <= bound)[0]
+            if len(ok) == 0:
                 return None
+            c = i + 1 + int(ok[-1])
             out.append((k, i, c))
             i = c
         return out if i == n else None
 
-    lo = max(min(t) for t in times) if times else 0.0
-    hi = max(p[-1] for p in prefix) + overhead + max((link_time(k, c) for k in range(len(chain) - 1) for c in (1,)), default=0.0) + 1.0
+    lo = max(float(t.min()) for t in times) if times else 0.0
+    hi = max(float(p[-1]) for p in prefix) + overhead + max((link_time(k, c) for k in range(len(chain) - 1) for c in (1,)), default=0.0) + 1.0
     best = walk(hi * 1e6)
     if best is None:
         return None

@@ -129,32 +129,47 @@ def routes(graph: OpGraph, plan: Plan) -> Routes:
 
 
 def balanced_partition(graph: OpGraph, num_stages: int) -> list[list[str]]:
-    """Contiguous stages in topological order, minimising the largest stage's parameter count."""
+    """Contiguous stages in topological order, minimising the largest stage's parameter count.
+
+    Bisection on the largest load with a greedy check (exact for contiguous partitions), then the
+    widest stages are split until there are ``num_stages``.
+    """
     nodes = graph.compute_nodes
     if not 1 <= num_stages <= len(nodes):
         raise ConfigError(f"cannot make {num_stages} stages from {len(nodes)} ops")
     weight = [sum(graph.params[p].meta.numel for p in dict.fromkeys(n.params.values())) + 1 for n in nodes]
-    prefix = [0]
-    for w in weight:
-        prefix.append(prefix[-1] + w)
-    n = len(nodes)
-    inf = float("inf")
-    # best[k][i]: the smallest possible largest load when the first i ops form k stages
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                load = max(best[k - 1][j], prefix[i] - prefix[j])
-                if load < best[k][i]:
-                    best[k][i], cut[k][i] = load, j
-    bounds, i = [n], n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][i]
-        bounds.append(i)
-    bounds.reverse()
-    return [[nodes[t].id for t in range(bounds[s], bounds[s + 1])] for s in range(num_stages)]
+
+    def greedy(bound: int) -> list[tuple[int, int]] | None:
+        out, start, load = [], 0, 0
+        for i, w in enumerate(weight):
+            if w > bound:
+                return None
+            if load + w > bound:
+                out.append((start, i))
+                start, load = i, 0
+            load += w
+        out.append((start, len(weight)))
+        return out if len(out) <= num_stages else None
+
+    lo, hi = max(weight), sum(weight)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    parts = greedy(lo) or [(0, len(weight))]
+    while len(parts) < num_stages:  # split the heaviest splittable stage in two (never raises the max)
+        k = max((k for k, (a, b) in enumerate(parts) if b - a > 1), key=lambda k: sum(weight[parts[k][0] : parts[k][1]]))
+        a, b = parts[k]
+        half, acc, cut = sum(weight[a:b]) / 2, 0, a + 1
+        for i in range(a, b - 1):
+            acc += weight[i]
+            cut = i + 1
+            if acc >= half:
+                break
+        parts[k : k + 1] = [(a, cut), (cut, b)]
+    return [[nodes[t].id for t in range(a, b)] for a, b in parts]
 
 
 def make_plan(graph: OpGraph, num_workers: int, *, replicas: list[int] | None = None, schedule: str = "1f1b", micro_batches: int = 4) -> Plan:

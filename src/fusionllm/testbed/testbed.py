@@ -29,6 +29,7 @@ from fusionllm.testbed.sh import PREFIX, TestbedError, can_emulate, run
 DEFAULT_SUBNET = os.environ.get("FUSIONLLM_TESTBED_SUBNET", "10.213.7")
 BRIDGE = f"{PREFIX}-br"
 UNLIMITED = "10gbit"
+MAX_WORKERS = 240
 log = get_logger("testbed", "testbed")
 
 
@@ -67,6 +68,8 @@ class Testbed:
         self.why_not = "" if self.emulated else (why or "disabled")
         self.slots: list[Slot] = []
         devices = spec.devices()
+        if len(devices) > MAX_WORKERS:
+            raise TestbedError(f"the testbed emulates at most {MAX_WORKERS} workers (one /24); {spec.name} has {len(devices)}: simulate it instead")
         for d in devices:
             if self.emulated:
                 self.slots.append(Slot(d.index, d.site, f"{PREFIX}-w{d.index}", f"{subnet}.{10 + d.index}", d.cpus,
