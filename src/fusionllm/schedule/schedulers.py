@@ -83,9 +83,11 @@ def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
                 members = sorted(fence, key=lambda d: -speed[d])
                 rr = r if len(members) % r == 0 else 1
                 chain += [Element(tuple(members[k : k + rr])) for k in range(0, len(members), rr)]
-            split = split_chain(cost, ops, chain, cuts)
-            if split is not None:
-                layouts.append((f"{len(window)} fences, replicas {r}", [(el.workers, nodes) for el, nodes in split]))
+            # the whole chain, and shorter pipelines on its first elements (less fill, fewer messages)
+            for depth in sorted({len(chain), *(d for d in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if d < len(chain))}):
+                split = split_chain(cost, ops, chain[:depth], cuts)
+                if split is not None:
+                    layouts.append((f"{len(window)} fences, replicas {r}, depth {len(split)}", [(el.workers, nodes) for el, nodes in split]))
     for name, base in (("params", params), ("uniform", uniform), ("compute", compute)):
         p = base(cost, req)
         layouts.append((f"like {name}", [(tuple(s.workers), s.nodes) for s in p.stages]))
@@ -126,30 +128,48 @@ def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
 
 
 def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> float:
-    """Closed-form step time: one micro-batch through the pipeline, then (m - 1) at the bottleneck."""
+    """Closed-form step time: one micro-batch through the pipeline, then the rest at the bottleneck,
+    plus the all-reduce of shared gradients (replicas, tied weights). Counts what the simulator
+    counts: compute, the CPU time of every message at both ends, and the links."""
     from fusionllm.schedule.partition import op_seconds_per_element
 
     graph = cost.graph
-    edges = graph.edges()
+    readers = _readers(graph)
     where = {n: k for k, (_, nodes) in enumerate(stages) for n in nodes}
-    fill, bottleneck, reduce = 0.0, 0.0, 0.0
+    crossing = [0.0] * len(stages)  # bytes leaving stage k per micro-batch (to any later stage)
+    for k, (_, nodes) in enumerate(stages):
+        for n in nodes:
+            for e in graph.node(n).outputs:
+                if e.requires_grad and any(where.get(c, k) > k for c in readers.get(e.id, ())):
+                    crossing[k] += cost.edge_bytes(e.meta.nbytes)
+    fill, bottleneck = 0.0, 0.0
     for k, (workers, nodes) in enumerate(stages):
         per_op = op_seconds_per_element(cost, nodes, Element(workers))
-        compute = sum(per_op) + 2 * cost.action_overhead_s
-        fill += compute * len(workers)
-        bottleneck = max(bottleneck, compute)
+        messages = 2 * cost.message_cpu_seconds(crossing[k]) + (2 * cost.message_cpu_seconds(crossing[k - 1]) if k else 0.0)
+        stage = (sum(per_op) + 2 * cost.action_overhead_s) * len(workers) + messages
+        fill += stage
+        bottleneck = max(bottleneck, stage / len(workers))
         if k + 1 < len(stages):
-            out = sum(cost.edge_bytes(e.meta.nbytes) for n in nodes for e in graph.node(n).outputs
-                      if any(where.get(c, k) > k for c in _readers(graph).get(e.id, ())))
             nxt = stages[k + 1][0]
-            link = max(cost.transfer_seconds(out, a, b) + cost.latency(a, b) for a in workers for b in nxt)
+            link = max(cost.transfer_seconds(int(crossing[k]), a, b) + cost.latency(a, b) for a in workers[:1] for b in nxt[:1])
             fill += 2 * link
             bottleneck = max(bottleneck, link)
-        if len(workers) > 1:
-            params = sum(graph.params[p].meta.nbytes for p in {p for n in nodes for p in graph.node(n).params.values()})
-            reduce = max(reduce, cost.allreduce_seconds(params, list(workers)))
-    del edges
-    return fill + (m / max(1, min(len(w) for w, _ in stages)) - 1) * bottleneck + reduce + cost.step_overhead_s
+    holders: dict[str, set[int]] = {}
+    for workers, nodes in stages:
+        for n in nodes:
+            for p in graph.node(n).params.values():
+                if graph.params[p].trainable:
+                    holders.setdefault(p, set()).update(workers)
+    groups: dict[tuple[int, ...], int] = {}
+    for p, ws in holders.items():
+        if len(ws) > 1:
+            groups[tuple(sorted(ws))] = groups.get(tuple(sorted(ws)), 0) + graph.params[p].meta.nbytes
+    reduce = 0.0
+    for group, nbytes in groups.items():
+        rounds = 2 * (len(group) - 1)
+        reduce += rounds * (cost.allreduce_round_seconds(nbytes, list(group)) + 2 * cost.message_cpu_seconds(nbytes / len(group)))
+    width = max(1, min(len(w) for w, _ in stages))
+    return fill + max(0.0, m / width - 1) * bottleneck + reduce + cost.step_overhead_s
 
 
 _READERS: dict[int, dict[str, list[str]]] = {}
