@@ -20,7 +20,7 @@ ALLOWED = {
     "transport": {"core", "compress"},
     "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models"},
     # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
-    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "runtime", "data", "models"},
+    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport", "runtime", "data", "models"},
     "testbed": {"core", "cluster", "transport"},  # the probe measures through our own transport
 }
 

@@ -92,7 +92,9 @@ def micro_cost() -> CostModel:
 
 def test_opfence_never_predicts_worse_than_a_baseline(micro_cost: CostModel) -> None:
     req = Request(16, 128, 4)
-    times = {s: simulate(make_schedule(s, micro_cost, req), micro_cost, req).step_time_s for s in SCHEDULERS}
+    from fusionllm.control.planning import predict
+
+    times = {s: simulate(make_schedule(s, micro_cost, req, evaluate=predict), micro_cost, req).step_time_s for s in SCHEDULERS}
     assert times["opfence"] <= min(times[s] for s in SCHEDULERS if s != "opfence") + 1e-9, times
 
 
@@ -100,8 +102,10 @@ def test_partitioner_respects_memory(micro_cost: CostModel) -> None:
     req = Request(16, 128, 4)
     tight = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 6 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
     cost = CostModel(micro_cost.graph, micro_cost.work, tight)
-    plan = make_schedule("opfence", cost, req)
+    from fusionllm.control.planning import predict
     from fusionllm.schedule.plan import micro_batch_scale
+
+    plan = make_schedule("opfence", cost, req, evaluate=predict)
 
     scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     for i, s in enumerate(plan.stages):

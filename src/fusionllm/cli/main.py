@@ -62,7 +62,7 @@ LrOpt = Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + 
 DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")]
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
-EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps (0: never; --single-process only for now).")]
+EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads (per worker with --cluster).")]
 ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule: gpipe or 1f1b.")]
 MicroOpt = Annotated[int, typer.Option("--micro-batches", help="Micro-batches per step (divides --batch-size).")]
@@ -71,6 +71,7 @@ CkptDirOpt = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write
 CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only with --resume use).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in --checkpoint-dir.")]
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
+CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
 
 
@@ -143,6 +144,7 @@ def train(
     scheduler: SchedulerOpt = None,
     probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
+    compress: CompressOpt = "none",
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -160,7 +162,7 @@ def train(
             "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
             "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
             "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
-            "--probe-seconds", str(probe_seconds),
+            "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
         ]
         args += ["--data", data] if data else []
         args += ["--metrics", str(metrics)] if metrics else []
@@ -225,6 +227,8 @@ def coordinator(
     scheduler: SchedulerOpt = None,
     hardware: HardwareOpt = None,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
+    compress: CompressOpt = "none",
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (at the coordinator) every N steps and at the end; 0: never.")] = 0,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
@@ -239,7 +243,7 @@ def coordinator(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
-        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds,
+        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
     )
     bar, on_step, first = _progress_bar(steps, "train")
 
@@ -348,6 +352,11 @@ def models() -> None:
 
 
 def main() -> None:
+    import signal
+
+    # SIGTERM (a service manager, `timeout`, a batch system) ends the run like Ctrl+C does: the
+    # `finally` blocks run, so child processes stop and a testbed comes down
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     app()
 
 

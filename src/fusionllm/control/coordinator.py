@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
@@ -59,12 +60,16 @@ class ClusterConfig:
     scheduler: str | None = None  # None: the plan balanced by parameters (or --replicas)
     hardware: str | None = None  # a cluster file to plan with; None: probe the workers
     probe_seconds: float = 1.0
+    compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
+    eval_every: int = 0  # validation loss at the coordinator every N steps (and at the end); 0: never
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         if self.checkpoint_every < 0:
             raise ConfigError("--checkpoint-every must be >= 0")
+        parse_codec(self.compress)  # a bad --compress fails before any worker is waited for
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
 
@@ -133,14 +138,25 @@ class Coordinator:
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token) for w, a in addresses.items()}
         if c.scheduler and c.replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
+        self.model = model
+        self.policy = None
+        codec = parse_codec(c.compress)
         if c.scheduler:
-            graph, plan = await self._schedule(model, graph, clients)
+            graph, plan, cost = await self._schedule(model, graph, clients)
         else:
             plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
+            cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
+        if codec.kind == "adatopk":
+            from fusionllm.control.planning import link_policy
+            from fusionllm.schedule.plan import Request
+
+            self.policy = link_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
+            slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
+            self.say(f"adatopk: compute budget {self.policy.budget_s * 1e3:.1f} ms per micro-batch; compressed links {slow or 'none (all links keep up)'}")
         self.membership.participants = set(plan.workers)
         run = _Run(graph, plan, clients)
         self._print_plan(run, addresses)
-        hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout}
+        hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout, "compress": str(codec)}
         graph_json, plan_json = graph.to_json(), plan.to_json()
 
         async def assign(w: int) -> None:
@@ -157,18 +173,32 @@ class Coordinator:
         self._graph_json, self._plan_json = graph_json, plan_json
         return run
 
-    async def _schedule(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan]:
-        from fusionllm.control.planning import choose_plan, hardware_from_file, probe_hardware
+    async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
+        from fusionllm.control.planning import hardware_from_file, probe_hardware
+
+        c = self.cluster
+        if c.hardware:
+            return hardware_from_file(c.hardware, c.workers)
+        return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
+
+    async def _cost(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
+        from fusionllm.cost.model import CostModel
+        from fusionllm.runtime.model_graph import graph_source, root_source
+        from fusionllm.runtime.profile import estimate
+
+        hw = await self._hardware(clients)
+        work = await asyncio.to_thread(estimate, graph, source=graph_source(graph) or root_source(model), calibrate=True)
+        return CostModel(graph, work, hw)
+
+    async def _schedule(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
+        from fusionllm.control.planning import choose_plan
         from fusionllm.runtime.model_graph import graph_source, root_source
         from fusionllm.schedule.plan import Request
 
         t, c = self.train, self.cluster
-        if c.hardware:
-            hw = hardware_from_file(c.hardware, c.workers)
-        else:
-            hw = await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
+        hw = await self._hardware(clients)
         req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
-        plan, _ = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say)
+        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say)
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")
@@ -176,7 +206,7 @@ class Coordinator:
             if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
                 raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and a plan by hand")
             graph = again
-        return graph, plan
+        return graph, plan, cost
 
     def _resume(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         path = latest_checkpoint(self.cluster.checkpoint_dir or "")
@@ -213,6 +243,7 @@ class Coordinator:
         corpus = load_corpus(t.data)
         train_tokens, _ = corpus.split(0.1)
         batches = Batcher(train_tokens, t.batch_size, t.seq_len, t.seed)
+        val_batches = Batcher(corpus.split(0.1)[1], t.batch_size, t.seq_len, t.seed)
         r = routes(run.graph, run.plan)
         tok_edge, tgt_edge = (n.outputs[0].id for n in run.graph.input_nodes)
         mb_size = t.batch_size // run.plan.micro_batches
@@ -232,7 +263,10 @@ class Coordinator:
                             if stage in r.consumers.get(edge, []):
                                 feeds[edge] = tensor_to_wire(data[mb * mb_size : (mb + 1) * mb_size])
                         inputs[str(mb)] = feeds
-                    calls[w] = run.clients[w].call("Step", {"step": step, "lr": lr, "inputs": inputs}, timeout=c.step_timeout)
+                    extra = {}
+                    if self.policy is not None:  # adatopk: this worker's outgoing links
+                        extra = {"ratios": {str(b): r for (a, b), r in self.policy.ratios().items() if a == w}}
+                    calls[w] = run.clients[w].call("Step", {"step": step, "lr": lr, "inputs": inputs, **extra}, timeout=c.step_timeout)
                 replies = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
                 self._check_failures(run, step, replies)
                 losses = {int(mb): v for rep in replies.values() for mb, v in rep["losses"].items()}
@@ -251,6 +285,16 @@ class Coordinator:
                 }
                 if "predicted_step_s" in run.plan.meta:
                     record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
+                if c.compress != "none":
+                    record["compress"] = c.compress
+                if self.policy is not None:
+                    record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
+                    for w, rep in replies.items():
+                        for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
+                            self.policy.observe((w, int(dst)), nbytes, busy)
+                if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
+                    record["val_loss"] = await self._evaluate(run, val_batches)
+                    result.val_losses.append((step, record["val_loss"]))
                 metrics.write(record)
                 self.on_step(record)
                 done = step + 1
@@ -276,6 +320,25 @@ class Coordinator:
         w, info = min(failed, key=lambda f: ("Timeout" in f[1]["error"], f[0]))
         grid = format_grid({f"worker {k}": v for k, v in sorted(run.actions.items())}, (f"worker {w}", int(info["index"])))
         raise FusionError(f"step {step} failed on worker {w} at {info['action']}: {info['error']}\naction grid (the failing action is marked !):\n{grid}")
+
+    async def _gather_weights(self, run: _Run) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for s in run.plan.stages:
+            reply = await run.clients[s.workers[0]].call("GetState", {}, timeout=self.cluster.step_timeout)
+            out.update(unpack_tensors(reply["state"]))
+        return out
+
+    async def _evaluate(self, run: _Run, batches: Batcher) -> float:
+        """Validation loss of the current weights, gathered from the stages, on this process."""
+        from fusionllm.runtime.single import evaluate
+
+        state = await self._gather_weights(run)
+        named = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        with torch.no_grad():
+            for key, value in state.items():
+                if key.startswith("param/") and key[6:] in named:
+                    named[key[6:]].copy_(value)
+        return await asyncio.to_thread(evaluate, self.model, batches, self.cluster.eval_batches)
 
     async def _checkpoint(self, run: _Run, done: int) -> None:
         states = {}

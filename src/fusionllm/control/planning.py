@@ -10,6 +10,7 @@ from typing import Any
 
 from fusionllm.cluster.hardware import DEFAULT_CPU_MEMORY, Device, Hardware
 from fusionllm.cluster.spec import load_cluster
+from fusionllm.compress.policy import LinkPolicy
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
@@ -19,6 +20,11 @@ from fusionllm.schedule.plan import Plan, Request
 from fusionllm.schedule.schedulers import make_schedule
 from fusionllm.sim.simulator import simulate
 from fusionllm.transport.rpc import RpcClient
+
+
+def predict(plan: Plan, cost: CostModel, req: Request) -> float:
+    """The simulator's step time: how OP-Fence compares its candidates."""
+    return simulate(plan, cost, req).step_time_s
 
 
 def hardware_from_file(path: str, workers: int) -> Hardware:
@@ -57,7 +63,7 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, s
     started = time.perf_counter()
     work = estimate(graph, source=source, calibrate=True)
     cost = CostModel(graph, work, hw)
-    plan = make_schedule(scheduler, cost, req)
+    plan = make_schedule(scheduler, cost, req, evaluate=predict)
     predicted = simulate(plan, cost, req)
     plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})
     say(f"scheduler {scheduler}: {len(plan.stages)} stages on {len(plan.workers)} of {len(hw)} workers, "
@@ -83,7 +89,7 @@ def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, voca
     calibrate = any(d.cpus for d in hw.devices)
     work = estimate(graph, source=spec_source(model, vocab_size), calibrate=calibrate)
     cost = CostModel(graph, work, hw)
-    return graph, hw, cost, make_schedule(scheduler, cost, req)
+    return graph, hw, cost, make_schedule(scheduler, cost, req, evaluate=predict)
 
 
 def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
@@ -123,3 +129,35 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
         "bottleneck": bottleneck,
         "plan": json.loads(plan.to_json()),
     }
+
+
+def link_policy(plan: Plan, cost: CostModel, req: Request) -> LinkPolicy:
+    """AdaTopK's starting point: per worker link, the bytes one micro-batch sends and the link's rate;
+    the budget is the slowest stage's compute per micro-batch."""
+    from fusionllm.schedule.plan import micro_batch_scale, routes
+
+    scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
+    graph = cost.graph
+    edges = graph.edges()
+    r = routes(graph, plan)
+    budget = 0.0
+    for s in plan.stages:
+        for w in s.workers:
+            d = cost.hw.devices[w]
+            budget = max(budget, scaled.mean_compute_seconds(s.nodes, d, False) + scaled.mean_compute_seconds(s.nodes, d, True))
+    policy = LinkPolicy(budget_s=budget)
+    seen: set[tuple] = set()
+    for e, consumers in r.consumers.items():
+        if r.producer[e] < 0 or not edges[e].requires_grad:
+            continue
+        nbytes = scaled.edge_bytes(edges[e].meta.nbytes)
+        for c in consumers:
+            for mb in range(plan.micro_batches):
+                a, b = plan.worker_for(r.producer[e], mb), plan.worker_for(c, mb)
+                for link in ((a, b), (b, a)):  # activations forward, their gradients back
+                    if (e, c, link) in seen:
+                        continue
+                    seen.add((e, c, link))
+                    policy.bytes_per_mb[link] = policy.bytes_per_mb.get(link, 0.0) + nbytes
+                    policy.bps.setdefault(link, cost.hw.bps(*link))
+    return policy

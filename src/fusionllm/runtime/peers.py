@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,15 +80,19 @@ class PeerNet:
         self.token = token
         self._clients: dict[int, RpcClient] = {}
         self.bytes_to: dict[int, int] = {}
+        self._busy: dict[int, list[tuple[float, float, int]]] = {}  # per destination: (start, end, bytes)
 
     def client(self, worker: int) -> RpcClient:
         if worker not in self._clients:
             self._clients[worker] = RpcClient(self.addresses[worker], WORKER_SERVICE, self.token)
         return self._clients[worker]
 
-    async def push(self, worker: int, header: dict[str, Any], tensor: torch.Tensor | None, timeout: float) -> None:
+    async def push(self, worker: int, header: dict[str, Any], tensor: torch.Tensor | None, timeout: float, *, encoded: tuple[str, bytes] | None = None) -> None:
+        """Send a tensor (raw), or its ``encoded`` form (codec tag, payload) of a float32 tensor."""
         if tensor is None:
             payload, meta = None, {"none": True}
+        elif encoded is not None:
+            payload, meta = encoded[1], {"dtype": "float32", "shape": list(tensor.shape), "codec": encoded[0]}
         else:
             t = tensor.detach().to("cpu").contiguous()
             name = dtype_name(t.dtype)
@@ -95,8 +100,28 @@ class PeerNet:
             payload = memoryview(raw.numpy()).cast("B")
             meta = {"dtype": name, "shape": list(t.shape), "codec": "raw"}
         frames = list(tensor_frames({**header, **meta}, payload))
-        self.bytes_to[worker] = self.bytes_to.get(worker, 0) + sum(len(f) for f in frames)
+        size = sum(len(f) for f in frames)
+        self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size
+        started = time.perf_counter()
         await self.client(worker).push("Push", frames, timeout=timeout)
+        self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
+
+    def link_stats(self) -> dict[int, tuple[int, float]]:
+        """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged)."""
+        out = {}
+        for worker, spans in self._busy.items():
+            spans.sort()
+            busy, end, total = 0.0, -1.0, 0
+            for s, e, b in spans:
+                total += b
+                if s > end:
+                    busy += e - s
+                elif e > end:
+                    busy += e - end
+                end = max(end, e)
+            out[worker] = (total, busy)
+        self._busy.clear()
+        return out
 
     async def close(self) -> None:
         for c in self._clients.values():

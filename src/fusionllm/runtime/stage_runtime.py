@@ -16,9 +16,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError
+from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
 from fusionllm.graph.registry import SourceProvider
 from fusionllm.runtime.executor import StageExecutor
@@ -28,6 +32,7 @@ from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, owners, routes, shared_groups, worker_actions
 
+log = get_logger("runtime", "stage")
 NormReduce = Callable[[int, float], Awaitable[float]]
 
 
@@ -43,6 +48,7 @@ class Hyper:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     recv_timeout: float = 600.0
+    compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
 
 
 @dataclass
@@ -88,6 +94,9 @@ class StageRuntime:
         if optimizer_state:
             self.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
+        self.codec = parse_codec(hyper.compress)
+        self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
+        self.feedback = ErrorFeedback()
         self._entering_from_stages = [e for e in self.routes.entering[self.stage.index] if self.routes.producer[e] >= 0]
         self._grad_leaving = [e for e in self.executor.leaving if self.edges[e].requires_grad]
 
@@ -99,11 +108,14 @@ class StageRuntime:
         return {group: names for group, names, _ in shared_groups(self.graph, self.plan).get(self.worker, [])}
 
     # ---- one step --------------------------------------------------------------------------------
-    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, torch.Tensor]], ratios: dict[int, float] | None = None) -> dict[str, Any]:
         st = _StepState(step, lr, inputs)
+        if ratios is not None:
+            self.ratios = ratios
         started = time.perf_counter()
         for i, action in enumerate(self.actions):
             try:
+                log.debug("w%d step %d: %s", self.worker, step, action)
                 await _HANDLERS[action.kind](self, action, st)
             except Exception as exc:
                 for t in st.sends:
@@ -118,7 +130,43 @@ class StageRuntime:
             "grad_norm": st.grad_norm,
             "seconds": time.perf_counter() - started,
             "bytes_to": {str(k): v for k, v in self.peers.bytes_to.items()},
+            "link_stats": {str(k): list(v) for k, v in self.peers.link_stats().items()},
         }
+
+    # ---- compression ---------------------------------------------------------------------------------
+    def _ratio(self, dst: int) -> float | None:
+        if self.codec.kind == "adatopk":
+            return self.ratios.get(dst, 1.0)
+        return None
+
+    def _compressed(self, t: torch.Tensor | None, dst: int) -> bool:
+        if t is None or t.dtype != torch.float32 or self.codec.kind == "none":
+            return False
+        r = self._ratio(dst)
+        return r is None or r < 1.0
+
+    async def _push(self, st: _StepState, dst: int, header: dict, t: torch.Tensor | None, feedback_key: tuple | None = None) -> None:
+        """Send one tensor to a worker, encoded for that link; gradients with error feedback."""
+        if not self._compressed(t, dst):
+            await self.peers.push(dst, header, t, self.hyper.recv_timeout)
+            return
+        spec, ratio = self.codec, self._ratio(dst)
+
+        def prepare() -> tuple[str, bytes]:
+            x = t.detach().to("cpu").contiguous().numpy()
+            if feedback_key is None:
+                return encode(x, spec, ratio)
+            out: list[tuple[str, bytes]] = []
+
+            def roundtrip(total: np.ndarray) -> np.ndarray:
+                out.append(encode(total, spec, ratio))
+                return decode(out[0][0], out[0][1], total.shape)
+
+            self.feedback.apply(feedback_key, x, roundtrip)
+            return out[0]
+
+        encoded = await asyncio.to_thread(prepare)
+        await self.peers.push(dst, header, t, self.hyper.recv_timeout, encoded=encoded)
 
     async def _forward(self, a: Action, st: _StepState) -> None:
         feeds = {**st.inputs.get(a.mb, {}), **st.received.pop(a.mb, {})}
@@ -140,7 +188,7 @@ class StageRuntime:
         for e, t in st.outputs.pop(a.mb).items():
             for c in self.routes.consumers[e]:
                 header = {"kind": "act", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
-                st.sends.append(asyncio.create_task(self.peers.push(self.plan.worker_for(c, a.mb), header, t, self.hyper.recv_timeout)))
+                st.sends.append(asyncio.create_task(self._push(st, self.plan.worker_for(c, a.mb), header, t)))
 
     async def _recv_f(self, a: Action, st: _StepState) -> None:
         got = {}
@@ -156,7 +204,7 @@ class StageRuntime:
                 continue
             header = {"kind": "grad", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
             target = self.plan.worker_for(self.routes.producer[e], a.mb)
-            st.sends.append(asyncio.create_task(self.peers.push(target, header, grads.get(e), self.hyper.recv_timeout)))
+            st.sends.append(asyncio.create_task(self._push(st, target, header, grads.get(e), feedback_key=(e, target, a.mb))))
 
     async def _recv_b(self, a: Action, st: _StepState) -> None:
         got: dict[str, torch.Tensor | None] = {}

@@ -217,7 +217,8 @@ class Worker:
             raise FusionError("Step before Assign")
         inputs = {int(mb): {e: tensor_from_wire(b) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
         try:
-            return await self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs)
+            ratios = {int(k): float(v) for k, v in msg["ratios"].items()} if "ratios" in msg else None
+            return await self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs, ratios)
         except StepFailure as exc:
             self.log.error("%s", exc)
             return {"failed": {"worker": exc.worker, "index": exc.index, "action": str(exc.action), "error": exc.error}}

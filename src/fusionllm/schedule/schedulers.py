@@ -59,9 +59,12 @@ def compute(cost: CostModel, req: Request) -> Plan:
     return _plan([(el.workers, nodes) for el, nodes in stages], req, "compute")
 
 
-def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
-    from fusionllm.sim.simulator import simulate  # noqa: PLC0415 - schedule -> sim only for choosing
+Evaluate = Callable[[Plan, CostModel, Request], float]
 
+
+def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, budget_s: float = 4.0) -> Plan:
+    """``evaluate`` predicts a plan's step time (the simulator, given by the caller: the scheduler
+    sits below it); without it the closed-form estimate decides alone."""
     started = time.perf_counter()
     hw = cost.hw
     graph = cost.graph
@@ -93,11 +96,14 @@ def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
         layouts.append((f"like {name}", [(tuple(s.workers), s.nodes) for s in p.stages]))
     divisors = [m for m in range(1, req.batch_size + 1) if req.batch_size % m == 0]
 
-    def evaluate(stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> tuple[float, Plan] | None:
+    def score(stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> tuple[float, Plan] | None:
         plan = _plan(stages, req, "opfence", m, "1f1b")
-        if not _fits(cost.scaled(micro_batch_scale(cost.graph, req, m)), plan):
+        scaled = cost.scaled(micro_batch_scale(cost.graph, req, m))
+        if not _fits(scaled, plan):
             return None
-        return simulate(plan, cost, req).step_time_s, plan
+        if evaluate is None:
+            return _estimate(scaled, stages, m), plan
+        return evaluate(plan, cost, req), plan
 
     def m_choices(stages: list[tuple[tuple[int, ...], list[str]]]) -> list[int]:
         depth, widest = len(stages), max(len(w) for w, _ in stages)
@@ -116,7 +122,7 @@ def opfence(cost: CostModel, req: Request, *, budget_s: float = 4.0) -> Plan:
     ranked.sort(key=lambda x: x[0])
     best: tuple[float, Plan] | None = None
     for i, (_, name, stages, m) in enumerate(ranked):
-        got = evaluate(stages, m)
+        got = score(stages, m)
         if got is not None and (best is None or got[0] < best[0]):
             got[1].meta.update({"layout": name, "fences": fences})
             best = got
@@ -211,7 +217,9 @@ def _knobs(cost: CostModel) -> dict:
 SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute}
 
 
-def make_schedule(name: str, cost: CostModel, req: Request) -> Plan:
+def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluate | None = None) -> Plan:
     if name not in SCHEDULER_FUNCS:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+    if name == "opfence":
+        return opfence(cost, req, evaluate=evaluate)
     return SCHEDULER_FUNCS[name](cost, req)

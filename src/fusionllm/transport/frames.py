@@ -2,7 +2,7 @@
 
 Header keys: ``v`` (frame version), ``kind`` (``act``, ``grad``, ``reduce``, ``weights``, ...),
 ``step``, ``mb``, ``edge``, ``src`` (sending stage or rank), ``dtype``, ``shape``, ``codec``
-(``raw``), ``nbytes``, and ``none`` (true for "no gradient", with no payload). The receiver checks
+(``raw``, ``fp16``, ``bf16``, ``topk``: see ``fusionllm.compress``), ``nbytes``, and ``none`` (true for "no gradient", with no payload). The receiver checks
 the declared size against the dtype, shape and its limit before it allocates, and the total after.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fusionllm.compress.codecs import decode
 from fusionllm.compress.wire import DEFAULT_MAX_PAYLOAD, array_from_payload, check_meta
 from fusionllm.core.errors import WireError
 from fusionllm.transport.messages import pack, unpack
@@ -20,6 +21,7 @@ from fusionllm.transport.messages import pack, unpack
 FRAME_VERSION = 1
 CHUNK = 2 << 20  # 2 MiB
 MAX_HEADER = 64 << 10
+CODECS = ("raw", "fp16", "bf16", "topk")
 
 
 def tensor_frames(header: dict[str, Any], payload: bytes | memoryview | None) -> Iterator[bytes]:
@@ -40,15 +42,20 @@ async def read_tensor(frames: AsyncIterator[bytes], *, max_payload: int = DEFAUL
     header = unpack(first, max_bytes=MAX_HEADER)
     if header.get("v") != FRAME_VERSION:
         raise WireError(f"tensor frame version {header.get('v')!r} not supported (this side speaks {FRAME_VERSION})")
-    if header.get("codec", "raw") != "raw":
-        raise WireError(f"unknown codec {header.get('codec')!r}")
+    codec = header.get("codec", "raw")
+    if codec not in CODECS:
+        raise WireError(f"unknown codec {codec!r}")
     if header.get("none"):
         if await anext(frames, None) is not None:
             raise WireError("a 'none' tensor carries no payload")
         return header, None
-    nbytes = check_meta(header.get("dtype"), header.get("shape"), max_payload)
-    if header.get("nbytes") != nbytes:
-        raise WireError(f"tensor header says {header.get('nbytes')} bytes, {header.get('dtype')}{header.get('shape')} needs {nbytes}")
+    dense = check_meta(header.get("dtype"), header.get("shape"), max_payload)
+    nbytes = header.get("nbytes")
+    if codec == "raw":
+        if nbytes != dense:
+            raise WireError(f"tensor header says {nbytes} bytes, {header.get('dtype')}{header.get('shape')} needs {dense}")
+    elif header.get("dtype") != "float32" or not isinstance(nbytes, int) or not 0 <= nbytes <= dense + 256:
+        raise WireError(f"compressed tensor: dtype {header.get('dtype')!r}, {nbytes!r} bytes for a dense size of {dense}")
     buf = bytearray(nbytes)
     filled = 0
     async for chunk in frames:
@@ -58,4 +65,6 @@ async def read_tensor(frames: AsyncIterator[bytes], *, max_payload: int = DEFAUL
         filled += len(chunk)
     if filled != nbytes:
         raise WireError(f"tensor stream truncated: {filled} of {nbytes} bytes")
+    if codec != "raw":
+        return header, decode(codec, buf, header["shape"])
     return header, array_from_payload(buf, header["dtype"], header["shape"])

@@ -1,0 +1,143 @@
+"""Codecs: how a float tensor is encoded on a link. One small interface, keyed by role and link.
+
+``none`` sends raw float32; ``fp16`` / ``bf16`` cast; ``topk:R`` keeps the fraction R of entries with
+the largest magnitude (values in fp16, indices in the most compact form, see ``sparse.py``);
+``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``adatopk``
+is top-k whose ratio the policy sets per link and re-adapts during training (``policy.py``).
+Everything here is NumPy: a worker without torch can encode and decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionllm.compress.sparse import (
+    F16,
+    decode_sparse,
+    encode_sparse,
+    from_bf16_bits,
+    to_bf16_bits,
+)
+from fusionllm.core.errors import ConfigError, WireError
+
+EXACT_BELOW = 1 << 20  # exact top-k (argpartition) below this many elements; a sampled threshold above
+SAMPLE = 1 << 16
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    kind: str  # none | fp16 | bf16 | topk | topk-token | adatopk
+    ratio: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.ratio:g}" if self.kind in ("topk", "topk-token") else self.kind
+
+    @property
+    def sparse(self) -> bool:
+        return self.kind in ("topk", "topk-token", "adatopk")
+
+
+def parse_codec(text: str) -> CodecSpec:
+    """`none`, `fp16`, `bf16`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
+    kind, _, arg = text.strip().lower().partition(":")
+    if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
+        return CodecSpec("none" if kind == "raw" else kind)
+    if kind in ("topk", "topk-token"):
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
+        return CodecSpec(kind, ratio)
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, topk:RATIO, topk-token:RATIO or adatopk")
+
+
+def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
+    """Sorted positions of about ``ratio * n`` entries with the largest magnitudes.
+
+    Exact below EXACT_BELOW elements; above, everything over a threshold taken from a strided
+    sample of 65,536 magnitudes (the k it keeps is close to, not exactly, ratio * n).
+    """
+    n = flat.size
+    k = max(1, min(n, math.ceil(ratio * n)))
+    if k >= n:
+        return np.arange(n)
+    mag = np.abs(flat)
+    if n <= EXACT_BELOW:
+        idx = np.argpartition(mag, n - k)[n - k :]
+        idx.sort()
+        return idx
+    sample = mag[:: max(1, n // SAMPLE)]
+    ks = max(1, min(sample.size, math.ceil(ratio * sample.size)))
+    threshold = np.partition(sample, sample.size - ks)[sample.size - ks]
+    return np.flatnonzero(mag >= threshold)
+
+
+def select_topk_rows(x: np.ndarray, ratio: float) -> np.ndarray:
+    """Sorted flat positions keeping the fraction ``ratio`` of each last-dimension row."""
+    d = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, d)
+    k = max(1, min(d, math.ceil(ratio * d)))
+    if k >= d:
+        return np.arange(x.size)
+    idx = np.argpartition(np.abs(rows), d - k, axis=1)[:, d - k :]
+    idx.sort(axis=1)
+    return (idx + (np.arange(rows.shape[0]) * d)[:, None]).reshape(-1)
+
+
+def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None) -> tuple[str, bytes]:
+    """(codec tag, payload) of a float32 array; ``ratio`` overrides the spec's (adatopk)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    r = spec.ratio if ratio is None else ratio
+    if spec.kind == "none" or (spec.sparse and r >= 1.0):
+        return "raw", x.astype("<f4").tobytes()
+    if spec.kind == "fp16":
+        return "fp16", x.astype("<f2").tobytes()
+    if spec.kind == "bf16":
+        return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
+    flat = x.reshape(-1)
+    positions = select_topk_rows(x, r) if spec.kind == "topk-token" else select_topk(flat, r)
+    return "topk", encode_sparse(tuple(x.shape), positions, flat[positions], F16)
+
+
+def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, ...] | list[int]) -> np.ndarray:
+    """A float32 array of ``shape`` from a payload; sizes are checked before anything is read."""
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape)) if shape else 1
+    if tag in ("raw", "fp16", "bf16"):
+        width = 4 if tag == "raw" else 2
+        if len(payload) != width * n:
+            raise WireError(f"{tag} payload is {len(payload)} bytes, shape {list(shape)} needs {width * n}")
+        if tag == "raw":
+            return np.frombuffer(payload, dtype="<f4").reshape(shape)
+        if tag == "fp16":
+            return np.frombuffer(payload, dtype="<f2").astype(np.float32).reshape(shape)
+        return from_bf16_bits(np.frombuffer(payload, dtype="<u2")).reshape(shape)
+    if tag == "topk":
+        out = decode_sparse(payload, max_elements=max(n, 1))
+        if out.shape != shape:
+            raise WireError(f"sparse payload has shape {list(out.shape)}, the header says {list(shape)}")
+        return out
+    raise WireError(f"unknown codec {tag!r}")
+
+
+def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
+    """Estimated encoded bytes / raw float32 bytes (what the planner and simulator use)."""
+    r = spec.ratio if ratio is None else ratio
+    if spec.kind == "none" or (spec.sparse and r >= 1.0):
+        return 1.0
+    if spec.kind in ("fp16", "bf16"):
+        return 0.5
+    # fp16 values (2 bytes) plus the smaller of 16-bit deltas (2 bytes) and a bitmap (n/8 bytes)
+    return min(0.5 * r + 0.5 * r, 0.5 * r + 1 / 32, 1.0)
+
+
+def topk_ratio_for(byte_target: float) -> float:
+    """The top-k ratio whose encoding is about ``byte_target`` of the raw bytes."""
+    if byte_target >= 1.0:
+        return 1.0
+    return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))

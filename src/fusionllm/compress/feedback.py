@@ -1,0 +1,27 @@
+"""Error feedback: what compression dropped from a gradient is added to the next one sent on that link."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+
+class ErrorFeedback:
+    """Residuals per key (edge, destination, micro-batch slot), kept by the sender."""
+
+    def __init__(self) -> None:
+        self._residual: dict[Hashable, np.ndarray] = {}
+
+    def apply(self, key: Hashable, grad: np.ndarray, compress: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Compress ``grad`` plus the residual; keep the new residual; return what the receiver gets."""
+        total = grad + self._residual[key] if key in self._residual and self._residual[key].shape == grad.shape else grad
+        sent = compress(total)
+        self._residual[key] = total - sent
+        return sent
+
+    def residual(self, key: Hashable) -> np.ndarray | None:
+        return self._residual.get(key)
+
+    def clear(self) -> None:
+        self._residual.clear()

@@ -1,0 +1,49 @@
+"""AdaTopK's policy: how hard each link is compressed.
+
+From the plan: a link whose transfer of one micro-batch's tensors takes longer than the bottleneck
+stage's compute would become the bottleneck; its byte ratio is set so that the transfer fits in that
+time (with a margin), within ``[r_min, 1]``; every other link stays uncompressed. During training the
+ratio re-adapts from the link's measured throughput (an exponential moving average), so a link that
+slows down is compressed harder, and one that recovers is relieved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fusionllm.compress.codecs import topk_ratio_for
+
+
+@dataclass
+class LinkPolicy:
+    budget_s: float  # the bottleneck stage's compute per micro-batch
+    r_min: float = 0.01
+    margin: float = 0.8  # aim for this fraction of the budget
+    smoothing: float = 0.5  # weight of a new throughput measurement
+    bps: dict[tuple[int, int], float] = field(default_factory=dict)  # link -> estimated bits/s
+    bytes_per_mb: dict[tuple[int, int], float] = field(default_factory=dict)  # raw bytes per micro-batch
+
+    def byte_target(self, link: tuple[int, int]) -> float:
+        """Encoded / raw bytes for the link (1.0: uncompressed)."""
+        nbytes = self.bytes_per_mb.get(link, 0.0)
+        bps = self.bps.get(link, float("inf"))
+        if nbytes <= 0 or bps == float("inf"):
+            return 1.0
+        seconds = nbytes * 8 / bps
+        if seconds <= self.budget_s:
+            return 1.0
+        return max(self.r_min, min(1.0, self.margin * self.budget_s / seconds))
+
+    def topk_ratio(self, link: tuple[int, int]) -> float:
+        return max(self.r_min, topk_ratio_for(self.byte_target(link))) if self.byte_target(link) < 1.0 else 1.0
+
+    def observe(self, link: tuple[int, int], wire_bytes: float, busy_s: float) -> None:
+        """A measurement of the link: bytes that crossed it while it was busy for busy_s seconds."""
+        if wire_bytes <= 64 << 10 or busy_s <= 0:
+            return  # too little traffic to say anything
+        measured = wire_bytes * 8 / busy_s
+        old = self.bps.get(link)
+        self.bps[link] = measured if old in (None, float("inf")) else (1 - self.smoothing) * old + self.smoothing * measured
+
+    def ratios(self) -> dict[tuple[int, int], float]:
+        return {link: self.topk_ratio(link) for link in self.bytes_per_mb}
