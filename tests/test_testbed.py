@@ -49,7 +49,8 @@ def test_probe_reports_each_link_within_ten_percent() -> None:
 @needs_root
 def test_train_inside_the_testbed_matches_single_process(tmp_path: Path) -> None:
     a, b = tmp_path / "tb.jsonl", tmp_path / "single.jsonl"
-    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), *COMMON, "--metrics", str(a), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    # a pipeline through every device (params): OP-Fence would keep this small model on one site
+    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "params", *COMMON, "--metrics", str(a), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "links shaped with tc" in proc.stderr and "10.213." in proc.stderr
     subprocess.run([*BASE, "train", "--single-process", *COMMON, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
@@ -78,3 +79,23 @@ def test_without_emulation_it_warns_and_runs_on_loopback(tmp_path: Path) -> None
     proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "uniform.toml"), *COMMON, "--steps", "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "NOT emulated" in proc.stderr and "127.0.0.1" in proc.stderr
+
+
+@needs_root
+def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path) -> None:
+    out = tmp_path / "ada.jsonl"
+    proc = subprocess.run(
+        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--compress", "adatopk",
+         "--model", "gpt-micro", "--steps", "24", "--batch-size", "8", "--seq-len", "64", "--lr", "1e-2", "--warmup", "3",
+         "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    ratios = records[-1]["ratios"]
+    # two-sites: devices 0,1 in X and 2,3 in Y; the params plan runs 0 -> 1 -> 2 -> 3, so only 1 <-> 2 is slow
+    assert ratios["w1->w2"] < 1 and ratios["w2->w1"] < 1
+    assert ratios["w0->w1"] == 1 and ratios["w2->w3"] == 1
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 0.5, (first, last)

@@ -406,20 +406,23 @@ def simulate(
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,
     gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG of one step here.")] = None,
+    compress: CompressOpt = "none",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
     import json
 
-    from fusionllm.control.planning import offline
+    from fusionllm.control.planning import offline, with_compression
     from fusionllm.schedule.plan import Request
     from fusionllm.sim.gantt import plot_gantt
     from fusionllm.sim.simulator import simulate as run_sim
 
     req = Request(batch_size, seq_len, micro_batches)
     _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    cost = with_compression(plan, cost, req, compress)
     result = run_sim(plan, cost, req, keep_timeline=gantt is not None)
-    out = result.to_json() | {"scheduler": scheduler, "micro_batches": plan.micro_batches, "stages": len(plan.stages)}
+    out = result.to_json() | {"scheduler": scheduler, "compress": compress, "micro_batches": plan.micro_batches, "stages": len(plan.stages),
+                              "ratios": {f"w{a}->w{b}": round(r, 4) for (a, b), r in cost.ratios.items() if r < 1 and a in plan.workers and b in plan.workers}}
     if gantt:
         plot_gantt(result, gantt, f"{model} on {cluster.name}, {scheduler}: {result.step_time_s:.3f} s/step")
         out["gantt"] = str(gantt)
@@ -427,6 +430,8 @@ def simulate(
         print(json.dumps(out, indent=1))
         return
     print(f"step_time_s={result.step_time_s:.4f} tokens_per_s={result.tokens_per_s:.0f} bubble={result.bubble_fraction:.0%}")
+    if out["ratios"]:
+        print("  compressed links (bytes ratio): " + ", ".join(f"{k} {v:.3f}" for k, v in out["ratios"].items()))
     for w, b in sorted(result.busy_s.items()):
         print(f"  w{w}: computing {b:.3f} s ({b / result.step_time_s:.0%})")
     for link, nbytes in sorted(result.link_bytes.items()):

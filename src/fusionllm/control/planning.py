@@ -161,3 +161,21 @@ def link_policy(plan: Plan, cost: CostModel, req: Request) -> LinkPolicy:
                     policy.bytes_per_mb[link] = policy.bytes_per_mb.get(link, 0.0) + nbytes
                     policy.bps.setdefault(link, cost.hw.bps(*link))
     return policy
+
+
+def with_compression(plan: Plan, cost: CostModel, req: Request, compress: str) -> CostModel:
+    """The cost model with each link's byte ratio under a codec (what `simulate --compress` uses)."""
+    from dataclasses import replace
+
+    from fusionllm.compress.codecs import byte_ratio, parse_codec
+
+    spec = parse_codec(compress)
+    if spec.kind == "none":
+        return cost
+    n = len(cost.hw)
+    if spec.kind == "adatopk":
+        policy = link_policy(plan, cost, req)
+        ratios = {link: policy.byte_target(link) for link in policy.bytes_per_mb}
+    else:
+        ratios = {(a, b): byte_ratio(spec) for a in range(n) for b in range(n) if a != b}
+    return replace(cost, ratios=ratios)

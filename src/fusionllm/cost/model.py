@@ -78,10 +78,10 @@ class CostModel:
     def wire_bytes(self, nbytes: int, src: int, dst: int) -> float:
         return nbytes * self.ratio(src, dst) + HEADER_BYTES
 
-    def transfer_seconds(self, nbytes: int, src: int, dst: int) -> float:
-        """Time a message occupies the link (without latency)."""
+    def transfer_seconds(self, nbytes: float, src: int, dst: int, *, raw: bool = False) -> float:
+        """Time a message occupies the link (without latency); ``raw``: not through the link's codec."""
         bps = self.hw.bps(src, dst)
-        wire = self.wire_bytes(nbytes, src, dst)
+        wire = nbytes + HEADER_BYTES if raw else self.wire_bytes(nbytes, src, dst)
         return (wire * 8 / bps if math.isfinite(bps) else 0.0) + self.message_overhead_s
 
     def latency(self, src: int, dst: int) -> float:
@@ -97,7 +97,7 @@ class CostModel:
     def allreduce_round_seconds(self, nbytes: int, group: list[int]) -> float:
         n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
-        return max(self.transfer_seconds(math.ceil(nbytes / n), a, b) + self.latency(a, b) for a, b in ring)
+        return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) for a, b in ring)
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         if device.flops:

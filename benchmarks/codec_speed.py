@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Codec speed: encode + decode of float32 tensors, MB/s of dense input, bytes and error.
+
+For 1M to 64M elements and ratios 0.001 to 0.3: top-k (exact below 1M elements, a sampled
+threshold above: the table reports how far its k is from the exact k), per-token top-k, fp16, bf16.
+Writes codec_speed.json/.md/.png.
+
+    python benchmarks/codec_speed.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write  # noqa: E402
+
+from fusionllm.compress.codecs import decode, encode, parse_codec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(x: np.ndarray, spec: str, reps: int) -> dict:
+    codec = parse_codec(spec)
+    enc, dec = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        tag, payload = encode(x, codec)
+        t1 = time.perf_counter()
+        y = decode(tag, payload, x.shape)
+        t2 = time.perf_counter()
+        enc.append(t1 - t0)
+        dec.append(t2 - t1)
+    total = statistics.median(enc) + statistics.median(dec)
+    kept = int(np.count_nonzero(y)) if codec.sparse else x.size
+    exact_k = int(np.ceil(codec.ratio * x.size)) if codec.sparse else x.size
+    err = float(np.linalg.norm(y - x) / np.linalg.norm(x))
+    return {"codec": spec, "elements": x.size, "encode_s": round(statistics.median(enc), 4), "decode_s": round(statistics.median(dec), 4),
+            "mb_per_s": round(x.nbytes / total / 1e6, 1), "bytes_ratio": round(len(payload) / x.nbytes, 5),
+            "k_vs_exact": round(kept / exact_k, 3), "rel_error": round(err, 4)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    specs = ["topk:0.001", "topk:0.01", "topk:0.1", "topk:0.3", "topk-token:0.01", "fp16", "bf16"]
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in sizes:
+        x = rng.standard_normal(n // 768 * 768).astype(np.float32).reshape(-1, 768)  # rows like a model's tokens
+        for spec in specs:
+            rows.append(bench(x, spec, 2 if n >= 64 << 20 else 3))
+            print(rows[-1], flush=True)
+    table = ["| codec | elements | MB/s (dense in, encode + decode) | encode (s) | decode (s) | bytes ratio | kept k / exact k | relative error |",
+             "|---|---|---|---|---|---|---|---|"]
+    table += [f"| {r['codec']} | {r['elements']:,} | {r['mb_per_s']} | {r['encode_s']} | {r['decode_s']} | {r['bytes_ratio']} | {r['k_vs_exact']} | {r['rel_error']} |" for r in rows]
+    goal = next((r for r in rows if r["codec"] == "topk:0.01" and r["elements"] >= 16 << 20), None)
+    if goal:
+        table += ["", f"Goal (top-k at 0.01 on 16M elements >= 300 MB/s): {goal['mb_per_s']} MB/s, k within {abs(goal['k_vs_exact'] - 1):.1%} of exact."]
+    write(args.out, "codec_speed", rows, table)
+    _plot(rows, args.out / "codec_speed.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for spec in dict.fromkeys(r["codec"] for r in rows):
+        mine = [r for r in rows if r["codec"] == spec]
+        ax.plot([r["elements"] for r in mine], [r["mb_per_s"] for r in mine], marker="o", label=spec)
+    ax.set_xscale("log")
+    ax.set_xlabel("float32 elements")
+    ax.set_ylabel("MB/s of dense input (encode + decode)")
+    ax.axhline(300, color="0.6", ls="--", lw=0.8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Codecs: round trips, exact top-k, compact indices, corrupt payloads, error feedback, the policy."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from fusionllm.compress.codecs import EXACT_BELOW, byte_ratio, decode, encode, parse_codec, select_topk, select_topk_rows, topk_ratio_for
+from fusionllm.compress.feedback import ErrorFeedback
+from fusionllm.compress.policy import LinkPolicy
+from fusionllm.compress.sparse import BITMAP, DELTA16, POS32, decode_sparse, encode_sparse, index_bytes
+from fusionllm.core.errors import ConfigError, WireError
+
+finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)), elements=finite), st.floats(0.01, 1.0))
+def test_topk_keeps_exactly_the_largest_magnitudes(x: np.ndarray, ratio: float) -> None:
+    tag, payload = encode(x, parse_codec(f"topk:{ratio}"))
+    y = decode(tag, payload, x.shape)
+    assert y.shape == x.shape and y.dtype == np.float32
+    k = max(1, min(x.size, int(np.ceil(ratio * x.size))))
+    kept = np.flatnonzero(y.reshape(-1) != 0) if tag == "topk" else np.arange(x.size)
+    assert len(kept) <= k
+    if tag == "topk":
+        mags = np.sort(np.abs(x.reshape(-1)))[::-1]
+        threshold = mags[k - 1]
+        # every value kept is among the k largest, stored to fp16 precision
+        assert (np.abs(x.reshape(-1))[kept] >= threshold).all()
+        np.testing.assert_allclose(y.reshape(-1)[kept], x.reshape(-1)[kept].astype(np.float16).astype(np.float32))
+
+
+def test_sampled_topk_is_close_to_k_on_large_tensors() -> None:
+    x = np.random.default_rng(1).standard_normal(EXACT_BELOW * 4).astype(np.float32)
+    for ratio in (0.001, 0.01, 0.1):
+        k = len(select_topk(x, ratio))
+        assert abs(k - ratio * x.size) <= 0.15 * ratio * x.size, (ratio, k)
+
+
+def test_per_token_topk_keeps_each_row() -> None:
+    x = np.random.default_rng(2).standard_normal((3, 5, 20)).astype(np.float32)
+    pos = select_topk_rows(x, 0.1)
+    assert len(pos) == 15 * 2 and (np.bincount(pos // 20, minlength=15) == 2).all()
+    tag, payload = encode(x, parse_codec("topk-token:0.1"))
+    y = decode(tag, payload, x.shape)
+    assert ((y != 0).sum(axis=-1) == 2).all()
+
+
+def test_index_format_is_the_smallest() -> None:
+    n = 100_000
+    dense = np.arange(0, n, 2)
+    sparse = np.arange(0, n, 1000)
+    far = np.array([0, 70_000])
+    assert index_bytes(n, dense)[0] == BITMAP
+    assert index_bytes(n, sparse)[0] == DELTA16
+    assert index_bytes(n, far)[0] == POS32  # a gap does not fit 16 bits; 2 x 4 bytes < the bitmap
+    for pos in (dense, sparse, far):
+        payload = encode_sparse((n,), pos, np.ones(len(pos), np.float32))
+        assert (np.flatnonzero(decode_sparse(payload)) == pos).all()
+
+
+def test_casts_and_byte_ratios() -> None:
+    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(8, 8)
+    for name, width in (("fp16", 2), ("bf16", 2), ("none", 4)):
+        tag, payload = encode(x, parse_codec(name))
+        assert len(payload) == width * x.size
+        np.testing.assert_allclose(decode(tag, payload, x.shape), x, rtol=1e-2, atol=1e-2)
+    assert byte_ratio(parse_codec("topk:0.01")) == pytest.approx(0.01)
+    assert topk_ratio_for(0.01) == pytest.approx(0.01) and topk_ratio_for(1.0) == 1.0
+    for bad in ("topk", "topk:0", "topk:2", "zip", "adatopk:3"):
+        with pytest.raises(ConfigError):
+            parse_codec(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_corrupt_sparse_payloads_raise_wire_error(data: st.DataObject) -> None:
+    x = np.random.default_rng(data.draw(st.integers(0, 100))).standard_normal((7, 13)).astype(np.float32)
+    _, payload = encode(x, parse_codec("topk:0.2"))
+    buf = bytearray(payload)
+    how = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
+    if how == "flip":
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
+    else:
+        buf += bytes(data.draw(st.integers(1, 16)))
+    try:
+        y = decode("topk", bytes(buf), x.shape)
+    except WireError:
+        return
+    assert y.shape == x.shape  # a flip in the values themselves decodes to other values, never out of bounds
+
+
+def test_huge_declared_sizes_are_refused_without_allocating() -> None:
+    payload = bytearray(encode_sparse((4,), np.array([1]), np.ones(1, np.float32)))
+    payload[8:16] = (1 << 40).to_bytes(8, "little")  # n
+    with pytest.raises(WireError):
+        decode_sparse(bytes(payload))
+
+
+def test_error_feedback_sends_the_total_over_steps() -> None:
+    rng = np.random.default_rng(3)
+    ef = ErrorFeedback()
+    spec = parse_codec("topk:0.05")
+    grads = [rng.standard_normal(200).astype(np.float32) for _ in range(30)]
+    sent = [ef.apply("e", g, lambda t: decode(*encode(t, spec), t.shape)) for g in grads]
+    np.testing.assert_allclose(np.sum(sent, axis=0) + ef.residual("e"), np.sum(grads, axis=0), rtol=1e-4, atol=1e-3)
+
+
+def test_policy_compresses_only_slow_links_and_adapts() -> None:
+    policy = LinkPolicy(budget_s=0.05, bps={(0, 1): 1e9, (1, 2): 8e6}, bytes_per_mb={(0, 1): 1e6, (1, 2): 1e6})
+    assert policy.topk_ratio((0, 1)) == 1.0  # 8 ms on 1 Gbit/s fits the 50 ms budget
+    slow = policy.topk_ratio((1, 2))
+    assert 0 < slow < 1 and policy.byte_target((1, 2)) == pytest.approx(0.8 * 0.05 / 1.0)
+    policy.observe((1, 2), 2e6, 4.0)  # the link slowed to 4 Mbit/s
+    assert policy.topk_ratio((1, 2)) < slow
+    policy.observe((0, 1), 10, 1.0)  # too little traffic to judge: ignored
+    assert policy.bps[(0, 1)] == 1e9
