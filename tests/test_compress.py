@@ -6,10 +6,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from fusionllm.compress.codecs import EXACT_BELOW, byte_ratio, decode, encode, parse_codec, select_topk, select_topk_rows, topk_ratio_for
+from fusionllm.compress.codecs import (
+    EXACT_BELOW,
+    byte_ratio,
+    decode,
+    encode,
+    parse_codec,
+    select_topk,
+    select_topk_rows,
+    topk_ratio_for,
+)
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.compress.policy import LinkPolicy
-from fusionllm.compress.sparse import BITMAP, DELTA16, POS32, decode_sparse, encode_sparse, index_bytes
+from fusionllm.compress.sparse import (
+    BITMAP,
+    DELTA16,
+    POS32,
+    decode_sparse,
+    encode_sparse,
+    index_bytes,
+)
 from fusionllm.core.errors import ConfigError, WireError
 
 finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
