@@ -145,28 +145,32 @@ class StageRuntime:
         r = self._ratio(dst)
         return r is None or r < 1.0
 
-    async def _push(self, st: _StepState, dst: int, header: dict, t: torch.Tensor | None, feedback_key: tuple | None = None) -> None:
-        """Send one tensor to a worker, encoded for that link; gradients with error feedback."""
+    async def _push(self, st: _StepState, dst: int, header: dict, t: torch.Tensor | None, feedback_key: tuple | None = None, keep_decoded: bool = False) -> torch.Tensor | None:
+        """Send one tensor to a worker, encoded for that link; gradients with error feedback.
+
+        With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         if not self._compressed(t, dst):
             await self.peers.push(dst, header, t, self.hyper.recv_timeout)
-            return
+            return t
         spec, ratio = self.codec, self._ratio(dst)
 
-        def prepare() -> tuple[str, bytes]:
+        def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             x = t.detach().to("cpu").contiguous().numpy()
             if feedback_key is None:
-                return encode(x, spec, ratio)
+                encoded = encode(x, spec, ratio)
+                return encoded, (decode(*encoded, x.shape) if keep_decoded else None)
             out: list[tuple[str, bytes]] = []
 
             def roundtrip(total: np.ndarray) -> np.ndarray:
                 out.append(encode(total, spec, ratio))
                 return decode(out[0][0], out[0][1], total.shape)
 
-            self.feedback.apply(feedback_key, x, roundtrip)
-            return out[0]
+            sent = self.feedback.apply(feedback_key, x, roundtrip)
+            return out[0], sent
 
-        encoded = await asyncio.to_thread(prepare)
+        encoded, seen = await asyncio.to_thread(prepare)
         await self.peers.push(dst, header, t, self.hyper.recv_timeout, encoded=encoded)
+        return torch.from_numpy(np.array(seen)).to(t.device) if keep_decoded and seen is not None else None
 
     async def _forward(self, a: Action, st: _StepState) -> None:
         feeds = {**st.inputs.get(a.mb, {}), **st.received.pop(a.mb, {})}
@@ -222,18 +226,28 @@ class StageRuntime:
     async def _reduce(self, a: Action, st: _StepState) -> None:
         params = self.executor.trainable()
 
-        async def send(worker: int, header: dict, t: torch.Tensor) -> None:
-            await self.peers.push(worker, {**header, "src": self.worker}, t, self.hyper.recv_timeout)
-
-        async def recv(header: dict) -> torch.Tensor | None:
-            key = (header["kind"], header["step"], header["mb"], header["edge"], header["src"])
-            return await self.inbox.get(key, self.hyper.recv_timeout)
-
         for gi, (group, names) in enumerate(self._groups.items()):
+            ring = list(group)
+            # a chunk completed by one member must reach all members identically: on a ring of two
+            # the all-gather is one hop and may be compressed; longer rings forward it raw
+            allgather_ok = len(ring) == 2
+
+            async def send(worker: int, header: dict, t: torch.Tensor, phase: str, gi: int = gi, allgather_ok: bool = allgather_ok) -> torch.Tensor:
+                header = {**header, "src": self.worker}
+                if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(t, worker):
+                    await self.peers.push(worker, header, t, self.hyper.recv_timeout)
+                    return t
+                seen = await self._push(st, worker, header, t, feedback_key=("reduce", gi, header["edge"]), keep_decoded=True)
+                return seen if seen is not None else t
+
+            async def recv(header: dict) -> torch.Tensor | None:
+                key = (header["kind"], header["step"], header["mb"], header["edge"], header["src"])
+                return await self.inbox.get(key, self.hyper.recv_timeout)
+
             grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
             flat = torch.cat([g.reshape(-1) for g in grads])
             tag = {"kind": "reduce", "step": st.step, "edge": f"g{gi}"}
-            total = await ring_allreduce(flat, list(group), self.worker, tag, send, recv)
+            total = await ring_allreduce(flat, ring, self.worker, tag, send, recv)
             offset = 0
             for n, g in zip(names, grads, strict=True):
                 params[n].grad = total[offset : offset + g.numel()].view_as(g).clone()
