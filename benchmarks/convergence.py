@@ -66,7 +66,7 @@ def main() -> int:
             rows.append(run(codec, args, Path(tmp)))
             r = rows[-1]
             print(f"{codec}: val {r['final_val_loss']:.4f}, {r['bytes_per_step_slow_link'] / 1e3:.1f} kB/step on the slow link, {r['wall_s']:.0f} s", flush=True)
-    base = next(r for r in rows if r["codec"] == "none")
+    base = next((r for r in rows if r["codec"] == "none"), rows[0])
     table = [f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}, seed 0, two stages across an 8 Mbit/s link "
              f"({args.cluster}.toml); validation loss on the same held-out batches.", "",
              "| codec | final val loss | vs none | bytes/step on the slow link | fewer bytes | train wall (s) | tokens/s |", "|---|---|---|---|---|---|---|"]

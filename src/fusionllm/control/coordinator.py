@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -156,7 +157,8 @@ class Coordinator:
         self.membership.participants = set(plan.workers)
         run = _Run(graph, plan, clients)
         self._print_plan(run, addresses)
-        hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout, "compress": str(codec)}
+        hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout, "compress": str(codec),
+                 "compress_roles": os.environ.get("FUSIONLLM_COMPRESS_ROLES", "act,grad,reduce")}
         graph_json, plan_json = graph.to_json(), plan.to_json()
 
         async def assign(w: int) -> None:

@@ -49,6 +49,7 @@ class Hyper:
     grad_clip: float = 1.0
     recv_timeout: float = 600.0
     compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
+    compress_roles: str = "act,grad,reduce"  # which traffic the codec applies to (an experiment knob)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class StageRuntime:
         self.codec = parse_codec(hyper.compress)
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
         self.feedback = ErrorFeedback()
+        self.roles = set(hyper.compress_roles.split(","))
         self._entering_from_stages = [e for e in self.routes.entering[self.stage.index] if self.routes.producer[e] >= 0]
         self._grad_leaving = [e for e in self.executor.leaving if self.edges[e].requires_grad]
 
@@ -139,8 +141,8 @@ class StageRuntime:
             return self.ratios.get(dst, 1.0)
         return None
 
-    def _compressed(self, t: torch.Tensor | None, dst: int) -> bool:
-        if t is None or t.dtype != torch.float32 or self.codec.kind == "none":
+    def _compressed(self, t: torch.Tensor | None, dst: int, role: str = "act") -> bool:
+        if t is None or t.dtype != torch.float32 or self.codec.kind == "none" or role not in self.roles:
             return False
         r = self._ratio(dst)
         return r is None or r < 1.0
@@ -149,7 +151,8 @@ class StageRuntime:
         """Send one tensor to a worker, encoded for that link; gradients with error feedback.
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
-        if not self._compressed(t, dst):
+        role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
+        if not self._compressed(t, dst, role):
             await self.peers.push(dst, header, t, self.hyper.recv_timeout)
             return t
         spec, ratio = self.codec, self._ratio(dst)
@@ -234,7 +237,7 @@ class StageRuntime:
 
             async def send(worker: int, header: dict, t: torch.Tensor, phase: str, gi: int = gi, allgather_ok: bool = allgather_ok) -> torch.Tensor:
                 header = {**header, "src": self.worker}
-                if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(t, worker):
+                if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(t, worker, "reduce"):
                     await self.peers.push(worker, header, t, self.hyper.recv_timeout)
                     return t
                 seen = await self._push(st, worker, header, t, feedback_key=("reduce", gi, header["edge"]), keep_decoded=True)

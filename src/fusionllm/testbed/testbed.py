@@ -30,6 +30,7 @@ DEFAULT_SUBNET = os.environ.get("FUSIONLLM_TESTBED_SUBNET", "10.213.7")
 BRIDGE = f"{PREFIX}-br"
 UNLIMITED = "10gbit"
 MAX_WORKERS = 240
+LOCK = "/run/fusionllm-testbed.lock"
 log = get_logger("testbed", "testbed")
 
 
@@ -93,8 +94,9 @@ class Testbed:
         if not self.emulated:
             log.warning("testbed not emulated (%s): workers run on loopback with no limits", self.why_not)
             return
+        self._lock()
         self._check_subnet()
-        down()  # leftovers of a crashed run
+        down()  # leftovers of a crashed run (the lock says no live testbed owns them)
         try:
             run("ip", "link", "add", BRIDGE, "type", "bridge")
             run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", BRIDGE)
@@ -108,6 +110,24 @@ class Testbed:
         except BaseException:
             down()
             raise
+
+    def _lock(self) -> None:
+        """One testbed per machine: a second would tear down the first's namespaces."""
+        import fcntl
+
+        self._lockfile = open(LOCK, "a+")  # noqa: SIM115 - held until down()
+        try:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lockfile.seek(0)
+            owner = self._lockfile.read().strip() or "?"
+            self._lockfile.close()
+            self._lockfile = None
+            raise TestbedError(f"another testbed is running on this machine (process {owner}); wait for it, or stop it and run `fusionllm testbed down`") from None
+        self._lockfile.seek(0)
+        self._lockfile.truncate()
+        self._lockfile.write(str(os.getpid()))
+        self._lockfile.flush()
 
     def _check_subnet(self) -> None:
         net = ipaddress.ip_network(f"{self.subnet}.0/24")
@@ -157,6 +177,10 @@ class Testbed:
     def down(self) -> None:
         if self.emulated:
             down()
+        lock = getattr(self, "_lockfile", None)
+        if lock is not None:
+            lock.close()  # releases the flock
+            self._lockfile = None
 
 
 def down() -> dict[str, list[str]]:
