@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ["none", "adatopk", "topk:0.1", "topk-token:0.1", "topk:0.03", "fp16"]
+CODECS = ["none", "adatopk", "topk:0.1", "topk-token:0.1", "q4", "q3", "fp16"]
 
 
 def run(codec: str, args: argparse.Namespace, tmp: Path) -> dict:

@@ -136,3 +136,46 @@ def test_policy_compresses_only_slow_links_and_adapts() -> None:
     assert policy.topk_ratio((1, 2)) < slow
     policy.observe((0, 1), 10, 1.0)  # too little traffic to judge: ignored
     assert policy.bps[(0, 1)] == 1e9
+
+
+@pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
+def test_quantised_round_trip_and_size(bits: int) -> None:
+    x = np.random.default_rng(bits).standard_normal((5, 3, 64)).astype(np.float32)
+    tag, payload = encode(x, parse_codec(f"q{bits}"))
+    y = decode(tag, payload, x.shape)
+    assert y.shape == x.shape and y.dtype == np.float32
+    rows = 15
+    assert len(payload) == 20 + 8 * 3 + 2 * rows + (x.size * bits + 7) // 8  # header, shape, scales, values
+    # per row, the error is at most half a quantisation step
+    step = np.abs(x).max(axis=-1, keepdims=True) / (2 ** (bits - 1) - 1)
+    assert (np.abs(y - x) <= step / 2 + 1e-2 * step + 1e-6).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_corrupt_quantised_payloads_raise_wire_error(data: st.DataObject) -> None:
+    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal((6, 10)).astype(np.float32)
+    _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["q8", "q4", "q3"]))))
+    buf = bytearray(payload)
+    if data.draw(st.booleans()):
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
+    else:
+        i = data.draw(st.integers(0, 31))  # the header and shape
+        buf[i % len(buf)] ^= data.draw(st.integers(1, 255))
+    try:
+        y = decode("quant", bytes(buf), x.shape)
+    except WireError:
+        return
+    assert y.shape == x.shape
+
+
+def test_adaptive_codec_prefers_quantisation_then_topk() -> None:
+    from fusionllm.compress.codecs import adaptive_codec
+
+    assert adaptive_codec(1.0, 128)[0].kind == "none"
+    assert adaptive_codec(0.6, 128)[0].kind == "fp16"
+    assert adaptive_codec(0.3, 128)[0].kind == "q8"
+    assert adaptive_codec(0.13, 128)[0].kind == "q4"
+    assert adaptive_codec(0.08, 128)[0].kind == "q2"
+    spec, ratio = adaptive_codec(0.02, 128)
+    assert spec.kind == "adatopk" and ratio == pytest.approx(0.02)

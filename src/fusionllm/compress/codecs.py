@@ -1,6 +1,7 @@
 """Codecs: how a float tensor is encoded on a link. One small interface, keyed by role and link.
 
-``none`` sends raw float32; ``fp16`` / ``bf16`` cast; ``topk:R`` keeps the fraction R of entries with
+``none`` sends raw float32; ``fp16`` / ``bf16`` cast; ``q8`` .. ``q2`` quantise each token's vector
+to that many bits with its own scale; ``topk:R`` keeps the fraction R of entries with
 the largest magnitude (values in fp16, indices in the most compact form, see ``sparse.py``);
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``adatopk``
 is top-k whose ratio the policy sets per link and re-adapts during training (``policy.py``).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fusionllm.compress.quant import decode_quant, encode_quant
 from fusionllm.compress.sparse import (
     F16,
     decode_sparse,
@@ -29,7 +31,7 @@ SAMPLE = 1 << 16
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 | q4 | topk | topk-token | adatopk
     ratio: float = 1.0
 
     def __str__(self) -> str:
@@ -45,6 +47,8 @@ def parse_codec(text: str) -> CodecSpec:
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
+    if kind in ("q8", "q6", "q5", "q4", "q3", "q2") and not arg:
+        return CodecSpec(kind)
     if kind in ("topk", "topk-token"):
         try:
             ratio = float(arg)
@@ -53,7 +57,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -99,6 +103,8 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None) -> tuple[
         return "fp16", x.astype("<f2").tobytes()
     if spec.kind == "bf16":
         return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
+    if spec.kind.startswith("q"):
+        return "quant", encode_quant(x, int(spec.kind[1:]))
     flat = x.reshape(-1)
     positions = select_topk_rows(x, r) if spec.kind == "topk-token" else select_topk(flat, r)
     return "topk", encode_sparse(tuple(x.shape), positions, flat[positions], F16)
@@ -117,6 +123,11 @@ def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, 
         if tag == "fp16":
             return np.frombuffer(payload, dtype="<f2").astype(np.float32).reshape(shape)
         return from_bf16_bits(np.frombuffer(payload, dtype="<u2")).reshape(shape)
+    if tag == "quant":
+        out = decode_quant(payload, max_elements=max(n, 1))
+        if out.shape != shape:
+            raise WireError(f"quantised payload has shape {list(out.shape)}, the header says {list(shape)}")
+        return out
     if tag == "topk":
         out = decode_sparse(payload, max_elements=max(n, 1))
         if out.shape != shape:
@@ -132,6 +143,8 @@ def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
         return 1.0
     if spec.kind in ("fp16", "bf16"):
         return 0.5
+    if spec.kind.startswith("q"):
+        return int(spec.kind[1:]) / 32
     # fp16 values (2 bytes) plus the smaller of 16-bit deltas (2 bytes) and a bitmap (n/8 bytes)
     return min(0.5 * r + 0.5 * r, 0.5 * r + 1 / 32, 1.0)
 
@@ -141,3 +154,24 @@ def topk_ratio_for(byte_target: float) -> float:
     if byte_target >= 1.0:
         return 1.0
     return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))
+
+
+QUANT_LADDER = ("q8", "q6", "q5", "q4", "q3", "q2")
+
+
+def adaptive_codec(byte_target: float, row_len: int) -> tuple[CodecSpec, float | None]:
+    """AdaTopK's choice for a link that must send at most ``byte_target`` of the raw bytes.
+
+    The most accurate codec that fits: fp16, then per-token quantisation from 8 down to 2 bits, and
+    top-k only below what 2 bits reach. At equal bytes quantisation kept the loss far lower than
+    top-k in our convergence experiment (docs/compression.md).
+    """
+    if byte_target >= 1.0:
+        return CodecSpec("none"), None
+    if byte_target >= 0.5:
+        return CodecSpec("fp16"), None
+    scale_share = 2 / (4 * max(row_len, 1))  # one fp16 scale per row of float32 values
+    for kind in QUANT_LADDER:
+        if int(kind[1:]) / 32 + scale_share <= byte_target:
+            return CodecSpec(kind), None
+    return CodecSpec("adatopk"), topk_ratio_for(byte_target)

@@ -46,4 +46,5 @@ class LinkPolicy:
         self.bps[link] = measured if old in (None, float("inf")) else (1 - self.smoothing) * old + self.smoothing * measured
 
     def ratios(self) -> dict[tuple[int, int], float]:
-        return {link: self.topk_ratio(link) for link in self.bytes_per_mb}
+        """Byte target per link (1.0: uncompressed); the worker picks the codec (``adaptive_codec``)."""
+        return {link: self.byte_target(link) for link in self.bytes_per_mb}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.codecs import adaptive_codec, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
@@ -156,6 +156,8 @@ class StageRuntime:
             await self.peers.push(dst, header, t, self.hyper.recv_timeout)
             return t
         spec, ratio = self.codec, self._ratio(dst)
+        if spec.kind == "adatopk":  # the link's byte target -> the most accurate codec that meets it
+            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, t.shape[-1] if t.dim() else 1)
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             x = t.detach().to("cpu").contiguous().numpy()
