@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from fusionllm.cluster.hardware import Device, Hardware
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
@@ -34,12 +36,42 @@ class CostModel:
     optimizer_bytes_per_s: float = 4e8  # AdamW over fp32 parameters on one reference thread
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)  # codec ratio per link
     scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # shared by scaled copies
+
+    def op_parts(self, device: Device) -> tuple[np.ndarray, np.ndarray]:
+        """Per compute op (topological order), forward + backward seconds at sustained speed as
+        (the part that grows with the micro-batch, the fixed part): time = grow * scale + fixed."""
+        key = ("parts", device.index)
+        if key not in self.memo:
+            grow, fixed = [], []
+            rate = self.cpu_rate(device)
+            for n in self.graph.compute_nodes:
+                w = self.work[n.id]
+                if device.flops:
+                    grow.append((w.fwd_flops + w.bwd_flops) / (device.flops * self.gpu_efficiency))
+                elif w.fwd_s is None or w.bwd_s is None:
+                    grow.append((w.fwd_flops + w.bwd_flops) / REFERENCE_FLOPS / rate)
+                else:
+                    grow.append((max(w.fwd_s - self.op_overhead_s, 0.0) + max(w.bwd_s - self.op_overhead_s, 0.0)) / rate)
+                fixed.append(2 * self.op_overhead_s / (1.0 if device.flops else rate))
+            self.memo[key] = (np.array(grow), np.array(fixed))
+        return self.memo[key]
+
+    def op_vector(self, device: Device) -> np.ndarray:
+        grow, fixed = self.op_parts(device)
+        key = ("vec", device.index, self.scale)
+        if key not in self.memo:
+            self.memo[key] = grow * self.scale + fixed
+        return self.memo[key]
+
+    def positions(self) -> dict[str, int]:
+        if "pos" not in self.memo:
+            self.memo["pos"] = {n.id: i for i, n in enumerate(self.graph.compute_nodes)}
+        return self.memo["pos"]
 
     def scaled(self, scale: float) -> CostModel:
         """The same model for micro-batches ``scale`` times as large (work and tensors grow linearly)."""
-        out = replace(self, scale=scale)
-        out.__dict__.pop("_op_vectors", None)  # per-op caches hold the old scale
-        return out
+        return replace(self, scale=scale)  # shares ``memo``: its entries are keyed by scale
 
     def edge_bytes(self, nbytes: int) -> int:
         return int(nbytes * self.scale)

@@ -53,18 +53,14 @@ def op_seconds_per_element(cost: CostModel, ops: Sequence[str], element: Element
     return list(_element_vector(cost, ops, element))
 
 
-def _device_vector(cost: CostModel, device: int) -> dict[str, float]:
-    """Per-op seconds on one device, computed once per cost model (cached on it)."""
-    cache = cost.__dict__.setdefault("_op_vectors", {})
-    if device not in cache:
-        d = cost.hw.devices[device]
-        rate = cost.cpu_rate(d)
-        cache[device] = {n.id: (cost.op_seconds(n.id, d, False) + cost.op_seconds(n.id, d, True)) / rate for n in cost.graph.compute_nodes}
-    return cache[device]
-
-
 def _element_vector(cost: CostModel, ops: Sequence[str], element: Element) -> np.ndarray:
-    rows = [np.fromiter((_device_vector(cost, w)[n] for n in ops), float, len(ops)) for w in element.workers]
+    pos = cost.positions()
+    first, last = pos[ops[0]], pos[ops[-1]]
+    if last - first + 1 == len(ops):  # a contiguous run of the topological order (every stage is one)
+        rows = [cost.op_vector(cost.hw.devices[w])[first : last + 1] for w in element.workers]
+    else:
+        idx = np.fromiter((pos[n] for n in ops), int, len(ops))
+        rows = [cost.op_vector(cost.hw.devices[w])[idx] for w in element.workers]
     if len(rows) == 1:
         return rows[0]
     # replicas take micro-batches round robin: the slowest sets the pace, shared by all of them
