@@ -140,7 +140,9 @@ def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], 
     from fusionllm.schedule.partition import op_seconds_per_element
 
     graph = cost.graph
-    readers = _readers(graph)
+    if "readers" not in cost.memo:
+        cost.memo["readers"] = graph.consumers()
+    readers = cost.memo["readers"]
     where = {n: k for k, (_, nodes) in enumerate(stages) for n in nodes}
     crossing = [0.0] * len(stages)  # bytes leaving stage k per micro-batch (to any later stage)
     for k, (_, nodes) in enumerate(stages):
@@ -176,17 +178,6 @@ def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], 
         reduce += rounds * (cost.allreduce_round_seconds(nbytes, list(group)) + 2 * cost.message_cpu_seconds(nbytes / len(group)))
     width = max(1, min(len(w) for w, _ in stages))
     return fill + max(0.0, m / width - 1) * bottleneck + reduce + cost.step_overhead_s
-
-
-_READERS: dict[int, dict[str, list[str]]] = {}
-
-
-def _readers(graph) -> dict[str, list[str]]:  # noqa: ANN001
-    key = id(graph)
-    if key not in _READERS:
-        _READERS.clear()
-        _READERS[key] = graph.consumers()
-    return _READERS[key]
 
 
 def _factors(n: int) -> list[int]:
