@@ -126,17 +126,20 @@ def test_wrong_token_is_refused_on_both_sides(tmp: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(tmp: Path) -> None:
+    run_dir = tmp / "run-int"
+    metrics = tmp / "int.jsonl"
     proc = subprocess.Popen(
-        [*BASE, "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "100000", "--batch-size", "8", "--seq-len", "16", "--run-dir", str(tmp / "run-int")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [*BASE, "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "100000", "--batch-size", "8", "--seq-len", "16",
+         "--run-dir", str(run_dir), "--metrics", str(metrics), "--eval-every", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and len(_leftovers()) < 3:
-        time.sleep(0.5)
-    time.sleep(3)  # let it train a little
-    assert len(_leftovers()) == 3  # coordinator and two workers
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.5)  # wait until it trains
+    mine = [line for line in _leftovers() if str(run_dir) in line]
+    assert len(mine) == 3  # coordinator and two workers
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
-    proc.communicate(timeout=60)
+    proc.wait(timeout=60)
     time.sleep(1)
     assert _leftovers() == []
 

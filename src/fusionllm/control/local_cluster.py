@@ -88,7 +88,13 @@ def run_local_cluster(
         print("interrupted: stopping the local cluster", file=sys.stderr)
         return 130
     finally:
-        _stop_all(procs)
+        # a second Ctrl+C (or SIGTERM) must not cut the clean-up short: children would be left behind
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            _stop_all(procs)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
         for log in logs:
             log.close()
 
