@@ -243,9 +243,9 @@ class Coordinator:
     async def _train(self, run: _Run) -> TrainResult:
         t, c = self.train, self.cluster
         corpus = load_corpus(t.data)
-        train_tokens, _ = corpus.split(0.1)
+        train_tokens, val_tokens = corpus.split(0.1)
         batches = Batcher(train_tokens, t.batch_size, t.seq_len, t.seed)
-        val_batches = Batcher(corpus.split(0.1)[1], t.batch_size, t.seq_len, t.seed)
+        val_batches = Batcher(val_tokens, t.batch_size, t.seq_len, t.seed)
         r = routes(run.graph, run.plan)
         tok_edge, tgt_edge = (n.outputs[0].id for n in run.graph.input_nodes)
         mb_size = t.batch_size // run.plan.micro_batches
@@ -323,11 +323,18 @@ class Coordinator:
         grid = format_grid({f"worker {k}": v for k, v in sorted(run.actions.items())}, (f"worker {w}", int(info["index"])))
         raise FusionError(f"step {step} failed on worker {w} at {info['action']}: {info['error']}\naction grid (the failing action is marked !):\n{grid}")
 
-    async def _gather_weights(self, run: _Run) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    async def _stage_states(self, run: _Run) -> dict[int, bytes]:
+        """Each stage's weights and AdamW state (safetensors bytes), from its first worker."""
+        out = {}
         for s in run.plan.stages:
             reply = await run.clients[s.workers[0]].call("GetState", {}, timeout=self.cluster.step_timeout)
-            out.update(unpack_tensors(reply["state"]))
+            out[s.index] = reply["state"]
+        return out
+
+    async def _gather_weights(self, run: _Run) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for blob in (await self._stage_states(run)).values():
+            out.update(unpack_tensors(blob))
         return out
 
     async def _evaluate(self, run: _Run, batches: Batcher) -> float:
@@ -343,11 +350,9 @@ class Coordinator:
         return await asyncio.to_thread(evaluate, self.model, batches, self.cluster.eval_batches)
 
     async def _checkpoint(self, run: _Run, done: int) -> None:
-        states = {}
-        for s in run.plan.stages:
-            reply = await run.clients[s.workers[0]].call("GetState", {}, timeout=self.cluster.step_timeout)
-            states[s.index] = reply["state"]
-            unpack_tensors(states[s.index])  # refuse to write a checkpoint we could not read back
+        states = await self._stage_states(run)
+        for blob in states.values():
+            unpack_tensors(blob)  # refuse to write a checkpoint we could not read back
         files = {"plan.json": self._plan_json, "graph.json": self._graph_json}
         state = {"data_position": done, "train": asdict(self.train), "cluster": {k: v for k, v in asdict(self.cluster).items() if k != "token"}}
         path = write_checkpoint(self.cluster.checkpoint_dir or "", done, states, files, state)
