@@ -175,7 +175,90 @@ def test_adaptive_codec_prefers_quantisation_then_topk() -> None:
     assert adaptive_codec(1.0, 128)[0].kind == "none"
     assert adaptive_codec(0.6, 128)[0].kind == "fp16"
     assert adaptive_codec(0.3, 128)[0].kind == "q8"
-    assert adaptive_codec(0.13, 128)[0].kind == "q4"
-    assert adaptive_codec(0.08, 128)[0].kind == "q2"
+    assert adaptive_codec(0.17, 128)[0].kind == "q5"
+    spec, _ = adaptive_codec(0.08, 128)
+    assert spec.kind == "eq" and 0.3 < spec.step < 1.5
+    assert adaptive_codec(0.12, 128)[0].step < spec.step  # more bytes: a finer step
     spec, ratio = adaptive_codec(0.02, 128)
     assert spec.kind == "adatopk" and ratio == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("target", [0.06, 0.08, 0.1, 0.13])
+def test_adaptive_eq_meets_its_byte_target_on_token_like_rows(target: float) -> None:
+    from fusionllm.compress.codecs import adaptive_codec
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((512, 128)) * rng.uniform(0.1, 10, (512, 1))).astype(np.float32)
+    x[:, 7] *= 8  # an outlier channel, as in a transformer's residual stream
+    spec, _ = adaptive_codec(target, 128)
+    tag, payload = encode(x, spec)
+    assert tag == "eq" and len(payload) <= target * 4 * x.size
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    st.sampled_from([0.01, 0.1, 0.5, 1.0, 3.0]),
+    st.floats(1e-30, 1e30),
+    st.integers(0, 1000),
+)
+def test_entropy_coded_round_trip(shape: list[int], step: float, magnitude: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * magnitude).astype(np.float32)
+    if x.size > 2:
+        x.reshape(-1)[1] = 0.0
+    tag, payload = encode(x, parse_codec(f"eq:{step}"))
+    y = decode(tag, payload, x.shape)
+    assert y.shape == x.shape and y.dtype == np.float32
+    if tag == "raw":  # outliers made the code larger than raw float32: sent raw
+        assert np.array_equal(x, y)
+        return
+    rows = x.reshape(-1, x.shape[-1])
+    rms = np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=1, keepdims=True))
+    err = np.abs(y.reshape(rows.shape) - rows)
+    # at most half a step (of the bf16-rounded scale) everywhere; outliers exact
+    assert (err <= 0.5 * step * rms * (1 + 2**-7) + 1e-6 * np.abs(rows) + 1e-37).all()
+
+
+def test_entropy_coded_outliers_are_exact_and_sizes_follow_the_step() -> None:
+    x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    x[3, 5] = 1e4  # about 16 x its row's RMS: beyond 127 steps of 0.1 RMS
+    _, coarse = encode(x, parse_codec("eq:1.0"))
+    _, fine = encode(x, parse_codec("eq:0.1"))
+    assert decode("eq", fine, x.shape)[3, 5] == np.float32(1e4)
+    assert len(coarse) < len(fine) < x.nbytes / 4
+    assert len(coarse) * 8 / x.size < 2.6  # about log2(4.13) + Huffman's overhead bits per value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_corrupt_entropy_coded_payloads_raise_wire_error(data: st.DataObject) -> None:
+    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal((6, 10)).astype(np.float32)
+    x[2, 3] = 1e6  # one outlier
+    _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["eq:0.3", "eq:1.0"]))))
+    buf = bytearray(payload)
+    how = data.draw(st.sampled_from(["truncate", "flip", "extend"]))
+    if how == "truncate":
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
+    elif how == "extend":
+        buf += bytes(data.draw(st.integers(1, 9)))
+    else:
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    try:
+        y = decode("eq", bytes(buf), x.shape)
+    except WireError:
+        return
+    assert y.shape == x.shape
+
+
+def test_entropy_coded_header_declaring_a_huge_tensor_is_refused_before_inflating() -> None:
+    import struct
+
+    x = np.ones((4, 8), dtype=np.float32)
+    _, payload = encode(x, parse_codec("eq:0.5"))
+    buf = bytearray(payload)
+    struct.pack_into("<Q", buf, 4, 1 << 40)  # rows
+    struct.pack_into("<Q", buf, 44, 1 << 40)  # the first shape entry
+    with pytest.raises(WireError, match="too large|inconsistent"):
+        decode("eq", bytes(buf), x.shape)

@@ -63,6 +63,7 @@ DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
+EvalBatchesOpt = Annotated[int, typer.Option("--eval-batches", min=1, help="Held-out batches per validation loss.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads (per worker with --cluster).")]
 ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule: gpipe or 1f1b.")]
 MicroOpt = Annotated[int, typer.Option("--micro-batches", help="Micro-batches per step (divides --batch-size).")]
@@ -71,7 +72,7 @@ CkptDirOpt = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write
 CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only with --resume use).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in --checkpoint-dir.")]
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
-CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
+CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
 
 
@@ -130,6 +131,7 @@ def train(
     metrics: MetricsOpt = None,
     warmup: WarmupOpt = 20,
     eval_every: EvalOpt = 50,
+    eval_batches: EvalBatchesOpt = 4,
     threads: ThreadsOpt = None,
     single_process: Annotated[bool, typer.Option("--single-process", help="Plain PyTorch in this process (the reference).")] = False,
     cluster: Annotated[str | None, typer.Option(help="local:N (N workers on loopback) or CLUSTER.toml (an emulated testbed).")] = None,
@@ -152,6 +154,7 @@ def train(
     config = TrainConfig(
         model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
+        eval_batches=eval_batches,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
@@ -163,6 +166,7 @@ def train(
             "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
             "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
             "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
+            "--eval-batches", str(eval_batches),
         ]
         args += ["--data", data] if data else []
         args += ["--metrics", str(metrics)] if metrics else []
@@ -229,6 +233,7 @@ def coordinator(
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
     eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (at the coordinator) every N steps and at the end; 0: never.")] = 0,
+    eval_batches: EvalBatchesOpt = 4,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
@@ -244,6 +249,7 @@ def coordinator(
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
+        eval_batches=eval_batches,
     )
     bar, on_step, first = _progress_bar(steps, "train")
 

@@ -3,8 +3,10 @@
 ``none`` sends raw float32; ``fp16`` / ``bf16`` cast; ``q8`` .. ``q2`` quantise each token's vector
 to that many bits with its own scale; ``topk:R`` keeps the fraction R of entries with
 the largest magnitude (values in fp16, indices in the most compact form, see ``sparse.py``);
-``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``adatopk``
-is top-k whose ratio the policy sets per link and re-adapts during training (``policy.py``).
+``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
+quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
+(``entropy.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
+training (``policy.py``) with the most accurate of these that fits.
 Everything here is NumPy: a worker without torch can encode and decode.
 """
 
@@ -15,6 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fusionllm.compress.entropy import (
+    MAX_STEP,
+    MIN_STEP,
+    bits_for_step,
+    decode_eq,
+    encode_eq,
+    step_for_bits,
+)
 from fusionllm.compress.quant import decode_quant, encode_quant
 from fusionllm.compress.sparse import (
     F16,
@@ -31,10 +41,13 @@ SAMPLE = 1 << 16
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | q8 | q4 | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 .. q2 | eq | topk | topk-token | adatopk
     ratio: float = 1.0
+    step: float = 0.0  # eq: the quantisation step in units of each row's RMS
 
     def __str__(self) -> str:
+        if self.kind == "eq":
+            return f"eq:{self.step:g}"
         return f"{self.kind}:{self.ratio:g}" if self.kind in ("topk", "topk-token") else self.kind
 
     @property
@@ -43,12 +56,20 @@ class CodecSpec:
 
 
 def parse_codec(text: str) -> CodecSpec:
-    """`none`, `fp16`, `bf16`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
+    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
     if kind in ("q8", "q6", "q5", "q4", "q3", "q2") and not arg:
         return CodecSpec(kind)
+    if kind == "eq":
+        try:
+            step = float(arg)
+        except ValueError:
+            step = -1.0
+        if not MIN_STEP <= step <= MAX_STEP:
+            raise ConfigError(f"--compress {text!r}: the step must be in [{MIN_STEP}, {MAX_STEP}] (times each token's RMS), e.g. eq:0.7")
+        return CodecSpec("eq", step=step)
     if kind in ("topk", "topk-token"):
         try:
             ratio = float(arg)
@@ -57,7 +78,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -103,6 +124,9 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None) -> tuple[
         return "fp16", x.astype("<f2").tobytes()
     if spec.kind == "bf16":
         return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
+    if spec.kind == "eq":
+        payload = encode_eq(x, spec.step)  # outliers cost 12 bytes each: never send more than raw
+        return ("eq", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.kind.startswith("q"):
         return "quant", encode_quant(x, int(spec.kind[1:]))
     flat = x.reshape(-1)
@@ -128,6 +152,11 @@ def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, 
         if out.shape != shape:
             raise WireError(f"quantised payload has shape {list(out.shape)}, the header says {list(shape)}")
         return out
+    if tag == "eq":
+        out = decode_eq(payload, max_elements=max(n, 1))
+        if out.shape != shape:
+            raise WireError(f"entropy-coded payload has shape {list(out.shape)}, the header says {list(shape)}")
+        return out
     if tag == "topk":
         out = decode_sparse(payload, max_elements=max(n, 1))
         if out.shape != shape:
@@ -143,6 +172,8 @@ def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
         return 1.0
     if spec.kind in ("fp16", "bf16"):
         return 0.5
+    if spec.kind == "eq":
+        return min(1.0, (bits_for_step(spec.step) + 0.125) / 32)
     if spec.kind.startswith("q"):
         return int(spec.kind[1:]) / 32
     # fp16 values (2 bytes) plus the smaller of 16-bit deltas (2 bytes) and a bitmap (n/8 bytes)
@@ -156,22 +187,26 @@ def topk_ratio_for(byte_target: float) -> float:
     return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))
 
 
-QUANT_LADDER = ("q8", "q6", "q5", "q4", "q3", "q2")
+EQ_BITS = (1.5, 4.5)  # entropy-coded quantisation between these bits per value; q8..q5 above, top-k below
 
 
 def adaptive_codec(byte_target: float, row_len: int) -> tuple[CodecSpec, float | None]:
     """AdaTopK's choice for a link that must send at most ``byte_target`` of the raw bytes.
 
-    The most accurate codec that fits: fp16, then per-token quantisation from 8 down to 2 bits, and
-    top-k only below what 2 bits reach. At equal bytes quantisation kept the loss far lower than
-    top-k in our convergence experiment (docs/compression.md).
+    The most accurate codec that fits: fp16, per-token quantisation in 8, 6 or 5 bits, then
+    entropy-coded quantisation (``eq``) with the step that meets the target, and top-k only below
+    what 1.5 bits per value reach. At equal bytes, entropy-coded quantisation kept the loss far
+    lower than fixed-width quantisation and top-k in our convergence experiment (docs/compression.md).
     """
     if byte_target >= 1.0:
         return CodecSpec("none"), None
     if byte_target >= 0.5:
         return CodecSpec("fp16"), None
-    scale_share = 2 / (4 * max(row_len, 1))  # one fp16 scale per row of float32 values
-    for kind in QUANT_LADDER:
-        if int(kind[1:]) / 32 + scale_share <= byte_target:
-            return CodecSpec(kind), None
+    row_len = max(row_len, 1)
+    for bits in (8, 6, 5):
+        if bits / 32 + 2 / (4 * row_len) <= byte_target:
+            return CodecSpec(f"q{bits}"), None
+    bits = byte_target * 32 - 16 / row_len - 0.15  # the bf16 scale per row, and a margin for Huffman's overhead
+    if bits >= EQ_BITS[0]:
+        return CodecSpec("eq", step=step_for_bits(min(bits, EQ_BITS[1]))), None
     return CodecSpec("adatopk"), topk_ratio_for(byte_target)

@@ -1,0 +1,106 @@
+"""Entropy-coded quantisation: a uniform step relative to each token's RMS, then Huffman coding.
+
+Each last-dimension row (a token's vector) gets the scale ``s = step x rms(row)`` (bfloat16, so tiny
+gradients keep their range); every value becomes the integer ``q = round(x / s)``. Most ``q`` are
+small, so the codes, one byte each, are Huffman coded (raw deflate, Huffman-only strategy): the bits
+per value follow the entropy of ``q`` (about ``log2(4.13 / step)`` for Gaussian rows), not a fixed
+width. Values with ``|q| > 127`` (rare outliers) are sent exactly, as float32, at their positions.
+
+Layout (little-endian)::
+
+    b"FE" + version (u8, 1) + u8 rank | u64 rows | u64 cols | u64 outliers | u64 body bytes
+    | rank x u64 shape | rows x bfloat16 scale | outliers x u64 position | outliers x float32 value
+    | body: raw deflate stream of rows x cols bytes, each ``q + 127`` (0 .. 254)
+
+The decoder checks every size against the payload and inflates at most rows x cols bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import numpy as np
+
+from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
+from fusionllm.core.errors import WireError
+
+_HEAD = struct.Struct("<2sBBQQQQ")
+VERSION = 1
+CLIP = 127
+GAUSS = math.sqrt(2 * math.pi * math.e)  # entropy of round(z / step), z ~ N(0, 1): log2(GAUSS / step)
+MIN_STEP, MAX_STEP = 0.01, 8.0
+
+
+def step_for_bits(bits: float) -> float:
+    """The step (in RMS units) whose codes carry about ``bits`` bits per value (Gaussian rows)."""
+    return min(MAX_STEP, max(MIN_STEP, GAUSS / 2.0**bits))
+
+
+def bits_for_step(step: float) -> float:
+    """Estimated bits per value of the Huffman-coded codes (never under 1: Huffman's floor)."""
+    return max(1.0, math.log2(GAUSS / step) + 0.1)
+
+
+def encode_eq(x: np.ndarray, step: float) -> bytes:
+    if not MIN_STEP <= step <= MAX_STEP:
+        raise ValueError(f"step must be in [{MIN_STEP}, {MAX_STEP}]")
+    shape = tuple(x.shape)
+    cols = shape[-1] if shape else 1
+    rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
+    rms = np.sqrt(np.mean(np.square(rows2d, dtype=np.float64), axis=1)).astype(np.float32)
+    scale_bits = to_bf16_bits(rms * np.float32(step))
+    scale = from_bf16_bits(scale_bits)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    q = np.rint(rows2d / safe[:, None])
+    flat_q = q.reshape(-1)
+    outliers = np.flatnonzero(np.abs(flat_q) > CLIP)
+    codes = (np.clip(flat_q, -CLIP, CLIP) + CLIP).astype(np.uint8)
+    deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    body = deflate.compress(codes.tobytes()) + deflate.flush()
+    head = _HEAD.pack(b"FE", VERSION, len(shape), rows2d.shape[0], cols, len(outliers), len(body))
+    return b"".join((
+        head, struct.pack(f"<{len(shape)}Q", *shape), scale_bits.astype("<u2").tobytes(),
+        outliers.astype("<u8").tobytes(), rows2d.reshape(-1)[outliers].astype("<f4").tobytes(), body,
+    ))
+
+
+def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
+    view = memoryview(buf)
+    if len(view) < _HEAD.size:
+        raise WireError("entropy-coded tensor truncated")
+    magic, version, rank, rows, cols, n_out, body_len = _HEAD.unpack_from(view, 0)
+    if magic != b"FE" or version != VERSION or rank > 16:
+        raise WireError("not an entropy-coded tensor (bad magic, version or rank)")
+    off = _HEAD.size + 8 * rank
+    if len(view) < off:
+        raise WireError("entropy-coded tensor truncated inside its shape")
+    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
+    n = math.prod(shape)
+    if n > max_elements or rows * cols != n or (shape and shape[-1] != cols) or n_out > n:
+        raise WireError(f"entropy-coded tensor declares shape {list(shape)} as {rows} x {cols} with {n_out} outliers: inconsistent or too large")
+    need = off + 2 * rows + 12 * n_out + body_len
+    if len(view) != need:
+        raise WireError(f"entropy-coded tensor is {len(view)} bytes, its header needs {need}")
+    scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * rows], dtype="<u2"))
+    off += 2 * rows
+    positions = np.frombuffer(view[off : off + 8 * n_out], dtype="<u8")
+    off += 8 * n_out
+    values = np.frombuffer(view[off : off + 4 * n_out], dtype="<f4")
+    off += 4 * n_out
+    if n_out and (np.any(np.diff(positions.astype(np.int64)) <= 0) or int(positions[-1]) >= n):
+        raise WireError("entropy-coded tensor: outlier positions must increase and stay below its size")
+    inflate = zlib.decompressobj(-15)
+    try:
+        codes = inflate.decompress(view[off:], n)
+    except zlib.error as exc:
+        raise WireError(f"entropy-coded tensor: corrupt body ({exc})") from None
+    if len(codes) != n or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+        raise WireError(f"entropy-coded tensor: the body does not inflate to exactly {n} codes")
+    q = np.frombuffer(codes, dtype=np.uint8)
+    if n and int(q.max()) > 2 * CLIP:
+        raise WireError("entropy-coded tensor: a code is out of range")
+    out = ((q.astype(np.float32) - CLIP).reshape(rows, cols) * scale[:, None]).reshape(-1)
+    out[positions.astype(np.int64)] = values
+    return out.reshape(shape)
