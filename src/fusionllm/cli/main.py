@@ -198,11 +198,7 @@ def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str) -
             console.print(f"testbed {spec.name}: {spec.num_devices} workers in network namespaces, links shaped with tc", highlight=False)
         else:
             console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits[/yellow]")
-        worker_args = [
-            ["--device", device, "--threads", str(s.threads()), *(["--listen", f"{s.address}:7100"] if tb.emulated else [])]
-            for s in tb.slots
-        ]
-        prefixes = [s.command_prefix() for s in tb.slots]
+        worker_args, prefixes = tb.worker_launch(device)
         return run_local_cluster(args, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
 
 

@@ -295,8 +295,10 @@ class Coordinator:
                         for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
                             self.policy.observe((w, int(dst)), nbytes, busy)
                 if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
+                    paused = time.perf_counter()
                     record["val_loss"] = await self._evaluate(run, val_batches)
                     result.val_losses.append((step, record["val_loss"]))
+                    started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
                 metrics.write(record)
                 self.on_step(record)
                 done = step + 1

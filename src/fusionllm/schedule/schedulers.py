@@ -1,6 +1,8 @@
 """Schedulers: OpGraph + cost model -> Plan. OP-Fence and three baselines behind one interface.
 
-- ``uniform``: equal numbers of ops per device, devices in the given order (the usual pipeline example);
+- ``uniform``: equal numbers of the model's repeated blocks per device (the transformer layers; equal
+  numbers of ops for a model without repeated blocks), devices in the given order: the usual
+  pipeline example, and the split ``torch.distributed.pipelining`` users write by hand;
 - ``params``: stages balanced by parameter count, devices in the given order (DeepSpeed's default);
 - ``compute``: stage work proportional to device speed, devices in the given order, bandwidth-blind;
 - ``opfence``: fences of similar fast links, ordered so the crossing tensors take the best links,
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
+from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.fences import find_fences, order_fences
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
@@ -34,13 +37,28 @@ def _plan(stages: list[tuple[tuple[int, ...], list[str]]], req: Request, schedul
 def uniform(cost: CostModel, req: Request) -> Plan:
     ops = [n.id for n in cost.graph.compute_nodes]
     k = min(len(cost.hw), len(ops))
-    size, extra = divmod(len(ops), k)
-    stages, start = [], 0
-    for d in range(k):
-        end = start + size + (1 if d < extra else 0)
-        stages.append(((d,), ops[start:end]))
-        start = end
+    blocks = repeated_blocks(cost.graph)
+    if len(blocks) >= k:  # cut before block round(i * n / k): what the peer's split_spec does
+        cuts = [0] + [blocks[round(i * len(blocks) / k)] for i in range(1, k)] + [len(ops)]
+    else:
+        size, extra = divmod(len(ops), k)
+        cuts = [0]
+        for d in range(k):
+            cuts.append(cuts[-1] + size + (1 if d < extra else 0))
+    stages = [((d,), ops[cuts[d] : cuts[d + 1]]) for d in range(k)]
     return _plan(stages, req, "uniform")
+
+
+def repeated_blocks(graph: OpGraph) -> list[int]:
+    """Positions, among the compute nodes, of the most frequent op kind that carries parameters
+    and occurs more than once (a transformer's blocks); empty when there is none."""
+    nodes = graph.compute_nodes
+    counts: dict[str, int] = {}
+    for n in nodes:
+        if n.params:
+            counts[n.kind] = counts.get(n.kind, 0) + 1
+    best = max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+    return [i for i, n in enumerate(nodes) if n.kind == best[0]] if best[1] > 1 else []
 
 
 def params(cost: CostModel, req: Request) -> Plan:

@@ -82,6 +82,29 @@ class Testbed:
     def coordinator_host(self) -> str:
         return f"{self.subnet}.1" if self.emulated else "127.0.0.1"
 
+    def worker_launch(self, device: str = "cpu") -> tuple[list[list[str]], list[list[str]]]:
+        """(extra `fusionllm worker` flags, command prefix) per worker, for ``run_local_cluster``."""
+        args = [["--device", device, "--threads", str(s.threads()), *(["--listen", f"{s.address}:7100"] if self.emulated else [])]
+                for s in self.slots]
+        return args, [s.command_prefix() for s in self.slots]
+
+    def link_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each worker has sent to each other worker so far, as counted by tc (packet headers included)."""
+        out: dict[tuple[int, int], int] = {}
+        if not self.emulated:
+            return out
+        for slot in self.slots:
+            text = run("ip", "netns", "exec", slot.netns, "tc", "-s", "class", "show", "dev", "eth0")
+            cls = None
+            for line in text.splitlines():
+                words = line.split()
+                if words[:2] == ["class", "htb"]:
+                    cls = int(words[2].split(":")[1])
+                elif words[:1] == ["Sent"] and cls is not None and cls >= 100:
+                    out[(slot.index, cls - 100)] = int(words[1])
+                    cls = None
+        return out
+
     def __enter__(self) -> Testbed:
         self.up()
         return self

@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""End to end: fusionllm against torch.distributed.pipelining, in the same emulated network.
+
+For each cluster file, one testbed (network namespaces, tc rate limits, CPU quotas) is brought up
+and four systems train the same model on the same data, batch, sequence length and seed, one after
+the other, in the same namespaces and on the same links:
+
+1. ``peer``: PyTorch's ``torch.distributed.pipelining`` over gloo (``benchmarks/peer_pipelining.py``),
+   GPipe, the blocks split evenly into one stage per device, in device order;
+2. ``uniform``: fusionllm with the ``uniform`` scheduler (one stage per device, in device order),
+   GPipe, no compression: the difference to the peer is the runtime alone;
+3. ``opfence``: fusionllm with OP-Fence, no compression;
+4. ``opfence+adatopk``: fusionllm with OP-Fence and AdaTopK.
+
+Reported per run: median tokens/s over the steps after warm-up, the wall time to reach a validation
+loss that every run reaches (the highest final validation loss among them), bytes per link as tc
+counts them (packet headers included, the same counter for every system), and the simulator's
+predicted step time next to the measured one. Writes e2e.json, e2e.md, e2e_tokens.png and
+e2e_loss_time.png. Needs root (the testbed).
+
+    python benchmarks/e2e.py [--quick] [--clusters three-sites uniform] [--steps 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write  # noqa: E402
+
+from fusionllm.cluster.spec import load_cluster  # noqa: E402
+from fusionllm.control.local_cluster import run_local_cluster  # noqa: E402
+from fusionllm.control.planning import offline  # noqa: E402
+from fusionllm.schedule.plan import Request  # noqa: E402
+from fusionllm.sim.simulator import simulate  # noqa: E402
+from fusionllm.testbed.testbed import Testbed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = Path(__file__).resolve().parent / "peer_pipelining.py"
+SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer
+    "peer": None,
+    "uniform": ("uniform", "gpipe", "none"),
+    "opfence": ("opfence", "1f1b", "none"),
+    "opfence+adatopk": ("opfence", "1f1b", "adatopk"),
+}
+
+
+def common_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--seed", str(args.seed), "--warmup", str(args.lr_warmup),
+            "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
+
+
+def run_peer(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) -> None:
+    n = len(tb.slots)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0" if tb.emulated else "lo"}
+    port = str(29500 + int(time.time()) % 400)
+    procs = []
+    with log.open("w") as out:
+        for s in tb.slots:
+            cmd = [*s.command_prefix(), sys.executable, str(PEER), "--rank", str(s.index), "--world", str(n),
+                   "--master-addr", tb.slots[0].address, "--master-port", port, "--threads", str(s.threads()),
+                   "--timeout", "120", "--metrics", str(metrics), *common_args(args)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        try:
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(codes):
+        raise RuntimeError(f"the peer failed (exit codes {codes}); its log: {log}\n{log.read_text()[-2000:]}")
+
+
+def run_fusion(tb: Testbed, path: Path, system: tuple[str, str, str], args: argparse.Namespace, metrics: Path, run_dir: Path) -> None:
+    scheduler, schedule, codec = system
+    coord = [*common_args(args), "--scheduler", scheduler, "--schedule", schedule, "--compress", codec,
+             "--hardware", str(path), "--metrics", str(metrics)]
+    worker_args, prefixes = tb.worker_launch()
+    code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
+    if code != 0:
+        raise RuntimeError(f"fusionllm {scheduler}/{codec} failed (exit {code}); logs in {run_dir}")
+
+
+def summarize(name: str, rec: list[dict], args: argparse.Namespace, predicted: float | None, link_bytes: dict) -> dict:
+    steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
+    median = statistics.median(steps)
+    losses = [r["loss"] for r in rec]
+    return {
+        "system": name, "median_step_s": round(median, 4), "tokens_per_s": round(args.batch_size * args.seq_len / median, 1),
+        "predicted_step_s": None if predicted is None else round(predicted, 4),
+        "sim_error": None if predicted is None else round(predicted / median - 1, 4),
+        "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:]), "trained": sum(losses[-5:]) / len(losses[-5:]) < losses[0] - 0.5,
+        "final_val_loss": rec[-1].get("val_loss"), "wall_s": rec[-1]["elapsed_s"],
+        "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in rec if "val_loss" in r],
+        "link_bytes": {f"w{a}->w{b}": v for (a, b), v in sorted(link_bytes.items()) if v > 0},
+        "plan": rec[0].get("plan", ""),
+    }
+
+
+def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
+    path = ROOT / "examples" / "clusters" / f"{name}.toml"
+    spec = load_cluster(path)
+    rows = []
+    with Testbed(spec) as tb:
+        if not tb.emulated:
+            raise SystemExit(f"e2e needs the emulated testbed ({tb.why_not}): run it as root on Linux")
+        for system in args.systems:
+            metrics = tmp / f"{name}-{system}.jsonl"
+            before = tb.link_bytes()
+            print(f"[{name}] {system} ...", flush=True)
+            if SYSTEMS[system] is None:
+                run_peer(tb, args, metrics, tmp / f"{name}-peer.log")
+                req = Request(args.batch_size, args.seq_len, args.micro_batches, schedule="gpipe")
+                _, _, cost, plan = offline(args.model, str(path), "uniform", req)
+                predicted = simulate(plan, cost, req).step_time_s
+            else:
+                run_fusion(tb, path, SYSTEMS[system], args, metrics, tmp / f"{name}-{system}")
+                predicted = None
+            after = tb.link_bytes()
+            rec = [json.loads(line) for line in metrics.read_text().splitlines()]
+            if predicted is None:
+                predicted = rec[0].get("predicted_step_s")
+            sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            row = {"cluster": name, **summarize(system, rec, args, predicted, sent)}
+            rows.append(row)
+            print(f"[{name}] {system}: {row['tokens_per_s']:.0f} tokens/s, val {row['final_val_loss']:.3f}, "
+                  f"predicted {row['predicted_step_s']} s vs {row['median_step_s']} s", flush=True)
+    trained = [r for r in rows if r["trained"]]
+    target = max(r["final_val_loss"] for r in trained) if trained else float("nan")
+    for r in rows:
+        r["target_val_loss"] = target
+        r["time_to_target_s"] = next((t for _, t, v in r["val_curve"] if v <= target + 1e-9), None)
+    return rows
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps, seed {args.seed}, "
+             f"lr {args.lr}; tokens/s from the median step after {args.warmup} warm-up steps; validation every {args.eval_every} steps on "
+             f"{args.eval_batches} held-out batches (evaluation time excluded from the clock for every system). Bytes: tc's counters, all links.", "",
+             "| cluster | system | tokens/s | vs peer | predicted step (s) | measured step (s) | sim error | final val loss | time to target (s) | MB sent |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peer = next((p for p in rows if p["cluster"] == r["cluster"] and p["system"] == "peer"), None)
+        vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
+        pred = "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.3f}"
+        err = "-" if r["sim_error"] is None else f"{r['sim_error']:+.0%}"
+        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
+        trained = "" if r["trained"] else " (did not train)"
+        lines.append(f"| {r['cluster']} | {r['system']}{trained} | {r['tokens_per_s']:.0f} | {vs} | {pred} | {r['median_step_s']:.3f} | {err} | "
+                     f"{r['final_val_loss']:.3f} | {ttt} | {sum(r['link_bytes'].values()) / 1e6:.1f} |")
+    clusters = dict.fromkeys(r["cluster"] for r in rows)
+    lines.append("")
+    for c in clusters:
+        lines.append(f"{c}: target validation loss {next(r for r in rows if r['cluster'] == c)['target_val_loss']:.3f} (the highest final one).")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a reduced run (fewer steps) for a check in a few minutes")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform"])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr-warmup", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = 24, 8, 2, 8, 3
+        args.out = args.out / "quick" if args.out == ROOT / "benchmarks" / "results" else args.out
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fusion-e2e-") as tmpdir:
+        for name in args.clusters:
+            rows += bench_cluster(name, args, Path(tmpdir))
+    write(args.out, "e2e", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
+    _plot(rows, args.out)
+    return 0
+
+
+def _plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clusters = list(dict.fromkeys(r["cluster"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(systems)
+    for i, s in enumerate(systems):
+        vals = [next((r["tokens_per_s"] for r in rows if r["cluster"] == c and r["system"] == s), 0) for c in clusters]
+        ax.bar([k + i * width for k in range(len(clusters))], vals, width, label=s)
+    ax.set_xticks([k + width * (len(systems) - 1) / 2 for k in range(len(clusters))], clusters)
+    ax.set_ylabel("tokens/s (median step)")
+    ax.set_title("fusionllm vs torch.distributed.pipelining, same emulated links")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_tokens.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(clusters), figsize=(6 * len(clusters), 4), squeeze=False)
+    for ax, c in zip(axes[0], clusters, strict=True):
+        for r in rows:
+            if r["cluster"] == c:
+                ax.plot([p[1] for p in r["val_curve"]], [p[2] for p in r["val_curve"]], marker="o", ms=3, label=r["system"])
+        ax.axhline(next(r["target_val_loss"] for r in rows if r["cluster"] == c), color="0.6", lw=0.8, ls="--")
+        ax.set_title(c)
+        ax.set_xlabel("wall time (s, training only)")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_loss_time.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
