@@ -22,6 +22,7 @@ ALLOWED = {
     # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
     "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport", "runtime", "data", "models"},
     "testbed": {"core", "cluster", "transport"},  # the probe measures through our own transport
+    "npexec": {"core", "graph"},  # the NumPy backend: no torch, so only torch-free graph modules (ir)
 }
 
 

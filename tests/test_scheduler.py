@@ -155,3 +155,14 @@ def test_forty_eight_gpus_plan() -> None:
     _, hw_, _, plan = offline("gpt2", str(ROOT / "examples" / "clusters" / "paper-3x16.toml"), "opfence", Request(32, 256, 8), vocab_size=50257)
     assert len(hw_) == 48 and plan.workers and set(plan.workers) <= set(range(48))
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_compression_aware_planning_never_predicts_worse(micro_cost: CostModel) -> None:
+    from fusionllm.control.planning import compression_aware, predict
+
+    req = Request(16, 128, 4)
+    plain = make_schedule("opfence", micro_cost, req, evaluate=predict)
+    plan, squeezed = compression_aware(plain, micro_cost, req)
+    assert squeezed.ratios and all(0.09 <= r < 1 for r in squeezed.ratios.values())  # the 8 Mbit links at least
+    assert min(squeezed.ratios.values()) == pytest.approx(0.09)
+    assert predict(plan, squeezed, req) <= predict(plain, squeezed, req) + 1e-9

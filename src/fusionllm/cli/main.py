@@ -414,13 +414,15 @@ def simulate(
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
     import json
 
-    from fusionllm.control.planning import offline, with_compression
+    from fusionllm.control.planning import compression_aware, offline, with_compression
     from fusionllm.schedule.plan import Request
     from fusionllm.sim.gantt import plot_gantt
     from fusionllm.sim.simulator import simulate as run_sim
 
     req = Request(batch_size, seq_len, micro_batches)
     _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    if compress == "adatopk" and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
+        plan, _ = compression_aware(plan, cost, req)
     cost = with_compression(plan, cost, req, compress)
     result = run_sim(plan, cost, req, keep_timeline=gantt is not None)
     out = result.to_json() | {"scheduler": scheduler, "compress": compress, "micro_batches": plan.micro_batches, "stages": len(plan.stages),

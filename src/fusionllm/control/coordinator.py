@@ -160,13 +160,15 @@ class Coordinator:
         hyper = {"lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "recv_timeout": c.step_timeout, "compress": str(codec),
                  "compress_roles": os.environ.get("FUSIONLLM_COMPRESS_ROLES", "act,grad,reduce")}
         graph_json, plan_json = graph.to_json(), plan.to_json()
+        data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
 
         async def assign(w: int) -> None:
             stage = plan.stage_of_worker(w)
             names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
             mine = {k: v for k, v in tensors.items() if k.split("/")[-1] in names and (k.startswith("param/") or k.startswith("adam/"))}
             blob = pack_tensors(mine)
-            head = pack({"worker": w, "graph": graph_json, "plan": plan_json, "addresses": {str(k): v for k, v in addresses.items()}, "hyper": hyper, "nbytes": len(blob)})
+            head = pack({"worker": w, "graph": graph_json, "plan": plan_json, "addresses": {str(k): v for k, v in addresses.items()},
+                         "data_addresses": data_addresses, "hyper": hyper, "nbytes": len(blob)})
             frames = [head] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             reply = await clients[w].push("Assign", frames, timeout=c.step_timeout)
             run.actions[w] = [Action.parse(a) for a in reply["actions"]]
@@ -200,7 +202,8 @@ class Coordinator:
         t, c = self.train, self.cluster
         hw = await self._hardware(clients)
         req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
-        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say)
+        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say,
+                                             compress=parse_codec(c.compress).kind)
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")

@@ -59,12 +59,18 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
     return Hardware(tuple(devices), tuple(tuple(r) for r in bw), tuple(tuple(0.0 for _ in range(n)) for _ in range(n)), "probed")
 
 
-def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, source: SourceProvider | None, say: Callable[[str], None]) -> tuple[Plan, CostModel]:
+def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, source: SourceProvider | None, say: Callable[[str], None],
+                compress: str = "none") -> tuple[Plan, CostModel]:
+    """The scheduler's plan; with ``compress=adatopk``, OP-Fence also weighs plans that use slow links
+    compressed. Returns the plan and the cost model without compression (AdaTopK's policy starts there)."""
     started = time.perf_counter()
     work = estimate(graph, source=source, calibrate=True)
     cost = CostModel(graph, work, hw)
     plan = make_schedule(scheduler, cost, req, evaluate=predict)
-    predicted = simulate(plan, cost, req)
+    judged = cost
+    if compress == "adatopk" and scheduler == "opfence":
+        plan, judged = compression_aware(plan, cost, req)
+    predicted = simulate(plan, judged, req)
     plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})
     say(f"scheduler {scheduler}: {len(plan.stages)} stages on {len(plan.workers)} of {len(hw)} workers, "
         f"{plan.micro_batches} micro-batches, predicted {predicted.step_time_s:.3f} s/step "
@@ -129,6 +135,39 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
         "bottleneck": bottleneck,
         "plan": json.loads(plan.to_json()),
     }
+
+
+ADATOPK_PLAN_RATIO = 0.09  # the byte ratio AdaTopK reached with no measurable loss (docs/compression.md)
+COMPRESSED_PLAN_GAIN = 0.8  # a plan that relies on compression replaces the plain one only if predicted this much faster
+
+
+def compression_aware(plan: Plan, cost: CostModel, req: Request) -> tuple[Plan, CostModel]:
+    """OP-Fence again, on links that AdaTopK would compress: a link too slow for the budget (the
+    uncompressed plan's stage time, shortened as if every device took part) carries its bytes x
+    max(ADATOPK_PLAN_RATIO, what fits the budget). The plan found
+    there replaces the plain one only when predicted clearly faster (both judged with compression);
+    also returns the cost model it was judged with."""
+    from dataclasses import replace
+
+    policy = link_policy(plan, cost, req)
+    act = max(policy.bytes_per_mb.values(), default=0.0) or max(e.meta.nbytes for e in cost.graph.edges().values())
+    # a plan on every device has stages this much shorter than the uncompressed plan's
+    budget = policy.budget_s * len(set(plan.workers)) / len(cost.hw)
+    ratios = {}
+    for a in range(len(cost.hw)):
+        for b in range(len(cost.hw)):
+            bps = cost.hw.bps(a, b)
+            if a == b or not math.isfinite(bps):
+                continue
+            seconds = act * 8 / bps
+            if seconds > budget > 0:
+                ratios[(a, b)] = max(ADATOPK_PLAN_RATIO, 0.8 * budget / seconds)
+    squeezed = replace(cost, ratios=ratios)
+    again = make_schedule("opfence", squeezed, req, evaluate=predict)
+    # the compressed plan must win clearly: on three-sites a 2% predicted gain measured 20% slower
+    if predict(again, squeezed, req) < COMPRESSED_PLAN_GAIN * predict(plan, squeezed, req):
+        return again, squeezed
+    return plan, squeezed
 
 
 def link_policy(plan: Plan, cost: CostModel, req: Request) -> LinkPolicy:

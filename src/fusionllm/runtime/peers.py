@@ -14,6 +14,7 @@ from fusionllm.core.errors import WireError
 from fusionllm.runtime.tensors import dtype_name
 from fusionllm.transport.frames import read_tensor, tensor_frames
 from fusionllm.transport.rpc import RpcClient
+from fusionllm.transport.stream import DataClient
 
 Key = tuple  # (kind, step, mb, edge or bucket, src)
 WORKER_SERVICE = "fusionllm.Worker"
@@ -73,12 +74,16 @@ def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 class PeerNet:
-    """Clients to the other workers; pushes tensors and counts bytes per destination."""
+    """Clients to the other workers; pushes tensors and counts bytes per destination.
 
-    def __init__(self, addresses: dict[int, str], token: str) -> None:
+    Tensors go over a worker's data plane (``transport/stream.py``) when it has one, else over gRPC."""
+
+    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None) -> None:
         self.addresses = addresses
+        self.data_addresses = data_addresses or {}
         self.token = token
         self._clients: dict[int, RpcClient] = {}
+        self._data: dict[int, DataClient] = {}
         self.bytes_to: dict[int, int] = {}
         self._busy: dict[int, list[tuple[float, float, int]]] = {}  # per destination: (start, end, bytes)
 
@@ -103,7 +108,12 @@ class PeerNet:
         size = sum(len(f) for f in frames)
         self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size
         started = time.perf_counter()
-        await self.client(worker).push("Push", frames, timeout=timeout)
+        if worker in self.data_addresses:
+            if worker not in self._data:
+                self._data[worker] = DataClient(self.data_addresses[worker], self.token)
+            await self._data[worker].push(frames, timeout=timeout)
+        else:
+            await self.client(worker).push("Push", frames, timeout=timeout)
         self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
 
     def link_stats(self) -> dict[int, tuple[int, float]]:
@@ -127,5 +137,8 @@ class PeerNet:
         for c in self._clients.values():
             await c.close()
         self._clients.clear()
+        for d in self._data.values():
+            await d.close()
+        self._data.clear()
 
 

@@ -36,6 +36,7 @@ from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
+from fusionllm.transport.stream import DataServer
 
 COORDINATOR_SERVICE = "fusionllm.Coordinator"
 MAX_WEIGHTS = 1 << 40
@@ -48,6 +49,7 @@ class WorkerConfig:
     device: str = "cpu"
     threads: int | None = None
     listen: str = "127.0.0.1:0"
+    data_port: int = 0  # the TCP port of the tensor data plane (0: any free port)
     advertise: str | None = None
     coordinator_timeout: float = 20.0
     join_timeout: float = 120.0
@@ -84,6 +86,8 @@ class Worker:
             control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink},
         )
+        self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload)
+        self.data_address = ""
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -92,6 +96,8 @@ class Worker:
         info = device_info(self.config.device)
         port = await self.server.start(self.config.listen)
         address = f"{self._advertise_host()}:{port}"
+        data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
+        self.data_address = f"{self._advertise_host()}:{data_port}"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
@@ -107,6 +113,7 @@ class Worker:
             if self.peers:
                 await self.peers.close()
             await self.coordinator.close()
+            await self.data.stop()
             await self.server.stop(0.5)
         return self.exit_code
 
@@ -127,7 +134,7 @@ class Worker:
 
     async def _register(self, address: str, info: dict[str, Any]) -> None:
         request = {
-            "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "device": info,
+            "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "data_address": self.data_address, "device": info,
             "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
             "hostname": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
             "rank": self.config.rank,
@@ -200,7 +207,8 @@ class Worker:
         tensors = unpack_tensors(bytes(buf))
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
-        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token)
+        data = {int(k): str(v) for k, v in msg.get("data_addresses", {}).items()}
+        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data)
         hyper = Hyper(**msg["hyper"])
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,

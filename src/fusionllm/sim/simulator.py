@@ -105,12 +105,13 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     reduce_idx: dict[int, int] = defaultdict(int)
     timeline: list[tuple[int, str, float, float]] = []
     sizes: dict[tuple, int] = {}
+    decode: dict[tuple, float] = {}  # the receiver's codec time per message
 
     def receive(w: int, keys: list[tuple]) -> None:
         """Wait for the messages, and spend the CPU time of taking them in."""
         t = clock[w]
         for k in sorted(keys, key=lambda k: arrival[k]):
-            t = cpu[w].run(max(t, arrival[k]), cost.message_cpu_seconds(sizes[k]))
+            t = cpu[w].run(max(t, arrival[k]), cost.message_cpu_seconds(sizes[k]) + decode.get(k, 0.0))
         clock[w] = t
 
     stage_nodes = {s.index: s.nodes for s in plan.stages}
@@ -125,7 +126,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         link_busy[name] += dur
         arrival[key] = start + dur + cost.latency(w, dst)
         sizes[key] = nbytes
-        clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes))
+        decode[key] = cost.codec_cpu_seconds(nbytes, w, dst, sender=False)
+        clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes) + cost.codec_cpu_seconds(nbytes, w, dst, sender=True))
         if keep_timeline:
             timeline.append((w, f"send->{dst}", start, start + dur))
 

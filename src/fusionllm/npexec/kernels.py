@@ -1,0 +1,188 @@
+"""Forward and backward of the layers of a GPT in float32 NumPy, as torch computes them.
+
+Each ``*_forward`` returns its output and what its ``*_backward`` needs; each backward takes that
+and the output's gradient and returns the gradients of the inputs and weights. Shapes follow
+gpt.py: B batch, T sequence, C embedding width, H heads, D = C / H head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+F32 = np.float32
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_ERFC_COEFFS = (
+    -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+    0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
+)
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """Complementary error function in float64, relative error < 1.2e-7 everywhere.
+
+    The Chebyshev fit of Numerical Recipes (``erfcc``): accurate relative to erfc itself, so
+    ``x * erfc(-x / sqrt 2)`` keeps float32 precision far into the negative tail, where GELU is tiny.
+    """
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.full_like(z, _ERFC_COEFFS[-1])
+    for c in _ERFC_COEFFS[-2::-1]:
+        poly = poly * t + c
+    r = t * np.exp(-z * z + poly)
+    return np.where(x >= 0, r, 2.0 - r)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    return 1.0 - erfc(x)
+
+
+# ---- linear -----------------------------------------------------------------------------------
+def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = x @ w.T  # (..., out)
+    return y + b if b is not None else y
+
+
+def linear_backward(
+    gy: np.ndarray, x: np.ndarray, w: np.ndarray, has_bias: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(dx, dw, db) of ``y = x @ w.T + b``."""
+    g2 = gy.reshape(-1, gy.shape[-1])  # (N, out)
+    dx = gy @ w  # (..., in)
+    dw = g2.T @ x.reshape(-1, x.shape[-1])  # (out, in)
+    db = g2.sum(axis=0) if has_bias else None
+    return dx, dw, db
+
+
+# ---- layer norm -------------------------------------------------------------------------------
+def layer_norm_forward(
+    x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: float, ndim: int = 1
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """Normalise over the last ``ndim`` axes (biased variance, eps inside the root, like torch)."""
+    axes = tuple(range(x.ndim - ndim, x.ndim))
+    mu = x.mean(axis=axes, keepdims=True)
+    xc = x - mu
+    rstd = (1.0 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + F32(eps))).astype(F32)
+    xhat = xc * rstd
+    y = xhat
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, (xhat, rstd)
+
+
+def layer_norm_backward(
+    gy: np.ndarray, saved: tuple[np.ndarray, np.ndarray], w: np.ndarray | None, has_bias: bool, ndim: int = 1
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(dx, dw, db) of layer norm."""
+    xhat, rstd = saved
+    axes = tuple(range(gy.ndim - ndim, gy.ndim))
+    lead = tuple(range(gy.ndim - ndim))
+    dxhat = gy * w if w is not None else gy
+    dx = rstd * (
+        dxhat - dxhat.mean(axis=axes, keepdims=True) - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True)
+    )
+    dw = (gy * xhat).sum(axis=lead) if w is not None else None
+    db = gy.sum(axis=lead) if has_bias else None
+    return dx, dw, db
+
+
+# ---- GELU -------------------------------------------------------------------------------------
+def gelu_forward(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    if approximate == "tanh":
+        x64 = x.astype(np.float64)
+        inner = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
+        return (0.5 * x64 * (1.0 + np.tanh(inner))).astype(F32)
+    x64 = x.astype(np.float64)
+    return (0.5 * x64 * erfc(-x64 * _SQRT_HALF)).astype(F32)  # x * Phi(x)
+
+
+def gelu_backward(gy: np.ndarray, x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        k = math.sqrt(2.0 / math.pi)
+        th = np.tanh(k * (x64 + 0.044715 * x64**3))
+        d = 0.5 * (1.0 + th) + 0.5 * x64 * (1.0 - th * th) * k * (1.0 + 3 * 0.044715 * x64 * x64)
+    else:
+        d = 0.5 * erfc(-x64 * _SQRT_HALF) + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)
+    return (gy * d).astype(F32)
+
+
+# ---- attention --------------------------------------------------------------------------------
+def attention_forward(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, scale: float | None = None
+) -> tuple[np.ndarray, tuple[np.ndarray, float]]:
+    """softmax(q k^T * scale [+ causal mask]) v over (..., T, D); the mask is top-left aligned."""
+    s = F32(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scores = (q @ np.swapaxes(k, -1, -2)) * s  # (..., Tq, Tk)
+    if causal:
+        tq, tk = scores.shape[-2:]
+        scores = np.where(np.tril(np.ones((tq, tk), dtype=bool)), scores, F32(-np.inf))
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p @ v, (p, float(s))
+
+
+def attention_backward(
+    gy: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, saved: tuple[np.ndarray, float]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) of attention_forward."""
+    p, s = saved
+    dv = np.swapaxes(p, -1, -2) @ gy  # (..., Tk, D)
+    dp = gy @ np.swapaxes(v, -1, -2)  # (..., Tq, Tk)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * F32(s)
+    return ds @ k, np.swapaxes(ds, -1, -2) @ q, dv
+
+
+# ---- embedding --------------------------------------------------------------------------------
+def embedding_forward(idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return w[idx]  # (*idx.shape, C)
+
+
+def embedding_backward(gy: np.ndarray, idx: np.ndarray, num: int, padding_idx: int | None) -> np.ndarray:
+    """The weight's gradient: rows summed per token id (the padding row gets none, as in torch)."""
+    dw = np.zeros((num, gy.shape[-1]), dtype=F32)
+    np.add.at(dw, idx.reshape(-1), gy.reshape(-1, gy.shape[-1]))
+    if padding_idx is not None:
+        dw[padding_idx] = 0.0
+    return dw
+
+
+# ---- cross-entropy ----------------------------------------------------------------------------
+def cross_entropy_forward(
+    logits: np.ndarray, targets: np.ndarray, *, ignore_index: int = -100, reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, float]]:
+    """Cross-entropy of logits (N, V) against class ids (N,), as F.cross_entropy."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # (N, V)
+    keep = targets != ignore_index
+    safe = np.where(keep, targets, 0)
+    nll = -np.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(axis=-1)
+    nll = np.where(keep, nll, F32(0.0)).astype(F32)
+    if reduction == "none":
+        return nll, (logp, keep, 1.0)
+    denom = float(keep.sum()) if reduction == "mean" else 1.0
+    return np.asarray(nll.sum(dtype=np.float32) / F32(denom), dtype=F32), (logp, keep, denom)
+
+
+def cross_entropy_backward(
+    gy: np.ndarray, targets: np.ndarray, saved: tuple[np.ndarray, np.ndarray, float], label_smoothing: float = 0.0
+) -> np.ndarray:
+    """d loss / d logits."""
+    logp, keep, denom = saved
+    g = np.exp(logp)  # softmax
+    n, v = logp.shape
+    rows = np.arange(n)
+    safe = np.where(keep, targets, 0)
+    g[rows, safe] -= F32(1.0 - label_smoothing)
+    if label_smoothing:
+        g -= F32(label_smoothing / v)
+    scale = gy[:, None] if gy.ndim == 1 else gy / F32(denom)
+    return (g * keep[:, None] * scale).astype(F32)
