@@ -264,7 +264,8 @@ def worker(
     token_file: Annotated[Path, typer.Option("--token-file", help="The coordinator's shared secret.")],
     device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
     threads: ThreadsOpt = None,
-    listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves tensors on (port 0: any).")] = "127.0.0.1:0",
+    listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves control calls on (port 0: any).")] = "127.0.0.1:0",
+    data_port: Annotated[int, typer.Option("--data-port", min=0, max=65535, help="TCP port for tensors from other workers, on --listen's host (0: any).")] = 0,
     advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
     coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
     rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
@@ -274,7 +275,7 @@ def worker(
     from fusionllm.transport.auth import load_token
 
     config = WorkerConfig(
-        join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise,
+        join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
         coordinator_timeout=coordinator_timeout, rank=rank,
     )
     raise typer.Exit(run_worker(config))

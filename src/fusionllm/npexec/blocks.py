@@ -59,17 +59,17 @@ class GPTBlock(Op):
         x1 = x + a
         h2, ln2 = K.layer_norm_forward(x1, p["ln_2.weight"], p.get("ln_2.bias"), self.eps)
         f = K.linear_forward(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"))  # (B, T, 4C)
-        g = K.gelu_forward(f)
+        g, act = K.gelu_forward(f)  # (B, T, 4C)
         out = x1 + K.linear_forward(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias"))
-        return [out], (ln1, attn, ln2, h2, f, g)
+        return [out], (ln1, attn, ln2, h2, act, g)
 
     def backward(self, saved: Any, gys: Sequence[np.ndarray | None], params: Params) -> tuple[InputGrads, ParamGrads]:
         p, gy = params, gys[0]
         assert gy is not None
-        ln1, attn, ln2, h2, f, g = saved
+        ln1, attn, ln2, h2, act, g = saved
         grads: dict[str, np.ndarray | None] = {}
         dg, grads["mlp.c_proj.weight"], grads["mlp.c_proj.bias"] = K.linear_backward(gy, g, p["mlp.c_proj.weight"], self.has_bias)
-        df = K.gelu_backward(dg, f)
+        df = K.gelu_backward(dg, act)
         dh2, grads["mlp.c_fc.weight"], grads["mlp.c_fc.bias"] = K.linear_backward(df, h2, p["mlp.c_fc.weight"], self.has_bias)
         dln2, grads["ln_2.weight"], grads["ln_2.bias"] = K.layer_norm_backward(dh2, ln2, p["ln_2.weight"], self.has_bias)
         dx1 = gy + dln2

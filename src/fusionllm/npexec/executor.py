@@ -78,6 +78,7 @@ class NumpyStageExecutor:
         self._consumers = {e: [n.id for n in self.nodes if e in n.inputs] for e in produced}
         self.ops: dict[str, Op] = self._build_ops()
         self._load(tensors)
+        self._differentiable = {n.id for n in self.nodes if self._needs_backward(n)}
         self._mbs: dict[int, _MicroBatch] = {}
         self.training = True
 
@@ -124,6 +125,7 @@ class NumpyStageExecutor:
         return {e: {leave for leave in self._grad_leaving if e in depends[leave]} for e in self._grad_entering}
 
     def _needs_backward(self, node: Node) -> bool:
+        """A gradient can flow through the node: to an input or a trainable parameter."""
         carries = any(o.requires_grad for o in node.outputs)
         feeds = any(self.edge_meta[e].requires_grad for e in node.inputs) or any(
             name in self.grads for name in node.params.values()
@@ -182,7 +184,7 @@ class NumpyStageExecutor:
             if out.shape != edge.meta.shape:
                 raise GraphError(f"{self.name}: op {node.id} ({node.name}) made {list(out.shape)} for {edge.id}, the graph says {list(edge.meta.shape)}")
             mb.values[edge.id] = out
-        if mb.training and self._needs_backward(node):
+        if mb.training and node.id in self._differentiable:
             mb.saved[node.id] = saved
 
     def backward(self, micro_batch: int, grads: Mapping[str, Any | None]) -> dict[str, np.ndarray | None]:
@@ -236,7 +238,7 @@ class NumpyStageExecutor:
     def _run_backward(self, node: Node, mb: _MicroBatch) -> None:
         gys = [mb.grads.pop(o.id, None) for o in node.outputs]
         saved = mb.saved.pop(node.id, None)
-        if not self._needs_backward(node) or all(g is None for g in gys):
+        if node.id not in self._differentiable or all(g is None for g in gys):
             return
         try:
             input_grads, param_grads = self.ops[node.id].backward(saved, gys, self._local_params(node))

@@ -14,29 +14,41 @@ import numpy as np
 F32 = np.float32
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _ERFC_COEFFS = (
     -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
     0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
 )
 
 
-def erfc(x: np.ndarray) -> np.ndarray:
-    """Complementary error function in float64, relative error < 1.2e-7 everywhere.
+def normal_cdf_pdf(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Phi(x) and phi(x) of the standard normal, in float32.
 
-    The Chebyshev fit of Numerical Recipes (``erfcc``): accurate relative to erfc itself, so
-    ``x * erfc(-x / sqrt 2)`` keeps float32 precision far into the negative tail, where GELU is tiny.
+    Phi goes through erfc, with the Chebyshev fit of Numerical Recipes (``erfcc``, relative error
+    < 1.2e-7 in exact arithmetic): relative to erfc itself, so ``x * Phi(x)`` keeps about 1e-5
+    relative precision far into the negative tail (torch's float32 ``1 + erf`` cancels there),
+    and its ``exp(-x^2 / 2)`` is phi's too.
     """
-    z = np.abs(x.astype(np.float64))
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = np.full_like(z, _ERFC_COEFFS[-1])
+    z = np.abs(x)
+    z *= F32(_SQRT_HALF)
+    t = F32(0.5) * z
+    t += F32(1.0)
+    np.reciprocal(t, out=t)
+    poly = np.full_like(z, F32(_ERFC_COEFFS[-1]))
     for c in _ERFC_COEFFS[-2::-1]:
-        poly = poly * t + c
-    r = t * np.exp(-z * z + poly)
-    return np.where(x >= 0, r, 2.0 - r)
-
-
-def erf(x: np.ndarray) -> np.ndarray:
-    return 1.0 - erfc(x)
+        poly *= t
+        poly += F32(c)
+    np.exp(poly, out=poly)
+    z *= z
+    np.negative(z, out=z)
+    gauss = np.exp(z, out=z)  # exp(-x^2 / 2)
+    tail = poly
+    tail *= t
+    tail *= gauss
+    tail *= F32(0.5)  # Phi(-|x|) = erfc(|x| / sqrt 2) / 2
+    cdf = np.where(x >= 0, F32(1.0) - tail, tail)
+    gauss *= F32(_INV_SQRT_2PI)
+    return cdf, gauss
 
 
 # ---- linear -----------------------------------------------------------------------------------
@@ -91,24 +103,32 @@ def layer_norm_backward(
 
 
 # ---- GELU -------------------------------------------------------------------------------------
-def gelu_forward(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+def gelu_forward(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """``x * Phi(x)`` (exact, torch's default) or the tanh approximation; saves what backward needs."""
     if approximate == "tanh":
-        x64 = x.astype(np.float64)
-        inner = math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
-        return (0.5 * x64 * (1.0 + np.tanh(inner))).astype(F32)
-    x64 = x.astype(np.float64)
-    return (0.5 * x64 * erfc(-x64 * _SQRT_HALF)).astype(F32)  # x * Phi(x)
+        inner = x * x
+        inner *= F32(0.044715)
+        inner += F32(1.0)
+        inner *= x
+        inner *= F32(_SQRT_2_OVER_PI)
+        th = np.tanh(inner, out=inner)
+        return F32(0.5) * x * (F32(1.0) + th), (x, th)
+    cdf, pdf = normal_cdf_pdf(x)
+    return x * cdf, (x, cdf, pdf)
 
 
-def gelu_backward(gy: np.ndarray, x: np.ndarray, approximate: str = "none") -> np.ndarray:
-    x64 = x.astype(np.float64)
+def gelu_backward(gy: np.ndarray, saved: tuple[np.ndarray, ...], approximate: str = "none") -> np.ndarray:
     if approximate == "tanh":
-        k = math.sqrt(2.0 / math.pi)
-        th = np.tanh(k * (x64 + 0.044715 * x64**3))
-        d = 0.5 * (1.0 + th) + 0.5 * x64 * (1.0 - th * th) * k * (1.0 + 3 * 0.044715 * x64 * x64)
-    else:
-        d = 0.5 * erfc(-x64 * _SQRT_HALF) + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)
-    return (gy * d).astype(F32)
+        x, th = saved
+        d = F32(1.0) - th * th
+        d *= F32(_SQRT_2_OVER_PI) * (F32(1.0) + F32(3 * 0.044715) * x * x)
+        d *= F32(0.5) * x
+        d += F32(0.5) * (F32(1.0) + th)
+        return gy * d
+    x, cdf, pdf = saved
+    d = x * pdf
+    d += cdf
+    return gy * d
 
 
 # ---- attention --------------------------------------------------------------------------------

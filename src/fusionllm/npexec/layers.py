@@ -85,8 +85,8 @@ class Gelu(Op):
         self.x, self.approximate = x, approximate
 
     def forward(self, xs: Arrays, params: Params) -> tuple[list[np.ndarray], Any]:
-        x = xs[self.x.index]
-        return [K.gelu_forward(x, self.approximate)], x
+        y, saved = K.gelu_forward(xs[self.x.index], self.approximate)
+        return [y], saved
 
     def backward(self, saved: Any, gys: Sequence[np.ndarray | None], params: Params) -> tuple[InputGrads, ParamGrads]:
         assert gys[0] is not None

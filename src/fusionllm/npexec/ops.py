@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fusionllm.core.errors import GraphError
 from fusionllm.core.meta import TensorMeta
 from fusionllm.graph.ir import Node
 from fusionllm.npexec import blocks, glue, layers
@@ -31,5 +32,11 @@ def build_op(node: Node, inputs: list[TensorMeta]) -> Op:
     if factory is None:
         raise Unsupported(f"node {node.id} ({node.name}): op kind {key!r} has no NumPy implementation")
     n = len(node.inputs)
-    call = Call(node, read(node.call.get("args", []), n), read(node.call.get("kwargs", {}), n), inputs)
-    return factory(call)
+    try:
+        call = Call(node, read(node.call.get("args", []), n), read(node.call.get("kwargs", {}), n), inputs)
+        return factory(call)
+    except Unsupported:
+        raise
+    except (GraphError, KeyError, IndexError, TypeError, ValueError) as exc:
+        # arguments this backend cannot read (an unknown keyword, a tensor where it wants a constant)
+        raise Unsupported(f"node {node.id} ({node.name}, {key}): {type(exc).__name__}: {exc}") from None

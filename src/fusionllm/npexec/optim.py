@@ -59,9 +59,22 @@ class NumpyAdamW:
             denom = np.sqrt(v) / np.float32(math.sqrt(1.0 - beta2**t)) + np.float32(self.eps)
             p += np.float32(-step_size) * (m / denom)
 
-    def state(self) -> dict[str, dict[str, np.ndarray | int]]:
-        """Per-parameter moments and step count (for checkpoints)."""
-        return {k: {"step": self.steps[k], "exp_avg": self.exp_avg[k], "exp_avg_sq": self.exp_avg_sq[k]} for k in self.steps}
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        """Moments and step counts in the checkpoint layout of ``StageRuntime.state_tensors``."""
+        out: dict[str, np.ndarray] = {}
+        for name, t in self.steps.items():
+            out[f"adam/exp_avg/{name}"] = self.exp_avg[name].copy()
+            out[f"adam/exp_avg_sq/{name}"] = self.exp_avg_sq[name].copy()
+            out[f"adam/step/{name}"] = np.array([t], dtype=np.float32)
+        return out
+
+    def load_state(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Take moments and step counts back from ``state_tensors`` (or a torch stage's checkpoint)."""
+        for name, p in self.params.items():
+            if f"adam/exp_avg/{name}" in tensors:
+                self.steps[name] = int(np.asarray(tensors[f"adam/step/{name}"]).reshape(()))
+                self.exp_avg[name] = np.array(tensors[f"adam/exp_avg/{name}"], dtype=p.dtype).reshape(p.shape)
+                self.exp_avg_sq[name] = np.array(tensors[f"adam/exp_avg_sq/{name}"], dtype=p.dtype).reshape(p.shape)
 
 
 def make_adamw(params: Mapping[str, np.ndarray], lr: float, weight_decay: float = 0.1) -> NumpyAdamW:
