@@ -449,6 +449,21 @@ testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces,
 app.add_typer(testbed_app, name="testbed")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_user_errors
+def bench(ctx: typer.Context) -> None:
+    """End to end against torch.distributed.pipelining on emulated clusters (benchmarks/e2e.py; root).
+
+    Every option goes to the benchmark, e.g. `fusionllm bench --quick`; `python benchmarks/e2e.py --help` lists them."""
+    import subprocess
+
+    candidates = [Path(__file__).resolve().parents[3] / "benchmarks" / "e2e.py", Path.cwd() / "benchmarks" / "e2e.py"]
+    script = next((p for p in candidates if p.is_file()), None)
+    if script is None:
+        raise FusionError("benchmarks/e2e.py not found: run `fusionllm bench` from a clone of the fusionllm repository")
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
 @testbed_app.command("up")
 @_user_errors
 def testbed_up(cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML).")]) -> None:

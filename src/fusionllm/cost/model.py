@@ -28,7 +28,7 @@ class CostModel:
     hw: Hardware
     gpu_efficiency: float = 0.4  # achieved / peak for transformer blocks on accelerators
     op_overhead_s: float = 2e-5  # dispatch of one op
-    action_overhead_s: float = 3e-4  # one compute action in the worker's loop (thread hand-off)
+    action_overhead_s: float = 1e-3  # one compute action in the worker's loop (thread hand-off, dispatch, autograd set-up); fitted to testbed step times
     message_overhead_s: float = 2e-4  # one tensor message on the wire (stream set-up, wake-ups)
     message_cpu_s: float = 1e-4  # CPU time one message costs its sender, and again its receiver (the TCP data plane)
     cpu_bytes_per_s: float = 2e9  # copying a tensor into the socket (sender) or out of it into a tensor (receiver)
