@@ -17,6 +17,7 @@ from fusionllm.core.logging import get_logger
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.auth import PROTOCOL_KEY, TOKEN_KEY, token_matches
 from fusionllm.transport.messages import MAX_MESSAGE, pack, unpack
+from fusionllm.transport.tls import TLS_NAME, TlsFiles
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 StreamHandler = Callable[[AsyncIterator[bytes]], Awaitable[dict[str, Any]]]
@@ -30,9 +31,11 @@ OPTIONS = [
 class RpcServer:
     """One gRPC server exposing control methods and stream methods under ``service``."""
 
-    def __init__(self, service: str, token: str, *, control: dict[str, ControlHandler], streams: dict[str, StreamHandler] | None = None, role: str = "server") -> None:
+    def __init__(self, service: str, token: str, *, control: dict[str, ControlHandler], streams: dict[str, StreamHandler] | None = None,
+                 role: str = "server", tls: TlsFiles | None = None) -> None:
         self.service = service
         self.token = token
+        self.tls = tls
         self.log = get_logger("transport", role)
         self.refusals = 0
         handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -48,7 +51,7 @@ class RpcServer:
         self._server = grpc.aio.server(options=OPTIONS)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.service, self._handlers),))
         try:
-            port = self._server.add_insecure_port(listen)
+            port = self._server.add_secure_port(listen, self.tls.server_credentials()) if self.tls else self._server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise TransportError(f"cannot listen on {listen}: {exc}") from None
         if port == 0:
@@ -107,9 +110,10 @@ class RpcServer:
 class RpcClient:
     """A channel to one peer; counts the bytes it sends."""
 
-    def __init__(self, address: str, service: str, token: str, *, protocol: int = PROTOCOL_VERSION) -> None:
+    def __init__(self, address: str, service: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.service = service
+        self.tls = tls
         self._meta = ((TOKEN_KEY, token), (PROTOCOL_KEY, str(protocol)))
         self._chan: grpc.aio.Channel | None = None
         self.bytes_sent = 0
@@ -117,7 +121,11 @@ class RpcClient:
     @property
     def _channel(self) -> grpc.aio.Channel:
         if self._chan is None:  # created inside the running event loop
-            self._chan = grpc.aio.insecure_channel(self.address, options=OPTIONS)
+            if self.tls:
+                options = [*OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)]
+                self._chan = grpc.aio.secure_channel(self.address, self.tls.channel_credentials(), options=options)
+            else:
+                self._chan = grpc.aio.insecure_channel(self.address, options=OPTIONS)
         return self._chan
 
     async def call(self, method: str, msg: dict[str, Any], *, timeout: float | None = 60.0) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from fusionllm.core.logging import get_logger
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.frames import CHUNK, MAX_HEADER
 from fusionllm.transport.messages import unpack
+from fusionllm.transport.tls import TLS_NAME, TlsFiles
 
 MAGIC = b"FLDP"
 _HELLO = struct.Struct("<4sH16s")
@@ -68,8 +69,9 @@ async def _read_status(reader: asyncio.StreamReader) -> tuple[int, str]:
 class DataServer:
     """Accepts authenticated connections and files every tensor message with ``handler``."""
 
-    def __init__(self, token: str, handler: Handler, *, max_payload: int, role: str = "worker") -> None:
+    def __init__(self, token: str, handler: Handler, *, max_payload: int, role: str = "worker", tls: TlsFiles | None = None) -> None:
         self.token = token
+        self.tls = tls
         self.handler = handler
         self.max_payload = max_payload
         self.log = get_logger("transport", role)
@@ -78,7 +80,8 @@ class DataServer:
         self._conns: set[asyncio.Task] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=CHUNK)
+        ssl = self.tls.server_context() if self.tls else None
+        self._server = await asyncio.start_server(self._serve, host, port, limit=CHUNK, ssl=ssl)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -173,9 +176,10 @@ async def _frames(head: bytes, reader: asyncio.StreamReader, nbytes: int) -> Asy
 class DataClient:
     """One connection to a peer's DataServer; messages are pipelined, acks awaited in order."""
 
-    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION) -> None:
+    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.token = token
+        self.tls = tls
         self.protocol = protocol
         self.bytes_sent = 0
         self._writer: asyncio.StreamWriter | None = None
@@ -189,7 +193,8 @@ class DataClient:
                 return self._writer
             host, _, port = self.address.rpartition(":")
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port), limit=CHUNK), HANDSHAKE_TIMEOUT)
+                tls = {"ssl": self.tls.client_context(), "server_hostname": TLS_NAME} if self.tls else {}
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port), limit=CHUNK, **tls), HANDSHAKE_TIMEOUT)
                 magic, protocol, nonce = _HELLO.unpack(await asyncio.wait_for(reader.readexactly(_HELLO.size), HANDSHAKE_TIMEOUT))
                 if magic != MAGIC:
                     writer.close()
@@ -197,7 +202,7 @@ class DataClient:
                 writer.write(_REPLY.pack(MAGIC, self.protocol, _mac(self.token, nonce)))
                 await writer.drain()
                 code, why = await asyncio.wait_for(_read_status(reader), HANDSHAKE_TIMEOUT)
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
                 raise TransportError(f"cannot reach the data port {self.address}: {exc or type(exc).__name__}") from None
             if code != 0:
                 writer.close()

@@ -1,0 +1,100 @@
+"""Mutual TLS on the control plane (gRPC) and the data plane (TCP): right CA in, anyone else out."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusionllm.core.errors import ConfigError, TransportError
+from fusionllm.runtime.peers import Inbox
+from fusionllm.transport.frames import tensor_frames
+from fusionllm.transport.rpc import RpcClient, RpcServer
+from fusionllm.transport.stream import DataClient, DataServer
+from fusionllm.transport.tls import TLS_NAME, TlsFiles
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make test certificates")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _cert(d: Path, name: str, ca: str) -> TlsFiles:
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    (d / "san.ext").write_text(f"subjectAltName=DNS:{TLS_NAME}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial", "-days", "2",
+             "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
+    files = TlsFiles.load(d / f"{name}.pem", d / f"{name}.key", d / f"{ca}.pem")
+    assert files is not None
+    return files
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    return {"server": _cert(d, "server", "ca"), "client": _cert(d, "client", "ca"), "rogue": _cert(d, "rogue", "rogue-ca"), "dir": d}  # type: ignore[dict-item]
+
+
+def test_grpc_with_mutual_tls(pki: dict) -> None:
+    async def main() -> None:
+        async def ping(msg: dict) -> dict:
+            return {"pong": msg["x"]}
+
+        server = RpcServer("svc", "tok", control={"Ping": ping}, tls=pki["server"])
+        port = await server.start("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        good = RpcClient(address, "svc", "tok", tls=pki["client"])
+        assert (await good.call("Ping", {"x": 3}, timeout=10))["pong"] == 3
+        for bad in (RpcClient(address, "svc", "tok"), RpcClient(address, "svc", "tok", tls=pki["rogue"])):  # plain text; another CA
+            with pytest.raises(TransportError):
+                await bad.call("Ping", {"x": 1}, timeout=5)
+            await bad.close()
+        await good.close()
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_data_plane_with_mutual_tls(pki: dict) -> None:
+    async def main() -> None:
+        inbox = Inbox(1 << 20)
+        server = DataServer("tok", inbox.receive, max_payload=1 << 20, tls=pki["server"])
+        address = f"127.0.0.1:{await server.start('127.0.0.1')}"
+        x = np.arange(6, dtype=np.float32)
+        header = {"kind": "act", "step": 0, "mb": 0, "edge": "e", "src": 1, "dtype": "float32", "shape": [6], "codec": "raw"}
+        good = DataClient(address, "tok", tls=pki["client"])
+        await good.push(list(tensor_frames(header, memoryview(x).cast("B"))), timeout=10)
+        assert np.array_equal((await inbox.get(("act", 0, 0, "e", 1), 5)).numpy(), x)
+        for bad in (DataClient(address, "tok"), DataClient(address, "tok", tls=pki["rogue"])):
+            with pytest.raises(TransportError):
+                await bad.push(list(tensor_frames({**header, "mb": 1}, memoryview(x).cast("B"))), timeout=5)
+            await bad.close()
+        await good.close()
+        await server.stop()
+
+    asyncio.run(main())
+
+
+def test_tls_files_are_checked_up_front(pki: dict, tmp_path: Path) -> None:
+    d: Path = pki["dir"]
+    with pytest.raises(ConfigError, match="missing --tls-ca"):
+        TlsFiles.load(d / "server.pem", d / "server.key", None)
+    (tmp_path / "junk.pem").write_text("hello")
+    with pytest.raises(ConfigError, match="not a PEM file"):
+        TlsFiles.load(tmp_path / "junk.pem", d / "server.key", d / "ca.pem")
+    with pytest.raises(ConfigError, match="cannot read"):
+        TlsFiles.load(tmp_path / "absent.pem", d / "server.key", d / "ca.pem")
+    with pytest.raises(ConfigError, match="--tls-cert / --tls-key"):
+        TlsFiles.load(d / "server.pem", d / "client.key", d / "ca.pem")  # a key of another certificate
+    assert TlsFiles.load(None, None, None) is None
