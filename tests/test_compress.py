@@ -134,8 +134,11 @@ def test_policy_compresses_only_slow_links_and_adapts() -> None:
     assert 0 < slow < 1 and policy.byte_target((1, 2)) == pytest.approx(0.8 * 0.05 / 1.0)
     policy.observe((1, 2), 2e6, 4.0)  # the link slowed to 4 Mbit/s
     assert policy.topk_ratio((1, 2)) < slow
-    policy.observe((0, 1), 10, 1.0)  # too little traffic to judge: ignored
+    policy.observe((0, 1), 10, 1.0)  # too little traffic to judge: kept for later
     assert policy.bps[(0, 1)] == 1e9
+    for _ in range(20):  # small compressed messages add up until they can be judged
+        policy.observe((0, 1), 8 << 10, 8 * 8192 / 1e6)  # 1 Mbit/s
+    assert policy.bps[(0, 1)] < 1e9 / 2
 
 
 @pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])

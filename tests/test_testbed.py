@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,36 @@ def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < first - 0.5, (first, last)
+
+
+@needs_root
+def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path) -> None:
+    from fusionllm.testbed.testbed import set_link_rate
+
+    out = tmp_path / "slow.jsonl"
+    proc = subprocess.Popen(
+        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--compress", "adatopk",
+         "--model", "gpt-micro", "--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "3",
+         "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(out.read_text().splitlines()) >= 20:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "training ended before the link could be slowed"
+        slowed_at = len(out.read_text().splitlines())
+        set_link_rate(1, 2, 2_000_000)  # the 20 Mbit/s link between the sites, w1 -> w2: down to 2 Mbit/s
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    before = records[slowed_at - 1]["ratios"]["w1->w2"]
+    after = records[-1]["ratios"]["w1->w2"]
+    assert after < 0.5 * before, (before, after)  # a 10x slower link: compressed much harder
+    # (w2 -> w1 slows too, and is compressed harder as well: its TCP acks queue behind w1 -> w2's data)
+    assert records[-1]["ratios"]["w0->w1"] == 1 and records[-1]["ratios"]["w2->w3"] == 1  # links inside a site stay raw

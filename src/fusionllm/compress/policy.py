@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from fusionllm.compress.codecs import topk_ratio_for
 
+MIN_SAMPLE = 64 << 10  # bytes a link carries before its throughput is judged
+
 
 @dataclass
 class LinkPolicy:
@@ -22,6 +24,7 @@ class LinkPolicy:
     smoothing: float = 0.5  # weight of a new throughput measurement
     bps: dict[tuple[int, int], float] = field(default_factory=dict)  # link -> estimated bits/s
     bytes_per_mb: dict[tuple[int, int], float] = field(default_factory=dict)  # raw bytes per micro-batch
+    pending: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (bytes, busy s) not yet averaged
 
     def byte_target(self, link: tuple[int, int]) -> float:
         """Encoded / raw bytes for the link (1.0: uncompressed)."""
@@ -38,10 +41,19 @@ class LinkPolicy:
         return max(self.r_min, topk_ratio_for(self.byte_target(link))) if self.byte_target(link) < 1.0 else 1.0
 
     def observe(self, link: tuple[int, int], wire_bytes: float, busy_s: float) -> None:
-        """A measurement of the link: bytes that crossed it while it was busy for busy_s seconds."""
-        if wire_bytes <= 64 << 10 or busy_s <= 0:
-            return  # too little traffic to say anything
-        measured = wire_bytes * 8 / busy_s
+        """A measurement of the link: bytes that crossed it while it was busy for busy_s seconds.
+
+        Measurements add up until the link has carried MIN_SAMPLE bytes (a compressed link may carry
+        only a few kB per step), then update the moving average."""
+        if wire_bytes <= 0 or busy_s <= 0:
+            return
+        got, took = self.pending.get(link, (0.0, 0.0))
+        got, took = got + wire_bytes, took + busy_s
+        if got < MIN_SAMPLE:
+            self.pending[link] = (got, took)
+            return
+        self.pending.pop(link, None)
+        measured = got * 8 / took
         old = self.bps.get(link)
         self.bps[link] = measured if old in (None, float("inf")) else (1 - self.smoothing) * old + self.smoothing * measured
 

@@ -191,11 +191,7 @@ class Testbed:
 
     def set_link_rate(self, i: int, j: int, bps: int) -> None:
         """Change the rate from worker i to worker j while running (a link that slows down)."""
-        slot, other = self.slots[i], self.slots[j]
-        burst = max(16_000, bps // 8 // 250)
-        run("ip", "netns", "exec", slot.netns, "tc", "class", "change", "dev", "eth0", "parent", "1:",
-            "classid", f"1:{100 + other.index}", "htb", "rate", f"{bps}bit", "ceil", f"{bps}bit",
-            "burst", str(burst), "cburst", str(burst))
+        set_link_rate(i, j, bps)
 
     def down(self) -> None:
         if self.emulated:
@@ -204,6 +200,13 @@ class Testbed:
         if lock is not None:
             lock.close()  # releases the flock
             self._lockfile = None
+
+
+def set_link_rate(i: int, j: int, bps: int) -> None:
+    """Change the rate from worker i to worker j of the live testbed (whichever process brought it up)."""
+    burst = max(16_000, bps // 8 // 250)
+    run("ip", "netns", "exec", f"{PREFIX}-w{i}", "tc", "class", "change", "dev", "eth0", "parent", "1:",
+        "classid", f"1:{100 + j}", "htb", "rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", str(burst), "cburst", str(burst))
 
 
 def down() -> dict[str, list[str]]:
