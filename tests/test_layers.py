@@ -18,9 +18,9 @@ ALLOWED = {
     "schedule": {"core", "graph", "cluster", "cost", "compress"},
     "sim": {"core", "graph", "cluster", "cost", "compress", "schedule"},
     "transport": {"core", "compress"},
-    "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models"},
+    "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models", "npexec"},
     # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
-    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport", "runtime", "data", "models"},
+    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport", "runtime", "data", "models", "npexec"},
     "testbed": {"core", "cluster", "transport"},  # the probe measures through our own transport
     "npexec": {"core", "graph"},  # the NumPy backend: no torch, so only torch-free graph modules (ir)
 }

@@ -74,6 +74,18 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the new
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
 CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
+BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]
+BACKENDS = ("torch", "numpy")
+
+
+def _backends(text: str | None, workers: int) -> list[str]:
+    """``--backends torch,numpy,torch``: one backend per worker."""
+    if not text:
+        return ["torch"] * workers
+    names = [x.strip() for x in text.split(",")]
+    if len(names) != workers or any(n not in BACKENDS for n in names):
+        raise FusionError(f"--backends {text!r}: expected {workers} comma-separated names, one per worker, each one of {', '.join(BACKENDS)}")
+    return names
 
 
 def _replicas(text: str | None) -> list[int] | None:
@@ -147,6 +159,7 @@ def train(
     probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
+    backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -176,18 +189,22 @@ def train(
         if cluster.endswith(".toml"):
             args += ["--scheduler", scheduler or "opfence"]
             args += [] if probe_links else ["--hardware", cluster]
-            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device))
+            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends))
         args += ["--scheduler", scheduler] if scheduler else []
         n = parse_cluster(cluster)
-        worker_args = [["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n))]] * n
+        worker_args = [
+            ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b] for b in _backends(backends, n)
+        ]
         raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
+    if backends:
+        raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")
     bar, on_step, first = _progress_bar(steps, "train")
     with bar:
         result = train_single(config, on_step)
     _summary(model, result, first, steps)
 
 
-def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str) -> int:
+def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, backends: str | None = None) -> int:
     from fusionllm.cluster.spec import load_cluster
     from fusionllm.control.local_cluster import run_local_cluster
     from fusionllm.testbed.testbed import Testbed
@@ -199,6 +216,7 @@ def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str) -
         else:
             console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits[/yellow]")
         worker_args, prefixes = tb.worker_launch(device)
+        worker_args = [[*a, "--backend", b] for a, b in zip(worker_args, _backends(backends, len(worker_args)), strict=True)]
         return run_local_cluster(args, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
 
 
@@ -269,14 +287,18 @@ def worker(
     advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
     coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
     rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
+    backend: BackendOpt = "torch",
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
+    if backend == "numpy" and threads:  # NumPy's BLAS reads its thread count once, when it loads
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
     from fusionllm.runtime.worker import WorkerConfig, run_worker
     from fusionllm.transport.auth import load_token
 
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
-        coordinator_timeout=coordinator_timeout, rank=rank,
+        coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,
     )
     raise typer.Exit(run_worker(config))
 

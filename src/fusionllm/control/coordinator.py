@@ -42,6 +42,7 @@ from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import pack
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
+from .capabilities import backend_of, place
 from .membership import Membership
 
 
@@ -147,6 +148,8 @@ class Coordinator:
         else:
             plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
             cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
         if codec.kind == "adatopk":
             from fusionllm.control.planning import link_policy
             from fusionllm.schedule.plan import Request
@@ -172,8 +175,14 @@ class Coordinator:
             frames = [head] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             reply = await clients[w].push("Assign", frames, timeout=c.step_timeout)
             run.actions[w] = [Action.parse(a) for a in reply["actions"]]
+            torch_loaded[w] = bool(reply.get("torch_loaded", True))
 
+        torch_loaded: dict[int, bool] = {}
         await asyncio.gather(*(assign(w) for w in plan.workers))
+        if any(backend_of(infos[w]) != "torch" for w in plan.workers):
+            self.say("backends: " + ", ".join(
+                f"worker {w} {backend_of(infos[w])}" + ("" if torch_loaded[w] else " (torch not loaded)") for w in plan.workers
+            ))
         self._graph_json, self._plan_json = graph_json, plan_json
         return run
 
@@ -239,7 +248,8 @@ class Coordinator:
             names = [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]
             shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
             for w in s.workers:
-                dev = self.membership.members[w].info.get("device", {}).get("kind", "?")
+                info = self.membership.members[w].info
+                dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
 
     # ---- training ----------------------------------------------------------------------------------

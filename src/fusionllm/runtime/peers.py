@@ -1,4 +1,9 @@
-"""Tensors between workers: an inbox keyed by what a message is, and a net of peer clients."""
+"""Tensors between workers: an inbox keyed by what a message is, and a net of peer clients.
+
+Both carry NumPy arrays (host memory, the wire's dtypes; ``bfloat16`` as its raw ``uint16`` bit
+patterns), so they serve workers of any framework: a stage's backend converts to and from its own
+tensors (``runtime/backend.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from fusionllm.core.errors import WireError
-from fusionllm.runtime.tensors import dtype_name
 from fusionllm.transport.frames import read_tensor, tensor_frames
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.stream import DataClient
@@ -46,11 +49,10 @@ class Inbox:
         if slot.done():
             raise WireError(f"duplicate tensor {_key(header)}")
         self.bytes_received += 0 if array is None else array.nbytes
-        tensor = None if array is None else _to_torch(array, header["dtype"])
-        slot.set_result(tensor)
+        slot.set_result(None if array is None else np.array(array))  # its own copy: the frames' buffer is not kept
         return {}
 
-    async def get(self, key: Key, timeout: float) -> torch.Tensor | None:
+    async def get(self, key: Key, timeout: float) -> np.ndarray | None:
         slot = self._slot(key)
         try:
             return await asyncio.wait_for(asyncio.shield(slot), timeout)
@@ -64,13 +66,6 @@ class Inbox:
         """Forget everything of a step (after a failure, so a retry starts clean)."""
         for key in [k for k in self._slots if k[1] == step]:
             self._slots.pop(key, None)
-
-
-def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """A torch tensor of its own (np.array copies: the frames' buffer is not kept)."""
-    if dtype == "bfloat16":
-        return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(array))
 
 
 class PeerNet:
@@ -92,18 +87,20 @@ class PeerNet:
             self._clients[worker] = RpcClient(self.addresses[worker], WORKER_SERVICE, self.token)
         return self._clients[worker]
 
-    async def push(self, worker: int, header: dict[str, Any], tensor: torch.Tensor | None, timeout: float, *, encoded: tuple[str, bytes] | None = None) -> None:
-        """Send a tensor (raw), or its ``encoded`` form (codec tag, payload) of a float32 tensor."""
-        if tensor is None:
+    async def push(
+        self, worker: int, header: dict[str, Any], array: np.ndarray | None, timeout: float, *,
+        dtype: str | None = None, encoded: tuple[str, bytes] | None = None,
+    ) -> None:
+        """Send an array raw (``dtype``: its wire name, default the array's own; ``bfloat16`` for
+        uint16 bit patterns), or the ``encoded`` form (codec tag, payload) of a float32 array."""
+        if array is None:
             payload, meta = None, {"none": True}
         elif encoded is not None:
-            payload, meta = encoded[1], {"dtype": "float32", "shape": list(tensor.shape), "codec": encoded[0]}
+            payload, meta = encoded[1], {"dtype": "float32", "shape": list(array.shape), "codec": encoded[0]}
         else:
-            t = tensor.detach().to("cpu").contiguous()
-            name = dtype_name(t.dtype)
-            raw = t.view(torch.int16) if name == "bfloat16" else t
-            payload = memoryview(raw.numpy()).cast("B")
-            meta = {"dtype": name, "shape": list(t.shape), "codec": "raw"}
+            a = np.ascontiguousarray(array)
+            payload = memoryview(a).cast("B") if a.size else b""
+            meta = {"dtype": dtype or a.dtype.name, "shape": list(a.shape), "codec": "raw"}
         frames = list(tensor_frames({**header, **meta}, payload))
         size = sum(len(f) for f in frames)
         self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size

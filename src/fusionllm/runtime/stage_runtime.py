@@ -5,6 +5,9 @@ The loop runs the worker's lowered action list for each step and makes no decisi
 tensors to the workers that run the consuming stage for that micro-batch, ``RECV_*`` wait for
 them, ``REDUCE`` ring-all-reduces gradients shared with other workers, ``STEP`` clips by the global
 gradient norm and applies AdamW.
+
+The loop knows no framework: the stage's ``StageBackend`` (``runtime/backend.py``) runs the
+executor and the optimizer in torch or in NumPy, and tensors cross the network as NumPy arrays.
 """
 
 from __future__ import annotations
@@ -17,16 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from fusionllm.compress.codecs import adaptive_codec, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
-from fusionllm.graph.registry import SourceProvider
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.optim import make_adamw
+from fusionllm.runtime.backend import Backend, StageBackend
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
@@ -56,12 +56,12 @@ class Hyper:
 class _StepState:
     step: int
     lr: float
-    inputs: dict[int, dict[str, torch.Tensor]]
+    inputs: dict[int, dict[str, Any]]  # the backend's tensors, here and below
     losses: dict[int, float] = field(default_factory=dict)
-    outputs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    entering_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)
-    received: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    received_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    entering_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
+    received: dict[int, dict[str, Any]] = field(default_factory=dict)
+    received_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[asyncio.Task] = field(default_factory=list)
     grad_norm: float = 0.0
 
@@ -72,28 +72,29 @@ class StageRuntime:
         graph: OpGraph,
         plan: Plan,
         worker: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, Any],
         hyper: Hyper,
         peers: PeerNet,
         inbox: Inbox,
         norm_reduce: NormReduce,
         *,
+        backend: Backend,
         device: str = "cpu",
-        source: SourceProvider | None = None,
-        optimizer_state: Mapping[str, torch.Tensor] | None = None,
+        optimizer_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
         self.peers, self.inbox, self.norm_reduce = peers, inbox, norm_reduce
         self.stage = plan.stage_of_worker(worker)
         self.routes = routes(graph, plan)
         self.edges = graph.edges()
-        self.executor = StageExecutor(graph, self.stage.nodes, tensors, device=device, source=source, name=f"w{worker}/stage{self.stage.index}")
-        params = self.executor.trainable()
-        self.optimizer = make_adamw(sorted(params.items()), hyper.lr, hyper.weight_decay)
+        self.backend: StageBackend = backend.stage(
+            graph, self.stage.nodes, tensors, lr=hyper.lr, weight_decay=hyper.weight_decay, device=device, name=f"w{worker}/stage{self.stage.index}",
+        )
+        self.executor = self.backend.executor
         self._groups = self._shared_groups()
         self.actions = worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
         if optimizer_state:
-            self.load_optimizer_state(optimizer_state)
+            self.backend.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
         self.codec = parse_codec(hyper.compress)
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
@@ -110,7 +111,7 @@ class StageRuntime:
         return {group: names for group, names, _ in shared_groups(self.graph, self.plan).get(self.worker, [])}
 
     # ---- one step --------------------------------------------------------------------------------
-    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, torch.Tensor]], ratios: dict[int, float] | None = None) -> dict[str, Any]:
+    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, Any]], ratios: dict[int, float] | None = None) -> dict[str, Any]:
         st = _StepState(step, lr, inputs)
         if ratios is not None:
             self.ratios = ratios
@@ -141,26 +142,29 @@ class StageRuntime:
             return self.ratios.get(dst, 1.0)
         return None
 
-    def _compressed(self, t: torch.Tensor | None, dst: int, role: str = "act") -> bool:
-        if t is None or t.dtype != torch.float32 or self.codec.kind == "none" or role not in self.roles:
+    def _compressed(self, x: np.ndarray | None, dtype: str, dst: int, role: str = "act") -> bool:
+        if x is None or dtype != "float32" or self.codec.kind == "none" or role not in self.roles:
             return False
         r = self._ratio(dst)
         return r is None or r < 1.0
 
-    async def _push(self, st: _StepState, dst: int, header: dict, t: torch.Tensor | None, feedback_key: tuple | None = None, keep_decoded: bool = False) -> torch.Tensor | None:
-        """Send one tensor to a worker, encoded for that link; gradients with error feedback.
+    async def _push(
+        self, st: _StepState, dst: int, header: dict, x: np.ndarray | None, dtype: str = "float32",
+        feedback_key: tuple | None = None, keep_decoded: bool = False,
+    ) -> np.ndarray | None:
+        """Send one array to a worker, encoded for that link; gradients with error feedback.
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
-        if not self._compressed(t, dst, role):
-            await self.peers.push(dst, header, t, self.hyper.recv_timeout)
-            return t
+        if not self._compressed(x, dtype, dst, role):
+            await self.peers.push(dst, header, x, self.hyper.recv_timeout, dtype=dtype)
+            return x
+        assert x is not None
         spec, ratio = self.codec, self._ratio(dst)
         if spec.kind == "adatopk":  # the link's byte target -> the most accurate codec that meets it
-            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, t.shape[-1] if t.dim() else 1)
+            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, x.shape[-1] if x.ndim else 1)
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
-            x = t.detach().to("cpu").contiguous().numpy()
             if feedback_key is None:
                 encoded = encode(x, spec, ratio)
                 return encoded, (decode(*encoded, x.shape) if keep_decoded else None)
@@ -174,36 +178,43 @@ class StageRuntime:
             return out[0], sent
 
         encoded, seen = await asyncio.to_thread(prepare)
-        await self.peers.push(dst, header, t, self.hyper.recv_timeout, encoded=encoded)
-        return torch.from_numpy(np.array(seen)).to(t.device) if keep_decoded and seen is not None else None
+        await self.peers.push(dst, header, x, self.hyper.recv_timeout, encoded=encoded)
+        return np.array(seen) if keep_decoded and seen is not None else None
+
+    def _host(self, t: Any) -> np.ndarray | None:
+        return None if t is None else self.backend.to_host(t)
+
+    def _local(self, x: np.ndarray | None, edge: str) -> Any:
+        return None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
 
     async def _forward(self, a: Action, st: _StepState) -> None:
         feeds = {**st.inputs.get(a.mb, {}), **st.received.pop(a.mb, {})}
         out = await asyncio.to_thread(self.executor.forward, a.mb, feeds)
         if self.graph.loss in out:
-            st.losses[a.mb] = float(out[self.graph.loss].detach())
+            st.losses[a.mb] = self.backend.scalar(out[self.graph.loss])
         st.outputs[a.mb] = {e: out[e] for e in self.routes.leaving[self.stage.index] if e in out}
 
     async def _backward(self, a: Action, st: _StepState) -> None:
-        grads: dict[str, torch.Tensor | None] = dict(st.received_grads.pop(a.mb, {}))
+        grads: dict[str, Any] = dict(st.received_grads.pop(a.mb, {}))
         for e in self._grad_leaving:
             if e == self.graph.loss:
-                grads[e] = torch.tensor(self.loss_scale)
+                grads[e] = self.backend.loss_grad(self.loss_scale)
             elif e not in grads:
                 grads[e] = None  # a graph output nobody differentiates (the logits)
         st.entering_grads[a.mb] = await asyncio.to_thread(self.executor.backward, a.mb, grads)
 
     async def _send_f(self, a: Action, st: _StepState) -> None:
         for e, t in st.outputs.pop(a.mb).items():
+            x = self._host(t)
             for c in self.routes.consumers[e]:
                 header = {"kind": "act", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
-                st.sends.append(asyncio.create_task(self._push(st, self.plan.worker_for(c, a.mb), header, t)))
+                st.sends.append(asyncio.create_task(self._push(st, self.plan.worker_for(c, a.mb), header, x, self.edges[e].meta.dtype)))
 
     async def _recv_f(self, a: Action, st: _StepState) -> None:
         got = {}
         for e in self._entering_from_stages:
             key = ("act", st.step, a.mb, e, self.routes.producer[e])
-            got[e] = await self.inbox.get(key, self.hyper.recv_timeout)
+            got[e] = self._local(await self.inbox.get(key, self.hyper.recv_timeout), e)
         st.received[a.mb] = got
 
     async def _send_b(self, a: Action, st: _StepState) -> None:
@@ -213,89 +224,57 @@ class StageRuntime:
                 continue
             header = {"kind": "grad", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
             target = self.plan.worker_for(self.routes.producer[e], a.mb)
-            st.sends.append(asyncio.create_task(self._push(st, target, header, grads.get(e), feedback_key=(e, target, a.mb))))
+            g = self._host(grads.get(e))
+            st.sends.append(asyncio.create_task(self._push(st, target, header, g, self.edges[e].meta.dtype, feedback_key=(e, target, a.mb))))
 
     async def _recv_b(self, a: Action, st: _StepState) -> None:
-        got: dict[str, torch.Tensor | None] = {}
+        got: dict[str, Any] = {}
         for e in self.routes.leaving[self.stage.index]:
             if not self.edges[e].requires_grad:
                 continue
             total = None
             for c in self.routes.consumers[e]:
-                g = await self.inbox.get(("grad", st.step, a.mb, e, c), self.hyper.recv_timeout)
+                g = self._local(await self.inbox.get(("grad", st.step, a.mb, e, c), self.hyper.recv_timeout), e)
                 if g is not None:
                     total = g if total is None else total + g
             got[e] = total
         st.received_grads[a.mb] = got
 
     async def _reduce(self, a: Action, st: _StepState) -> None:
-        params = self.executor.trainable()
-
         for gi, (group, names) in enumerate(self._groups.items()):
             ring = list(group)
             # a chunk completed by one member must reach all members identically: on a ring of two
             # the all-gather is one hop and may be compressed; longer rings forward it raw
             allgather_ok = len(ring) == 2
 
-            async def send(worker: int, header: dict, t: torch.Tensor, phase: str, gi: int = gi, allgather_ok: bool = allgather_ok) -> torch.Tensor:
+            async def send(worker: int, header: dict, x: np.ndarray, phase: str, gi: int = gi, allgather_ok: bool = allgather_ok) -> np.ndarray:
                 header = {**header, "src": self.worker}
-                if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(t, worker, "reduce"):
-                    await self.peers.push(worker, header, t, self.hyper.recv_timeout)
-                    return t
-                seen = await self._push(st, worker, header, t, feedback_key=("reduce", gi, header["edge"]), keep_decoded=True)
-                return seen if seen is not None else t
+                if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(x, "float32", worker, "reduce"):
+                    await self.peers.push(worker, header, x, self.hyper.recv_timeout)
+                    return x
+                seen = await self._push(st, worker, header, x, feedback_key=("reduce", gi, header["edge"]), keep_decoded=True)
+                return seen if seen is not None else x
 
-            async def recv(header: dict) -> torch.Tensor | None:
+            async def recv(header: dict) -> np.ndarray | None:
                 key = (header["kind"], header["step"], header["mb"], header["edge"], header["src"])
                 return await self.inbox.get(key, self.hyper.recv_timeout)
 
-            grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self.backend.flat_grads(names)
             tag = {"kind": "reduce", "step": st.step, "edge": f"g{gi}"}
-            total = await ring_allreduce(flat, ring, self.worker, tag, send, recv)
-            offset = 0
-            for n, g in zip(names, grads, strict=True):
-                params[n].grad = total[offset : offset + g.numel()].view_as(g).clone()
-                offset += g.numel()
+            self.backend.set_flat_grads(names, await ring_allreduce(flat, ring, self.worker, tag, send, recv))
 
     async def _step(self, a: Action, st: _StepState) -> None:
         await asyncio.gather(*st.sends)  # every tensor of this step has left
         st.sends.clear()
-        params = self.executor.trainable()
-        sq = sum(float(p.grad.double().pow(2).sum()) for n, p in params.items() if n in self.owned and p.grad is not None)
-        total = math.sqrt(await self.norm_reduce(st.step, sq))
+        total = math.sqrt(await self.norm_reduce(st.step, self.backend.grad_sq(self.owned)))
         st.grad_norm = total
         coef = min(1.0, self.hyper.grad_clip / (total + 1e-6)) if self.hyper.grad_clip > 0 else 1.0
-        for p in params.values():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = st.lr
-        self.optimizer.step()
-        self.executor.zero_grad()
+        self.backend.step(coef, st.lr)
 
     # ---- state -----------------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def state_tensors(self) -> dict[str, Any]:
         """Weights and AdamW state by global name, for a checkpoint."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self.executor.params.items():
-            out[f"param/{name}"] = t.detach().cpu().contiguous()
-        for name, p in self.executor.trainable().items():
-            state = self.optimizer.state.get(p)
-            if state:
-                out[f"adam/exp_avg/{name}"] = state["exp_avg"].cpu().contiguous()
-                out[f"adam/exp_avg_sq/{name}"] = state["exp_avg_sq"].cpu().contiguous()
-                out[f"adam/step/{name}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-        return out
-
-    def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        for name, p in self.executor.trainable().items():
-            if f"adam/exp_avg/{name}" in tensors:
-                self.optimizer.state[p] = {
-                    "step": tensors[f"adam/step/{name}"].reshape(()).clone(),
-                    "exp_avg": tensors[f"adam/exp_avg/{name}"].to(p.device, p.dtype).clone(),
-                    "exp_avg_sq": tensors[f"adam/exp_avg_sq/{name}"].to(p.device, p.dtype).clone(),
-                }
+        return self.backend.state_tensors()
 
 
 _HANDLERS: dict[str, Callable[[StageRuntime, Action, _StepState], Awaitable[None]]] = {

@@ -4,13 +4,16 @@ The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tens
 other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats, the gradient-norm
 reduction). It exits when the coordinator says so, when the coordinator stops answering for
 ``coordinator_timeout`` seconds, or on SIGINT/SIGTERM.
+
+The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backend.py``);
+this module imports no framework, so a NumPy worker never loads torch. When it joins it advertises
+its backend, software versions and the op kinds it runs, which the coordinator plans with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import signal
 import socket
 import sys
@@ -19,19 +22,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from fusionllm import __version__
+from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError, WireError
 from fusionllm.core.logging import get_logger
-from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.checkpoint import pack_tensors, unpack_tensors
-from fusionllm.runtime.model_graph import graph_source
+from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.profile import matmul_flops
 from fusionllm.runtime.stage_runtime import Hyper, StageRuntime, StepFailure
-from fusionllm.runtime.tensors import tensor_from_wire
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.messages import unpack
@@ -57,17 +54,7 @@ class WorkerConfig:
     max_payload: int = 8 << 30
     rank: int | None = None
     probe_seconds: float = 1.0  # the device probe (achieved matmul FLOP/s) when joining
-
-
-def device_info(device: str) -> dict[str, Any]:
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise FusionError(f"--device {device}: this machine has no CUDA device visible to torch {torch.__version__}")
-        idx = torch.device(device).index or 0
-        props = torch.cuda.get_device_properties(idx)
-        return {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory)}
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"kind": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": int(mem), "cores": os.cpu_count()}
+    backend: str = "torch"  # torch | numpy: the framework that runs the stage
 
 
 class Worker:
@@ -77,6 +64,7 @@ class Worker:
         self.log = get_logger("worker", "worker")
         self.done = asyncio.Event()
         self.exit_code = 0
+        self.backend: Backend = load_backend(config.backend)
         self.inbox = Inbox(config.max_payload)
         self.runtime: StageRuntime | None = None
         self.peers: PeerNet | None = None
@@ -92,8 +80,8 @@ class Worker:
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
         if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        info = device_info(self.config.device)
+            self.backend.set_threads(self.config.threads)
+        info = self.backend.device_info(self.config.device)
         port = await self.server.start(self.config.listen)
         address = f"{self._advertise_host()}:{port}"
         data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
@@ -133,12 +121,13 @@ class Worker:
             return s.getsockname()[0]
 
     async def _register(self, address: str, info: dict[str, Any]) -> None:
+        b = self.backend
         request = {
             "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "data_address": self.data_address, "device": info,
-            "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
-            "hostname": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
+            "backend": b.name, "software": b.software(), "kinds": b.kinds(), "torch_loaded": "torch" in sys.modules,
+            "hostname": socket.gethostname(), "pid": os.getpid(), "threads": b.threads(),
             "rank": self.config.rank,
-            "probe": {"matmul_flops": await asyncio.to_thread(matmul_flops, self.config.device, seconds=self.config.probe_seconds)},
+            "probe": {"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
         }
         deadline = time.monotonic() + self.config.join_timeout
         while True:
@@ -202,9 +191,9 @@ class Worker:
             filled += len(chunk)
         if filled != nbytes:
             raise WireError(f"assignment truncated: {filled} of {nbytes} bytes")
-        graph = OpGraph.from_json(msg["graph"])
+        graph = self.backend.parse_graph(msg["graph"])
         plan = Plan.from_json(msg["plan"])
-        tensors = unpack_tensors(bytes(buf))
+        tensors = self.backend.unpack(bytes(buf))
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
         data = {int(k): str(v) for k, v in msg.get("data_addresses", {}).items()}
@@ -212,9 +201,9 @@ class Worker:
         hyper = Hyper(**msg["hyper"])
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,
-            device=self.config.device, source=graph_source(graph), optimizer_state=adam,
+            backend=self.backend, device=self.config.device, optimizer_state=adam,
         )
-        return {"actions": [str(a) for a in self.runtime.actions]}
+        return {"actions": [str(a) for a in self.runtime.actions], "torch_loaded": "torch" in sys.modules}
 
     async def _norm_reduce(self, step: int, sq: float) -> float:
         reply = await self.coordinator.call("NormReduce", {"step": step, "worker": self.id, "sq": sq}, timeout=self.runtime.hyper.recv_timeout if self.runtime else 600)
@@ -223,7 +212,8 @@ class Worker:
     async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.runtime is None:
             raise FusionError("Step before Assign")
-        inputs = {int(mb): {e: tensor_from_wire(b) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
+        stage = self.runtime.backend
+        inputs = {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
         try:
             ratios = {int(k): float(v) for k, v in msg["ratios"].items()} if "ratios" in msg else None
             return await self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs, ratios)
@@ -234,7 +224,7 @@ class Worker:
     async def _on_get_state(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.runtime is None:
             raise FusionError("GetState before Assign")
-        return {"state": await asyncio.to_thread(lambda: pack_tensors(self.runtime.state_tensors()))}
+        return {"state": await asyncio.to_thread(lambda: self.backend.pack(self.runtime.state_tensors()))}
 
 
 def run_worker(config: WorkerConfig) -> int:

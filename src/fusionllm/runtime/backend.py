@@ -1,0 +1,106 @@
+"""What a worker needs from its framework: one small interface, a torch twin and a NumPy twin.
+
+The stage loop (``stage_runtime``), the worker (``worker``), the inbox and the ring all-reduce are
+framework-neutral: tensors travel between them as NumPy arrays in host memory. A ``Backend`` says
+what the worker is (its software, the op kinds it runs, its device and a matmul probe) and builds
+a ``StageBackend`` for the stage it is assigned: the executor, the optimizer, and the few places
+where a stage touches its framework's tensors. ``load_backend("numpy")`` imports nothing of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from fusionllm.core.errors import ConfigError
+from fusionllm.graph.ir import OpGraph
+
+BACKENDS = {"torch": "fusionllm.runtime.torch_backend", "numpy": "fusionllm.runtime.numpy_backend"}
+ALL_KINDS = "all"  # what a backend that runs every op kind of the registry advertises
+
+
+class StageBackend(Protocol):
+    """One stage in one framework: ``executor`` has the contract of ``runtime.executor.StageExecutor``."""
+
+    executor: Any
+
+    def to_host(self, t: Any) -> np.ndarray:
+        """A tensor as a C-ordered NumPy array in host memory (``bfloat16`` as uint16 bit patterns)."""
+
+    def from_host(self, array: np.ndarray, dtype: str) -> Any:
+        """A NumPy array (``dtype``: its wire name) as this framework's tensor, which it may keep."""
+
+    def scalar(self, t: Any) -> float:
+        """A one-element tensor (the loss) as a float."""
+
+    def loss_grad(self, scale: float) -> Any:
+        """The gradient that starts backward at the loss (``scale``: 1 / micro-batches)."""
+
+    def flat_grads(self, names: list[str]) -> np.ndarray:
+        """The gradients of ``names``, flattened and concatenated in float32 (zeros for none)."""
+
+    def set_flat_grads(self, names: list[str], flat: np.ndarray) -> None:
+        """The inverse of ``flat_grads``: replace those gradients."""
+
+    def grad_sq(self, names: set[str]) -> float:
+        """The sum of squares of the gradients of ``names`` (in float64)."""
+
+    def step(self, coef: float, lr: float) -> None:
+        """Scale every gradient by ``coef`` (clipping), apply AdamW at ``lr``, clear the gradients."""
+
+    def state_tensors(self) -> dict[str, Any]:
+        """Weights (``param/<name>``) and AdamW state (``adam/<field>/<name>``), for a checkpoint."""
+
+    def load_optimizer_state(self, tensors: Mapping[str, Any]) -> None:
+        """Take AdamW state in the layout of ``state_tensors``."""
+
+
+class Backend(Protocol):
+    """A worker's framework: what it advertises when it joins, and how it builds its stage."""
+
+    name: str
+
+    def software(self) -> dict[str, str]:
+        """Framework versions (python, numpy, and torch on a torch worker)."""
+
+    def kinds(self) -> str | list[str]:
+        """The op kinds this worker runs: ``"all"``, or a list of op keys (``npexec.base.op_key``)."""
+
+    def device_info(self, device: str) -> dict[str, Any]: ...
+
+    def set_threads(self, threads: int) -> None: ...
+
+    def threads(self) -> int | None: ...
+
+    def matmul_flops(self, device: str, seconds: float) -> float:
+        """Achieved float32 matmul FLOP/s (the device probe)."""
+
+    def parse_graph(self, text: str) -> OpGraph:
+        """The assigned OpGraph, validated as far as this backend can."""
+
+    def stage(
+        self, graph: OpGraph, node_ids: list[str], tensors: Mapping[str, Any], *, lr: float, weight_decay: float, device: str, name: str,
+    ) -> StageBackend: ...
+
+    def pack(self, tensors: Mapping[str, Any]) -> bytes:
+        """Tensors as safetensors bytes (the same bytes for torch and NumPy)."""
+
+    def unpack(self, data: bytes) -> dict[str, Any]: ...
+
+
+def load_backend(name: str) -> Backend:
+    """The backend called ``name``; only its own framework is imported."""
+    if name not in BACKENDS:
+        raise ConfigError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(BACKENDS[name]).BACKEND
+
+
+def cpu_info() -> dict[str, Any]:
+    """The host's CPU and memory, as a worker reports its device."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"kind": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": int(mem), "cores": os.cpu_count()}
