@@ -75,7 +75,7 @@ def test_data_plane_with_mutual_tls(pki: dict) -> None:
         header = {"kind": "act", "step": 0, "mb": 0, "edge": "e", "src": 1, "dtype": "float32", "shape": [6], "codec": "raw"}
         good = DataClient(address, "tok", tls=pki["client"])
         await good.push(list(tensor_frames(header, memoryview(x).cast("B"))), timeout=10)
-        assert np.array_equal((await inbox.get(("act", 0, 0, "e", 1), 5)).numpy(), x)
+        assert np.array_equal(np.asarray(await inbox.get(("act", 0, 0, "e", 1), 5)), x)
         for bad in (DataClient(address, "tok"), DataClient(address, "tok", tls=pki["rogue"])):
             with pytest.raises(TransportError):
                 await bad.push(list(tensor_frames({**header, "mb": 1}, memoryview(x).cast("B"))), timeout=5)
