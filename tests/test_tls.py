@@ -98,3 +98,26 @@ def test_tls_files_are_checked_up_front(pki: dict, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--tls-cert / --tls-key"):
         TlsFiles.load(d / "server.pem", d / "client.key", d / "ca.pem")  # a key of another certificate
     assert TlsFiles.load(None, None, None) is None
+
+
+def test_a_local_cluster_trains_over_mutual_tls(pki: dict, tmp_path: Path) -> None:
+    import json
+    import sys
+
+    d: Path = pki["dir"]
+    out = tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionllm", "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "3", "--batch-size", "4",
+         "--seq-len", "16", "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run"),
+         "--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"), "--tls-ca", str(d / "ca.pem")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == 3
+    bad = subprocess.run(
+        [sys.executable, "-m", "fusionllm", "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "1",
+         "--tls-cert", str(d / "server.pem"), "--run-dir", str(tmp_path / "run2")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode != 0 and "missing --tls-key, --tls-ca" in bad.stderr
+    json.loads(out.read_text().splitlines()[-1])

@@ -63,6 +63,9 @@ DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
+TlsCertOpt = Annotated[Path | None, typer.Option("--tls-cert", help="This process's certificate (PEM, signed by --tls-ca, naming DNS:fusionllm): mutual TLS on every connection.")]
+TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The private key of --tls-cert (PEM).")]
+TlsCaOpt = Annotated[Path | None, typer.Option("--tls-ca", help="The run's CA certificate (PEM): peers must present a certificate it signed.")]
 EvalBatchesOpt = Annotated[int, typer.Option("--eval-batches", min=1, help="Held-out batches per validation loss.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads (per worker with --cluster).")]
 ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule: gpipe or 1f1b.")]
@@ -160,6 +163,9 @@ def train(
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
     backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -186,14 +192,16 @@ def train(
         args += ["--replicas", replicas] if replicas else []
         args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
         args += ["--resume"] if resume else []
+        tls = _tls_args(tls_cert, tls_key, tls_ca)
+        args += tls
         if cluster.endswith(".toml"):
             args += ["--scheduler", scheduler or "opfence"]
             args += [] if probe_links else ["--hardware", cluster]
-            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends))
+            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
         args += ["--scheduler", scheduler] if scheduler else []
         n = parse_cluster(cluster)
         worker_args = [
-            ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b] for b in _backends(backends, n)
+            ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
         ]
         raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
     if backends:
@@ -204,7 +212,16 @@ def train(
     _summary(model, result, first, steps)
 
 
-def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, backends: str | None = None) -> int:
+def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]:
+    """The TLS flags for the processes of a local cluster (checked here first: one clear error)."""
+    from fusionllm.transport.tls import TlsFiles
+
+    if TlsFiles.load(cert, key, ca) is None:
+        return []
+    return ["--tls-cert", str(Path(str(cert)).resolve()), "--tls-key", str(Path(str(key)).resolve()), "--tls-ca", str(Path(str(ca)).resolve())]
+
+
+def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, backends: str | None = None, tls: list[str] | None = None) -> int:
     from fusionllm.cluster.spec import load_cluster
     from fusionllm.control.local_cluster import run_local_cluster
     from fusionllm.testbed.testbed import Testbed
@@ -216,7 +233,7 @@ def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, b
         else:
             console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits[/yellow]")
         worker_args, prefixes = tb.worker_launch(device)
-        worker_args = [[*a, "--backend", b] for a, b in zip(worker_args, _backends(backends, len(worker_args)), strict=True)]
+        worker_args = [[*a, "--backend", b, *(tls or [])] for a, b in zip(worker_args, _backends(backends, len(worker_args)), strict=True)]
         return run_local_cluster(args, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
 
 
@@ -248,11 +265,15 @@ def coordinator(
     compress: CompressOpt = "none",
     eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (at the coordinator) every N steps and at the end; 0: never.")] = 0,
     eval_batches: EvalBatchesOpt = 4,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
     from fusionllm.runtime.single import TrainConfig
     from fusionllm.transport.auth import load_token
+    from fusionllm.transport.tls import TlsFiles
 
     train_cfg = TrainConfig(
         model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
@@ -263,7 +284,7 @@ def coordinator(
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
-        eval_batches=eval_batches,
+        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca),
     )
     bar, on_step, first = _progress_bar(steps, "train")
 
@@ -288,6 +309,9 @@ def worker(
     coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
     rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
     backend: BackendOpt = "torch",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
     if backend == "numpy" and threads:  # NumPy's BLAS reads its thread count once, when it loads
@@ -295,10 +319,12 @@ def worker(
             os.environ[var] = str(threads)
     from fusionllm.runtime.worker import WorkerConfig, run_worker
     from fusionllm.transport.auth import load_token
+    from fusionllm.transport.tls import TlsFiles
 
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
         coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,
+        tls=TlsFiles.load(tls_cert, tls_key, tls_ca),
     )
     raise typer.Exit(run_worker(config))
 

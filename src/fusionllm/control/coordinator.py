@@ -41,6 +41,7 @@ from fusionllm.schedule.plan import Plan, make_plan, routes
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import pack
 from fusionllm.transport.rpc import RpcClient, RpcServer
+from fusionllm.transport.tls import TlsFiles
 
 from .capabilities import backend_of, place
 from .membership import Membership
@@ -65,6 +66,7 @@ class ClusterConfig:
     compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
     eval_every: int = 0  # validation loss at the coordinator every N steps (and at the end); 0: never
     eval_batches: int = 4
+    tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -99,6 +101,7 @@ class Coordinator:
         self.server = RpcServer(
             COORDINATOR_SERVICE, cluster.token, role="coordinator",
             control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat, "NormReduce": self.membership.norm_reduce},
+            tls=cluster.tls,
         )
         self.port = 0
 
@@ -137,7 +140,7 @@ class Coordinator:
         if c.resume:
             tensors = self._resume(tensors)
         addresses = {m.id: m.address for m in self.membership.members.values()}
-        clients = {w: RpcClient(a, WORKER_SERVICE, c.token) for w, a in addresses.items()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
         if c.scheduler and c.replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
         self.model = model
@@ -374,7 +377,7 @@ class Coordinator:
         self.say(f"checkpoint {path}")
 
     async def _shutdown(self, run: _Run | None) -> None:
-        clients = run.clients.values() if run else [RpcClient(m.address, WORKER_SERVICE, self.cluster.token) for m in self.membership.members.values()]
+        clients = run.clients.values() if run else [RpcClient(m.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls) for m in self.membership.members.values()]
         for client in clients:
             with contextlib.suppress(FusionError):  # already gone: its heartbeat tells it the rest
                 await client.call("Shutdown", {}, timeout=5)

@@ -18,6 +18,7 @@ from fusionllm.core.errors import WireError
 from fusionllm.transport.frames import read_tensor, tensor_frames
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.stream import DataClient
+from fusionllm.transport.tls import TlsFiles
 
 Key = tuple  # (kind, step, mb, edge or bucket, src)
 WORKER_SERVICE = "fusionllm.Worker"
@@ -73,7 +74,8 @@ class PeerNet:
 
     Tensors go over a worker's data plane (``transport/stream.py``) when it has one, else over gRPC."""
 
-    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None) -> None:
+    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         self.addresses = addresses
         self.data_addresses = data_addresses or {}
         self.token = token
@@ -84,7 +86,7 @@ class PeerNet:
 
     def client(self, worker: int) -> RpcClient:
         if worker not in self._clients:
-            self._clients[worker] = RpcClient(self.addresses[worker], WORKER_SERVICE, self.token)
+            self._clients[worker] = RpcClient(self.addresses[worker], WORKER_SERVICE, self.token, tls=self.tls)
         return self._clients[worker]
 
     async def push(
@@ -107,7 +109,7 @@ class PeerNet:
         started = time.perf_counter()
         if worker in self.data_addresses:
             if worker not in self._data:
-                self._data[worker] = DataClient(self.data_addresses[worker], self.token)
+                self._data[worker] = DataClient(self.data_addresses[worker], self.token, tls=self.tls)
             await self._data[worker].push(frames, timeout=timeout)
         else:
             await self.client(worker).push("Push", frames, timeout=timeout)

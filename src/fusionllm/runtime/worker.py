@@ -34,6 +34,7 @@ from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
 from fusionllm.transport.stream import DataServer
+from fusionllm.transport.tls import TlsFiles
 
 COORDINATOR_SERVICE = "fusionllm.Coordinator"
 MAX_WEIGHTS = 1 << 40
@@ -55,6 +56,7 @@ class WorkerConfig:
     rank: int | None = None
     probe_seconds: float = 1.0  # the device probe (achieved matmul FLOP/s) when joining
     backend: str = "torch"  # torch | numpy: the framework that runs the stage
+    tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
 
 
 class Worker:
@@ -68,13 +70,13 @@ class Worker:
         self.inbox = Inbox(config.max_payload)
         self.runtime: StageRuntime | None = None
         self.peers: PeerNet | None = None
-        self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token)
+        self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token, tls=config.tls)
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
-            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink},
+            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
-        self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload)
+        self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
         self.data_address = ""
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ class Worker:
 
     async def _on_measure_to(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The link probe: stream to another worker for a while, through this transport."""
-        client = RpcClient(str(msg["address"]), WORKER_SERVICE, self.config.token)
+        client = RpcClient(str(msg["address"]), WORKER_SERVICE, self.config.token, tls=self.config.tls)
         try:
             return await probe.measure(client, seconds=float(msg.get("seconds", 1.0)))
         finally:
@@ -197,7 +199,7 @@ class Worker:
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
         data = {int(k): str(v) for k, v in msg.get("data_addresses", {}).items()}
-        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data)
+        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data, tls=self.config.tls)
         hyper = Hyper(**msg["hyper"])
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,
