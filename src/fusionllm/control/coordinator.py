@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fusionllm.compress.codecs import parse_codec
-from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.core.errors import ConfigError, FusionError, TransportError
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
 from fusionllm.graph.ir import OpGraph
@@ -66,6 +66,8 @@ class ClusterConfig:
     compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
     eval_every: int = 0  # validation loss at the coordinator every N steps (and at the end); 0: never
     eval_batches: int = 4
+    dead_after_s: float = 10.0  # a worker whose heartbeat (every 2 s) is older than this is lost
+    max_recoveries: int = 3  # re-plans after lost workers before giving up
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,14 @@ class ClusterConfig:
 
 Say = Callable[[str], None]
 OnStep = Callable[[dict], None]
+
+
+class WorkerLost(FusionError):
+    """Workers of the plan died or hung; the run goes on without them."""
+
+    def __init__(self, workers: set[int], why: str) -> None:
+        super().__init__(f"lost worker(s) {sorted(workers)}: {why}")
+        self.workers, self.why = set(workers), why
 
 
 @dataclass
@@ -104,6 +114,8 @@ class Coordinator:
             tls=cluster.tls,
         )
         self.port = 0
+        self.epoch = 0  # bumped by every recovery; workers drop tensors of an earlier epoch
+        self.recoveries = 0
 
     async def run(self) -> TrainResult:
         self.port = await self.server.start(self.cluster.listen)
@@ -121,14 +133,19 @@ class Coordinator:
                 ) from None
             self.membership.state = "running"
             run = await self._setup()
-            return await self._train(run)
+            with JsonlWriter(self.train.metrics) as metrics:
+                while True:
+                    try:
+                        return await self._train(run, metrics)
+                    except WorkerLost as lost:
+                        run = await self._recover(run, lost, metrics)
         finally:
             self.membership.state = "finished"
             await self._shutdown(run)
             await self.server.stop(0.5)
 
     # ---- setup -----------------------------------------------------------------------------------
-    async def _setup(self) -> _Run:
+    async def _setup(self, *, recover: bool = False) -> _Run:
         t, c = self.train, self.cluster
         model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
         block = getattr(getattr(model, "config", None), "block_size", None)
@@ -137,11 +154,12 @@ class Coordinator:
         graph = trace_lm(model, t.batch_size // c.micro_batches, t.seq_len, spec=t.model)
         tensors: dict[str, torch.Tensor] = {f"param/{k}": v for k, v in model_tensors(model).items()}
         self.start_step = 0
-        if c.resume:
+        if c.resume or recover:
             tensors = self._resume(tensors)
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
-        if c.scheduler and c.replicas:
+        replicas = None if recover else c.replicas  # a hand-made layout no longer fits fewer workers
+        if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
         self.model = model
         self.policy = None
@@ -149,7 +167,7 @@ class Coordinator:
         if c.scheduler:
             graph, plan, cost = await self._schedule(model, graph, clients)
         else:
-            plan = make_plan(graph, c.workers, replicas=c.replicas, schedule=c.schedule, micro_batches=c.micro_batches)
+            plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
             cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
@@ -174,7 +192,7 @@ class Coordinator:
             mine = {k: v for k, v in tensors.items() if k.split("/")[-1] in names and (k.startswith("param/") or k.startswith("adam/"))}
             blob = pack_tensors(mine)
             head = pack({"worker": w, "graph": graph_json, "plan": plan_json, "addresses": {str(k): v for k, v in addresses.items()},
-                         "data_addresses": data_addresses, "hyper": hyper, "nbytes": len(blob)})
+                         "data_addresses": data_addresses, "hyper": hyper, "nbytes": len(blob), "epoch": self.epoch})
             frames = [head] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             reply = await clients[w].push("Assign", frames, timeout=c.step_timeout)
             run.actions[w] = [Action.parse(a) for a in reply["actions"]]
@@ -193,8 +211,9 @@ class Coordinator:
         from fusionllm.control.planning import hardware_from_file, probe_hardware
 
         c = self.cluster
-        if c.hardware:
-            return hardware_from_file(c.hardware, c.workers)
+        members = sorted(self.membership.members.values(), key=lambda m: m.id)
+        if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
+            return hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
         return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
 
     async def _cost(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
@@ -256,7 +275,7 @@ class Coordinator:
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
 
     # ---- training ----------------------------------------------------------------------------------
-    async def _train(self, run: _Run) -> TrainResult:
+    async def _train(self, run: _Run, metrics: JsonlWriter) -> TrainResult:
         t, c = self.train, self.cluster
         corpus = load_corpus(t.data)
         train_tokens, val_tokens = corpus.split(0.1)
@@ -267,61 +286,138 @@ class Coordinator:
         mb_size = t.batch_size // run.plan.micro_batches
         result = TrainResult(num_params=run.graph.num_params())
         started = time.perf_counter()
-        with JsonlWriter(t.metrics) as metrics:
-            for step in range(self.start_step, t.steps):
-                lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
-                x, y = batches.get(step)
-                calls = {}
-                for w in run.plan.workers:
-                    stage = run.plan.stage_of_worker(w).index
-                    inputs: dict[str, dict[str, bytes]] = {}
-                    for mb in run.plan.mbs_of(w):
-                        feeds = {}
-                        for edge, data in ((tok_edge, x), (tgt_edge, y)):
-                            if stage in r.consumers.get(edge, []):
-                                feeds[edge] = tensor_to_wire(data[mb * mb_size : (mb + 1) * mb_size])
-                        inputs[str(mb)] = feeds
-                    extra = {}
-                    if self.policy is not None:  # adatopk: this worker's outgoing links
-                        extra = {"ratios": {str(b): r for (a, b), r in self.policy.ratios().items() if a == w}}
-                    calls[w] = run.clients[w].call("Step", {"step": step, "lr": lr, "inputs": inputs, **extra}, timeout=c.step_timeout)
-                replies = dict(zip(calls, await asyncio.gather(*calls.values()), strict=True))
-                self._check_failures(run, step, replies)
-                losses = {int(mb): v for rep in replies.values() for mb, v in rep["losses"].items()}
-                if len(losses) != run.plan.micro_batches:
-                    raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
-                loss = sum(losses[m] for m in sorted(losses)) / len(losses)
-                result.losses.append(loss)
-                result.tokens = (step + 1 - self.start_step) * x.numel()
-                elapsed = time.perf_counter() - started
-                record = {
-                    "step": step, "loss": loss, "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
-                    "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
-                    "grad_norm": next(iter(replies.values()))["grad_norm"],
-                    "step_s": round(max(rep["seconds"] for rep in replies.values()), 4),
-                    "bytes": self._link_bytes(run, replies),
-                }
-                if "predicted_step_s" in run.plan.meta:
-                    record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
-                if c.compress != "none":
-                    record["compress"] = c.compress
-                if self.policy is not None:
-                    record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
-                    for w, rep in replies.items():
-                        for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
-                            self.policy.observe((w, int(dst)), nbytes, busy)
-                if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
-                    paused = time.perf_counter()
-                    record["val_loss"] = await self._evaluate(run, val_batches)
-                    result.val_losses.append((step, record["val_loss"]))
-                    started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
-                metrics.write(record)
-                self.on_step(record)
-                done = step + 1
-                if c.checkpoint_every and (done % c.checkpoint_every == 0 or done == t.steps):
-                    await self._checkpoint(run, done)
+        for step in range(self.start_step, t.steps):
+            lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
+            x, y = batches.get(step)
+            calls = {}
+            for w in run.plan.workers:
+                stage = run.plan.stage_of_worker(w).index
+                inputs: dict[str, dict[str, bytes]] = {}
+                for mb in run.plan.mbs_of(w):
+                    feeds = {}
+                    for edge, data in ((tok_edge, x), (tgt_edge, y)):
+                        if stage in r.consumers.get(edge, []):
+                            feeds[edge] = tensor_to_wire(data[mb * mb_size : (mb + 1) * mb_size])
+                    inputs[str(mb)] = feeds
+                extra = {}
+                if self.policy is not None:  # adatopk: this worker's outgoing links
+                    extra = {"ratios": {str(b): r for (a, b), r in self.policy.ratios().items() if a == w}}
+                calls[w] = run.clients[w].call("Step", {"step": step, "lr": lr, "inputs": inputs, **extra}, timeout=c.step_timeout)
+            replies = await self._step_calls(run, calls)
+            if any("failed" in rep for rep in replies.values()):
+                await self._raise_if_lost(run, "a step failed")
+            self._check_failures(run, step, replies)
+            losses = {int(mb): v for rep in replies.values() for mb, v in rep["losses"].items()}
+            if len(losses) != run.plan.micro_batches:
+                raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
+            loss = sum(losses[m] for m in sorted(losses)) / len(losses)
+            result.losses.append(loss)
+            result.tokens = (step + 1 - self.start_step) * x.numel()
+            elapsed = time.perf_counter() - started
+            record = {
+                "step": step, "loss": loss, "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
+                "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
+                "grad_norm": next(iter(replies.values()))["grad_norm"],
+                "step_s": round(max(rep["seconds"] for rep in replies.values()), 4),
+                "bytes": self._link_bytes(run, replies),
+            }
+            if "predicted_step_s" in run.plan.meta:
+                record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
+            if c.compress != "none":
+                record["compress"] = c.compress
+            if self.policy is not None:
+                record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
+                for w, rep in replies.items():
+                    for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
+                        self.policy.observe((w, int(dst)), nbytes, busy)
+            if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
+                paused = time.perf_counter()
+                record["val_loss"] = await self._guard(run, self._evaluate(run, val_batches))
+                result.val_losses.append((step, record["val_loss"]))
+                started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
+            metrics.write(record)
+            self.on_step(record)
+            done = step + 1
+            if c.checkpoint_every and (done % c.checkpoint_every == 0 or done == t.steps):
+                await self._guard(run, self._checkpoint(run, done))
         result.elapsed_s = time.perf_counter() - started
         return result
+
+    # ---- lost workers -----------------------------------------------------------------------------
+    async def _step_calls(self, run: _Run, calls: dict[int, Any]) -> dict[int, dict[str, Any]]:
+        """Every worker's Step reply, watching heartbeats meanwhile: a dead or hung worker is lost
+        within dead_after_s (killed processes at once: their calls fail)."""
+        tasks = {w: asyncio.create_task(call) for w, call in calls.items()}
+        try:
+            while True:
+                _, pending = await asyncio.wait(tasks.values(), timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+                errors = [t.exception() for t in tasks.values() if t.done() and not t.cancelled() and t.exception() is not None]
+                if errors:
+                    await self._raise_if_lost(run, str(errors[0]))
+                    raise errors[0]  # type: ignore[misc]
+                if not pending:
+                    return {w: t.result() for w, t in tasks.items()}
+                stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
+                if stale:
+                    raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
+        finally:
+            for t in tasks.values():
+                t.cancel()
+
+    async def _guard(self, run: _Run, work: Any) -> Any:
+        """Evaluation and checkpoints talk to workers too: a dead one there is a lost worker."""
+        try:
+            return await work
+        except TransportError as exc:
+            await self._raise_if_lost(run, str(exc))
+            raise
+
+    async def _raise_if_lost(self, run: _Run, why: str) -> None:
+        async def alive(w: int) -> bool:
+            try:
+                await run.clients[w].call("Ping", {}, timeout=3)
+                return True
+            except FusionError:
+                return False
+
+        answers = await asyncio.gather(*(alive(w) for w in run.plan.workers))
+        dead = {w for w, ok in zip(run.plan.workers, answers, strict=True) if not ok}
+        dead |= set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
+        if dead:
+            raise WorkerLost(dead, why)
+
+    async def _recover(self, run: _Run, lost: WorkerLost, metrics: JsonlWriter) -> _Run:
+        """Re-plan on the workers left (and spares that joined), from the newest complete checkpoint."""
+        c = self.cluster
+        began = time.perf_counter()
+        self.recoveries += 1
+        if self.recoveries > c.max_recoveries:
+            raise FusionError(f"{lost}; gave up after {c.max_recoveries} recoveries")
+        self.say(f"lost worker(s) {sorted(lost.workers)} ({lost.why}); re-planning on the others")
+
+        async def abort(w: int) -> bool:
+            try:
+                await run.clients[w].call("Abort", {}, timeout=10)
+                return True
+            except FusionError:
+                return False
+
+        survivors = [w for w in run.plan.workers if w not in lost.workers]
+        answers = await asyncio.gather(*(abort(w) for w in survivors))
+        gone = set(lost.workers) | {w for w, ok in zip(survivors, answers, strict=True) if not ok}
+        for client in run.clients.values():
+            await client.close()
+        self.membership.lose(gone)
+        if not self.membership.members:
+            raise FusionError(f"{lost}; no worker is left")
+        self.membership.renumber()
+        self.epoch += 1
+        run = await self._setup(recover=True)
+        event = {"event": "recovery", "lost": sorted(gone), "workers": len(self.membership.members), "resumed_from_step": self.start_step,
+                 "seconds": round(time.perf_counter() - began, 3), "why": lost.why}
+        metrics.write(event)
+        self.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.start_step}")
+        return run
 
     def _link_bytes(self, run: _Run, replies: dict[int, dict[str, Any]]) -> dict[str, int]:
         out = {}

@@ -35,6 +35,8 @@ class Inbox:
         self.max_payload = max_payload
         self._slots: dict[Key, asyncio.Future] = {}
         self.bytes_received = 0
+        self.epoch = 0  # the assignment in force: tensors sent under an earlier one (before a recovery) are dropped
+        self.stale = 0
 
     def _slot(self, key: Key) -> asyncio.Future:
         if key not in self._slots:
@@ -46,6 +48,9 @@ class Inbox:
         header, array = await read_tensor(frames, max_payload=self.max_payload)
         if header.get("kind") not in ("act", "grad", "reduce"):
             raise WireError(f"unknown tensor kind {header.get('kind')!r}")
+        if header.get("epoch", 0) != self.epoch:
+            self.stale += 1  # in flight when its step was aborted: the step runs again under the new plan
+            return {}
         slot = self._slot(_key(header))
         if slot.done():
             raise WireError(f"duplicate tensor {_key(header)}")
@@ -68,14 +73,23 @@ class Inbox:
         for key in [k for k in self._slots if k[1] == step]:
             self._slots.pop(key, None)
 
+    def reset(self, epoch: int) -> None:
+        """A new assignment: forget every waiting tensor and accept only those sent under ``epoch``."""
+        for slot in self._slots.values():
+            if not slot.done():
+                slot.cancel()
+        self._slots.clear()
+        self.epoch = epoch
+
 
 class PeerNet:
     """Clients to the other workers; pushes tensors and counts bytes per destination.
 
     Tensors go over a worker's data plane (``transport/stream.py``) when it has one, else over gRPC."""
 
-    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None, epoch: int = 0) -> None:
         self.tls = tls
+        self.epoch = epoch  # stamped on every tensor (see Inbox.epoch)
         self.addresses = addresses
         self.data_addresses = data_addresses or {}
         self.token = token
@@ -103,7 +117,7 @@ class PeerNet:
             a = np.ascontiguousarray(array)
             payload = memoryview(a).cast("B") if a.size else b""
             meta = {"dtype": dtype or a.dtype.name, "shape": list(a.shape), "codec": "raw"}
-        frames = list(tensor_frames({**header, **meta}, payload))
+        frames = list(tensor_frames({**header, **meta, "epoch": self.epoch}, payload))
         size = sum(len(f) for f in frames)
         self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size
         started = time.perf_counter()

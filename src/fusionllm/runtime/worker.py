@@ -13,6 +13,7 @@ its backend, software versions and the op kinds it runs, which the coordinator p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -73,11 +74,13 @@ class Worker:
         self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token, tls=config.tls)
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
-            control={"Step": self._on_step, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
+            control={"Step": self._on_step, "Abort": self._on_abort, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
         self.data_address = ""
+        self.address = ""
+        self._step_task: asyncio.Task | None = None
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -86,6 +89,7 @@ class Worker:
         info = self.backend.device_info(self.config.device)
         port = await self.server.start(self.config.listen)
         address = f"{self._advertise_host()}:{port}"
+        self.address = address
         data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
         self.data_address = f"{self._advertise_host()}:{data_port}"
         loop = asyncio.get_running_loop()
@@ -151,7 +155,7 @@ class Worker:
         while not self.done.is_set():
             await asyncio.sleep(self.config.heartbeat_s)
             try:
-                reply = await self.coordinator.call("Heartbeat", {"worker": self.id}, timeout=5)
+                reply = await self.coordinator.call("Heartbeat", {"worker": self.id, "address": self.address}, timeout=5)
                 last_ok = time.monotonic()
                 if reply.get("state") == "finished":
                     self._stop(0)
@@ -171,6 +175,24 @@ class Worker:
             return await probe.measure(client, seconds=float(msg.get("seconds", 1.0)))
         finally:
             await client.close()
+
+    async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
+        aborted = await self._abort_step()
+        if self.peers is not None:
+            await self.peers.close()  # connections to a dead peer must not linger
+        self.inbox.reset(self.inbox.epoch + 1_000_000)  # nothing of the aborted attempt is accepted any more
+        self.log.warning("step aborted by the coordinator")
+        return {"aborted": aborted}
+
+    async def _abort_step(self) -> bool:
+        task, self._step_task = self._step_task, None
+        if task is None or task.done():
+            return False
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return True
 
     async def _on_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_later(0.05, self._stop, 0)
@@ -199,7 +221,13 @@ class Worker:
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
         data = {int(k): str(v) for k, v in msg.get("data_addresses", {}).items()}
-        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data, tls=self.config.tls)
+        await self._abort_step()
+        if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
+            await self.peers.close()
+        epoch = int(msg.get("epoch", 0))
+        self.inbox.reset(epoch)
+        self.id = int(msg["worker"])
+        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data, tls=self.config.tls, epoch=epoch)
         hyper = Hyper(**msg["hyper"])
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,
@@ -216,9 +244,17 @@ class Worker:
             raise FusionError("Step before Assign")
         stage = self.runtime.backend
         inputs = {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
+        task: asyncio.Task | None = None
         try:
             ratios = {int(k): float(v) for k, v in msg["ratios"].items()} if "ratios" in msg else None
-            return await self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs, ratios)
+            task = asyncio.create_task(self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs, ratios))
+            self._step_task = task
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task is not None and task.cancelled() and not (me is not None and me.cancelling()):  # aborted by the coordinator
+                return {"aborted": True}
+            raise
         except StepFailure as exc:
             self.log.error("%s", exc)
             return {"failed": {"worker": exc.worker, "index": exc.index, "action": str(exc.action), "error": exc.error}}
