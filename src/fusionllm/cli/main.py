@@ -63,6 +63,7 @@ DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
+DeadAfterOpt = Annotated[float, typer.Option("--dead-after", min=1.0, help="Seconds without a heartbeat (sent every 2 s) before a worker is lost and the run re-plans without it.")]
 TlsCertOpt = Annotated[Path | None, typer.Option("--tls-cert", help="This process's certificate (PEM, signed by --tls-ca, naming DNS:fusionllm): mutual TLS on every connection.")]
 TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The private key of --tls-cert (PEM).")]
 TlsCaOpt = Annotated[Path | None, typer.Option("--tls-ca", help="The run's CA certificate (PEM): peers must present a certificate it signed.")]
@@ -166,6 +167,7 @@ def train(
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
+    dead_after: DeadAfterOpt = 10.0,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -185,7 +187,7 @@ def train(
             "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
             "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
             "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
-            "--eval-batches", str(eval_batches),
+            "--eval-batches", str(eval_batches), "--dead-after", str(dead_after),
         ]
         args += ["--data", data] if data else []
         args += ["--metrics", str(metrics)] if metrics else []
@@ -268,7 +270,7 @@ def coordinator(
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
-    dead_after: Annotated[float, typer.Option("--dead-after", min=1.0, help="Seconds without a heartbeat (sent every 2 s) before a worker is lost and the run re-plans without it.")] = 10.0,
+    dead_after: DeadAfterOpt = 10.0,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator

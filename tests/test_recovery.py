@@ -1,0 +1,160 @@
+"""Faults on loopback: a worker killed or hung mid-run, the coordinator killed, a spare joining."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BASE = [sys.executable, "-m", "fusionllm"]
+RUN = ["--model", "gpt-micro", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--seed", "3"]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_steps(path: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len([r for r in _records(path) if "step" in r]) >= n:
+            return
+        assert proc.poll() is None, "training ended early"
+        time.sleep(0.1)
+    raise AssertionError(f"no step {n} within {timeout} s")
+
+
+def _pids(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _losses(records: list[dict], start: int) -> dict[int, float]:
+    """The last loss recorded for each step from ``start`` on (steps after a recovery run again)."""
+    return {r["step"]: r["loss"] for r in records if "step" in r and r["step"] >= start}
+
+
+def _resumed_reference(tmp_path: Path, ckpt: Path, workers: int, steps: int) -> dict[int, float]:
+    """Losses of a plain run resumed from the same checkpoint on the same number of workers."""
+    ref_dir = tmp_path / "ref-ckpt"
+    ref_dir.mkdir()
+    shutil.copytree(ckpt, ref_dir / ckpt.name)
+    out = tmp_path / "ref.jsonl"
+    proc = subprocess.run([*BASE, "train", "--cluster", f"local:{workers}", *RUN, "--steps", str(steps), "--checkpoint-dir", str(ref_dir),
+                           "--resume", "--metrics", str(out), "--run-dir", str(tmp_path / "ref-run")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(_records(out), int(ckpt.name.split("-")[1]))
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_lost_worker_costs_a_re_plan_not_the_run(tmp_path: Path, how: str) -> None:
+    ckpt, out, run_dir = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "run"
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:4", *RUN, "--steps", "20", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
+                             "--metrics", str(out), "--run-dir", str(run_dir), "--dead-after", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = []
+    try:
+        _wait_steps(out, 7, proc)
+        victim = _pids(f"worker .*{run_dir}/token .*--rank 2 ")
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in victim:
+            if how == "hang":
+                with_suppressed = subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+                assert with_suppressed.returncode in (0, 1)
+    assert proc.returncode == 0, text[-3000:]
+    records = _records(out)
+    events = [r for r in records if r.get("event") == "recovery"]
+    assert len(events) == 1 and events[0]["lost"] == [2] and events[0]["workers"] == 3, events
+    assert max(r["step"] for r in records if "step" in r) == 19
+    if how == "hang":
+        assert "no heartbeat" in events[0]["why"]
+    start = events[0]["resumed_from_step"]
+    assert start in (5, 10)  # the newest complete checkpoint when the worker was lost
+    after = _losses(records[records.index(events[0]) :], start)
+    reference = _resumed_reference(tmp_path, ckpt / f"step-{start:06d}", 3, 20)
+    assert sorted(after) == sorted(reference) == list(range(start, 20))
+    for step, loss in reference.items():
+        assert abs(after[step] - loss) <= 1e-5 * abs(loss), (step, after[step], loss)
+
+
+def test_workers_stop_when_the_coordinator_dies_and_resume_continues(tmp_path: Path) -> None:
+    from fusionllm.transport.auth import load_token
+
+    token = tmp_path / "token"
+    load_token(token, create=True)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    coord = subprocess.Popen([*BASE, "coordinator", "--listen", "127.0.0.1:0", "--token-file", str(token), "--workers", "2", *RUN, "--steps", "400",
+                              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--metrics", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers: list[subprocess.Popen] = []
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            line = coord.stdout.readline() if coord.stdout else ""
+            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "the coordinator did not say its port"
+        workers = [subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "4"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        _wait_steps(out, 8, coord)
+        coord.kill()
+        coord.wait()
+        for w in workers:
+            w.wait(timeout=30)  # on their own: no orphans
+            assert w.returncode != 0
+    finally:
+        for p in [coord, *workers]:
+            if p.poll() is None:
+                p.kill()
+    steps_done = max(r["step"] for r in _records(out) if "step" in r)
+    newest = sorted(ckpt.glob("step-*"))[-1]
+    again = tmp_path / "again.jsonl"
+    proc = subprocess.run([*BASE, "train", "--cluster", "local:2", *RUN, "--steps", str(steps_done + 4), "--checkpoint-dir", str(ckpt), "--resume",
+                           "--metrics", str(again), "--run-dir", str(tmp_path / "run2")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = [r["step"] for r in _records(again) if "step" in r]
+    assert resumed[0] == int(newest.name.split("-")[1]) and resumed[-1] == steps_done + 3
+
+
+def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: Path) -> None:
+    ckpt, out, run_dir = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "run"
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:3", *RUN, "--steps", "400", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10",
+                             "--metrics", str(out), "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    spare = None
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline() if proc.stdout else ""
+            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port
+        _wait_steps(out, 3, proc)
+        spare = subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(run_dir / "token")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)  # registered and heart-beating
+        assert proc.poll() is None
+        os.kill(_pids(f"worker .*{run_dir}/token .*--rank 1 ")[0], signal.SIGKILL)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        for p in (proc, spare):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert proc.returncode == 0, text[-3000:]
+    events = [r for r in _records(out) if r.get("event") == "recovery"]
+    assert len(events) == 1 and events[0]["workers"] == 3  # two left + the spare
+    assert max(r["step"] for r in _records(out) if "step" in r) == 399
