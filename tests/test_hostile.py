@@ -1,0 +1,105 @@
+"""Hostile input against a running cluster: random bytes and unauthenticated calls to every port.
+
+The cluster refuses them, keeps serving, and the run's losses equal those of an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from fusionllm.transport.messages import pack
+
+BASE = [sys.executable, "-m", "fusionllm"]
+RUN = ["--model", "gpt-micro", "--steps", "60", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--seed", "5"]
+METHODS = ["/fusionllm.Worker/Step", "/fusionllm.Worker/GetState", "/fusionllm.Worker/Shutdown", "/fusionllm.Worker/Abort",
+           "/fusionllm.Coordinator/Register", "/fusionllm.Coordinator/Heartbeat", "/fusionllm.Coordinator/NormReduce", "/no.Such/Method"]
+
+
+def _listening(pids: list[int]) -> list[int]:
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
+    return sorted({int(m.group(1)) for line in out.splitlines() for pid in pids if f"pid={pid}," in line
+                   for m in [re.search(r"127\.0\.0\.1\]?:(\d+)", line)] if m})
+
+
+def _raw(port: int, rng: random.Random) -> None:
+    """Random bytes, a truncated HTTP/2 preface, a huge declared length: then hang up."""
+    for payload in (rng.randbytes(rng.randint(1, 5000)), b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + rng.randbytes(64),
+                    (2**31).to_bytes(4, "little") + rng.randbytes(100), b""):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(payload)
+                s.settimeout(0.3)
+                with contextlib.suppress(OSError):
+                    s.recv(100)
+        except OSError:
+            pass
+
+
+async def _calls(port: int, rng: random.Random) -> list[str]:
+    """Unauthenticated and wrong-token gRPC calls with random bodies: every one must be refused."""
+    codes = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+        for method in METHODS:
+            for meta in ((), (("x-fusionllm-token", "guess"), ("x-fusionllm-protocol", "1"))):
+                body = rng.choice([rng.randbytes(rng.randint(0, 300)), pack({"step": 10**12, "worker": -1, "sq": 1e300, "address": "1.2.3.4:5"})])
+                try:
+                    await chan.unary_unary(method)(body, metadata=meta, timeout=3)
+                    codes.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code().name)
+    return codes
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in path.read_text().splitlines()]
+
+
+def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: Path) -> None:
+    ref = tmp_path / "ref.jsonl"
+    clean = subprocess.run([*BASE, "train", "--cluster", "local:3", *RUN, "--metrics", str(ref), "--run-dir", str(tmp_path / "ref")],
+                           capture_output=True, text=True, timeout=600)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+
+    out, run_dir = tmp_path / "m.jsonl", tmp_path / "run"
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:3", *RUN, "--metrics", str(out), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rng = random.Random(7)
+    codes: list[str] = []
+    try:
+        coord_port = None
+        while coord_port is None:
+            line = proc.stdout.readline() if proc.stdout else ""
+            assert line or proc.poll() is None, "training ended early"
+            m = re.search(r"coordinator on 127\.0\.0\.1:(\d+)", line)
+            coord_port = int(m.group(1)) if m else None
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-f", f"worker .*{run_dir}/token"], capture_output=True, text=True).stdout.split()]
+        ports = _listening(workers)
+        assert len(workers) == 3 and len(ports) >= 6  # a control port and a data port each
+        for port in [coord_port, *ports]:
+            _raw(port, rng)
+            codes += asyncio.run(_calls(port, rng))
+        assert proc.poll() is None, "the cluster stopped under hostile input"
+        text, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text[-3000:]
+    assert "OK" not in codes and set(codes) <= {"UNAUTHENTICATED", "UNIMPLEMENTED", "UNAVAILABLE", "INTERNAL", "UNKNOWN"}, set(codes)
+    assert _losses(out) == _losses(ref)  # the run went on exactly as without the attack
+    assert os.path.exists(run_dir / "token")
