@@ -75,6 +75,20 @@ def test_worker_path_of_the_numpy_backend_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_both_backends_pack_the_same_safetensors_bytes() -> None:
+    import numpy as np
+    import torch
+
+    from fusionllm.runtime.backend import load_backend
+
+    arrays = {"param/w": np.arange(12, dtype=np.float32).reshape(3, 4), "adam/step/w": np.array([3.0], np.float32), "param/i": np.arange(5)}
+    torch_b, numpy_b = load_backend("torch"), load_backend("numpy")
+    blob = numpy_b.pack(arrays)
+    assert blob == torch_b.pack({k: torch.from_numpy(v) for k, v in arrays.items()})
+    assert all(np.array_equal(torch_b.unpack(blob)[k].numpy(), v) for k, v in arrays.items())
+    assert all(np.array_equal(numpy_b.unpack(blob)[k], v) for k, v in arrays.items())
+
+
 # ---- real processes ------------------------------------------------------------------------------
 # the default learning rate and warmup: at --lr 1e-2 --warmup 2 this run is chaotic (torch float32 and
 # float64 part by 12% at step 6), and any two float32 kernels diverge as much as torch does from itself
