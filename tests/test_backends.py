@@ -75,8 +75,24 @@ def test_worker_path_of_the_numpy_backend_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_both_backends_pack_the_same_safetensors_bytes() -> None:
+    import numpy as np
+    import torch
+
+    from fusionllm.runtime.backend import load_backend
+
+    arrays = {"param/w": np.arange(12, dtype=np.float32).reshape(3, 4), "adam/step/w": np.array([3.0], np.float32), "param/i": np.arange(5)}
+    torch_b, numpy_b = load_backend("torch"), load_backend("numpy")
+    blob = numpy_b.pack(arrays)
+    assert blob == torch_b.pack({k: torch.from_numpy(v) for k, v in arrays.items()})
+    assert all(np.array_equal(torch_b.unpack(blob)[k].numpy(), v) for k, v in arrays.items())
+    assert all(np.array_equal(numpy_b.unpack(blob)[k], v) for k, v in arrays.items())
+
+
 # ---- real processes ------------------------------------------------------------------------------
-COMMON = ["--batch-size", "8", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--eval-every", "0"]
+# the default learning rate and warmup: at --lr 1e-2 --warmup 2 this run is chaotic (torch float32 and
+# float64 part by 12% at step 6), and any two float32 kernels diverge as much as torch does from itself
+COMMON = ["--batch-size", "8", "--seed", "1", "--eval-every", "0"]
 
 
 def _leftovers() -> list[str]:
@@ -85,10 +101,9 @@ def _leftovers() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes():
-    before = set(_leftovers())
+def no_leftover_processes(tmp_path: Path):
     yield
-    left = [line for line in _leftovers() if line not in before]
+    left = [line for line in _leftovers() if str(tmp_path) in line]  # only this test's (the machine is shared)
     for line in left:
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"fusionllm processes left running: {left}"
