@@ -133,3 +133,38 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
     assert after < 0.5 * before, (before, after)  # a 10x slower link: compressed much harder
     # (w2 -> w1 slows too, and is compressed harder as well: its TCP acks queue behind w1 -> w2's data)
     assert records[-1]["ratios"]["w0->w1"] == 1 and records[-1]["ratios"]["w2->w3"] == 1  # links inside a site stay raw
+
+
+@needs_root
+def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(tmp_path: Path) -> None:
+    from fusionllm.testbed.testbed import set_link_rate
+
+    out = tmp_path / "replan.jsonl"
+    proc = subprocess.Popen(
+        [*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "opfence", "--model", "gpt-micro", "--steps", "50",
+         "--batch-size", "16", "--seq-len", "128", "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(out.read_text().splitlines()) >= 10:
+                break
+            time.sleep(0.2)
+        first = json.loads(out.read_text().splitlines()[0])
+        assert first.get("predicted_step_s"), first
+        for a, b in ((0, 1), (1, 0)):  # OP-Fence's plan runs on the two devices of site A: choke their link
+            set_link_rate(a, b, 2_000_000)
+        text, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "replan"]
+    assert len(events) == 1, [r for r in records if "event" in r]
+    i = records.index(events[0])
+    slow = sorted(r["step_s"] for r in records[i - 8 : i])[4]
+    after = sorted(r["step_s"] for r in records[i + 3 :])
+    assert after[len(after) // 2] < 0.5 * slow, (slow, after)  # the new plan avoids the choked link
+    assert max(r["step"] for r in records if "step" in r) == 49 and "re-planning" in text

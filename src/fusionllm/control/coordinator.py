@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -68,6 +70,8 @@ class ClusterConfig:
     eval_batches: int = 4
     dead_after_s: float = 10.0  # a worker whose heartbeat (every 2 s) is older than this is lost
     max_recoveries: int = 3  # re-plans after lost workers before giving up
+    replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
+    max_replans: int = 2
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
 
     def __post_init__(self) -> None:
@@ -82,6 +86,14 @@ class ClusterConfig:
 
 Say = Callable[[str], None]
 OnStep = Callable[[dict], None]
+
+
+class Replan(FusionError):
+    """The plan is far from what it promised (a link slowed down): plan again from the current state."""
+
+    def __init__(self, why: str, next_step: int) -> None:
+        super().__init__(why)
+        self.why, self.next_step = why, next_step
 
 
 class WorkerLost(FusionError):
@@ -114,8 +126,10 @@ class Coordinator:
             tls=cluster.tls,
         )
         self.port = 0
-        self.epoch = 0  # bumped by every recovery; workers drop tensors of an earlier epoch
+        self.epoch = 0  # bumped by every recovery or re-plan; workers drop tensors of an earlier epoch
         self.recoveries = 0
+        self.replans = 0
+        self._measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan uses them)
 
     async def run(self) -> TrainResult:
         self.port = await self.server.start(self.cluster.listen)
@@ -139,13 +153,15 @@ class Coordinator:
                         return await self._train(run, metrics)
                     except WorkerLost as lost:
                         run = await self._recover(run, lost, metrics)
+                    except Replan as again:
+                        run = await self._replan(run, again, metrics)
         finally:
             self.membership.state = "finished"
             await self._shutdown(run)
             await self.server.stop(0.5)
 
     # ---- setup -----------------------------------------------------------------------------------
-    async def _setup(self, *, recover: bool = False) -> _Run:
+    async def _setup(self, *, recover: bool = False, carry: tuple[dict[str, Any], int] | None = None) -> _Run:
         t, c = self.train, self.cluster
         model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
         block = getattr(getattr(model, "config", None), "block_size", None)
@@ -154,7 +170,9 @@ class Coordinator:
         graph = trace_lm(model, t.batch_size // c.micro_batches, t.seq_len, spec=t.model)
         tensors: dict[str, torch.Tensor] = {f"param/{k}": v for k, v in model_tensors(model).items()}
         self.start_step = 0
-        if c.resume or recover:
+        if carry is not None:  # a re-plan: the weights and AdamW state as they are now
+            tensors, self.start_step = {**tensors, **carry[0]}, carry[1]
+        elif c.resume or recover:
             tensors = self._resume(tensors)
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
@@ -208,12 +226,17 @@ class Coordinator:
         return run
 
     async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
-        from fusionllm.control.planning import hardware_from_file, probe_hardware
+        from fusionllm.control.planning import (
+            hardware_from_file,
+            probe_hardware,
+            with_measured_links,
+        )
 
         c = self.cluster
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
         if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
-            return hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
+            hw = hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
+            return with_measured_links(hw, self._measured)
         return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
 
     async def _cost(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
@@ -286,6 +309,8 @@ class Coordinator:
         mb_size = t.batch_size // run.plan.micro_batches
         result = TrainResult(num_params=run.graph.num_params())
         started = time.perf_counter()
+        self._recent: deque[float] = deque(maxlen=8)
+        self._links: dict[tuple[int, int], tuple[int, float]] = {}
         for step in range(self.start_step, t.steps):
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
             x, y = batches.get(step)
@@ -325,6 +350,10 @@ class Coordinator:
                 record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
             if c.compress != "none":
                 record["compress"] = c.compress
+            for w, rep in replies.items():
+                for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
+                    got, took = self._links.get((w, int(dst)), (0, 0.0))
+                    self._links[(w, int(dst))] = (got + nbytes, took + busy)
             if self.policy is not None:
                 record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
                 for w, rep in replies.items():
@@ -340,8 +369,50 @@ class Coordinator:
             done = step + 1
             if c.checkpoint_every and (done % c.checkpoint_every == 0 or done == t.steps):
                 await self._guard(run, self._checkpoint(run, done))
+            self._recent.append(record["step_s"])
+            if done < t.steps:
+                self._check_plan(run, done)
         result.elapsed_s = time.perf_counter() - started
         return result
+
+    # ---- a plan gone wrong -------------------------------------------------------------------------
+    def _check_plan(self, run: _Run, done: int) -> None:
+        """Raise Replan when the last 8 steps took far longer than the plan's prediction."""
+        c = self.cluster
+        predicted = run.plan.meta.get("predicted_step_s")
+        if not (c.scheduler and c.replan_factor > 0 and predicted and len(self._recent) == self._recent.maxlen):
+            return
+        if self.replans >= c.max_replans:
+            return
+        median = statistics.median(self._recent)
+        if median > c.replan_factor * predicted:
+            raise Replan(f"steps take {median:.2f} s, the plan predicted {predicted:.2f} s", done)
+
+    def _measured_links(self) -> dict[tuple[int, int], float]:
+        """Bits/s of the links that carried enough traffic lately to judge (bytes over busy time)."""
+        return {link: got * 8 / took for link, (got, took) in self._links.items() if got >= 256 << 10 and took > 0}
+
+    async def _replan(self, run: _Run, again: Replan, metrics: JsonlWriter) -> _Run:
+        """Plan again with the links as measured, carrying the current weights and AdamW state over."""
+        began = time.perf_counter()
+        self.replans += 1
+        self.say(f"re-planning: {again.why}")
+        tensors: dict[str, Any] = {}
+        for blob in (await self._guard(run, self._stage_states(run))).values():
+            tensors.update(unpack_tensors(blob))
+        self._measured = self._measured_links()
+        for client in run.clients.values():
+            await client.close()
+        self.membership.lose(set())
+        self.epoch += 1
+        old = run.plan.meta.get("predicted_step_s")
+        run = await self._setup(carry=(tensors, again.next_step))
+        event = {"event": "replan", "why": again.why, "at_step": again.next_step, "seconds": round(time.perf_counter() - began, 3),
+                 "old_predicted_step_s": old, "predicted_step_s": run.plan.meta.get("predicted_step_s"),
+                 "stages": len(run.plan.stages), "workers": sorted(run.plan.workers)}
+        metrics.write(event)
+        self.say(f"re-planned in {event['seconds']:.1f} s: {len(run.plan.stages)} stages on workers {event['workers']}")
+        return run
 
     # ---- lost workers -----------------------------------------------------------------------------
     async def _step_calls(self, run: _Run, calls: dict[int, Any]) -> dict[int, dict[str, Any]]:

@@ -141,6 +141,19 @@ ADATOPK_PLAN_RATIO = 0.09  # the byte ratio AdaTopK reached with no measurable l
 COMPRESSED_PLAN_GAIN = 0.8  # a plan that relies on compression replaces the plain one only if predicted this much faster
 
 
+def with_measured_links(hw: Hardware, measured: dict[tuple[int, int], float], *, below: float = 0.5) -> Hardware:
+    """The hardware with the links measured at less than ``below`` x their planned rate set to what was measured."""
+    from dataclasses import replace
+
+    rows = [list(r) for r in hw.bandwidth]
+    changed = False
+    for (a, b), bps in measured.items():
+        if a < len(rows) and b < len(rows) and bps < below * rows[a][b]:
+            rows[a][b] = bps
+            changed = True
+    return replace(hw, bandwidth=tuple(tuple(r) for r in rows)) if changed else hw
+
+
 def compression_aware(plan: Plan, cost: CostModel, req: Request) -> tuple[Plan, CostModel]:
     """OP-Fence again, on links that AdaTopK would compress: a link too slow for the budget (the
     uncompressed plan's stage time, shortened as if every device took part) carries its bytes x
