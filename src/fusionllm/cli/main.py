@@ -63,6 +63,7 @@ DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
+DashboardOpt = Annotated[str | None, typer.Option("--dashboard", help="Serve a live dashboard (a web page and /api/status) at HOST:PORT, e.g. 127.0.0.1:8080.")]
 ReplanOpt = Annotated[float, typer.Option("--replan-factor", min=0.0, help="With --scheduler: plan again, with the links as measured, when 8 steps in a row take this many times the predicted step time (0: never).")]
 DeadAfterOpt = Annotated[float, typer.Option("--dead-after", min=1.0, help="Seconds without a heartbeat (sent every 2 s) before a worker is lost and the run re-plans without it.")]
 TlsCertOpt = Annotated[Path | None, typer.Option("--tls-cert", help="This process's certificate (PEM, signed by --tls-ca, naming DNS:fusionllm): mutual TLS on every connection.")]
@@ -170,6 +171,7 @@ def train(
     tls_ca: TlsCaOpt = None,
     dead_after: DeadAfterOpt = 10.0,
     replan_factor: ReplanOpt = 2.0,
+    dashboard: DashboardOpt = None,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -190,6 +192,7 @@ def train(
             "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
             "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
             "--eval-batches", str(eval_batches), "--dead-after", str(dead_after), "--replan-factor", str(replan_factor),
+            *(["--dashboard", dashboard] if dashboard else []),
         ]
         args += ["--data", data] if data else []
         args += ["--metrics", str(metrics)] if metrics else []
@@ -272,6 +275,7 @@ def coordinator(
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
+    dashboard: DashboardOpt = None,
     replan_factor: ReplanOpt = 2.0,
     dead_after: DeadAfterOpt = 10.0,
 ) -> None:
@@ -290,7 +294,7 @@ def coordinator(
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
-        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
+        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
     )
     bar, on_step, first = _progress_bar(steps, "train")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -46,7 +47,9 @@ from fusionllm.transport.rpc import RpcClient, RpcServer
 from fusionllm.transport.tls import TlsFiles
 
 from .capabilities import backend_of, place
+from .dashboard import Dashboard
 from .membership import Membership
+from .status import RunStatus
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class ClusterConfig:
     max_recoveries: int = 3  # re-plans after lost workers before giving up
     replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
     max_replans: int = 2
+    dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
 
     def __post_init__(self) -> None:
@@ -129,6 +133,8 @@ class Coordinator:
         self.epoch = 0  # bumped by every recovery or re-plan; workers drop tensors of an earlier epoch
         self.recoveries = 0
         self.replans = 0
+        self.status = RunStatus(train.model, train.steps)
+        self.plan_record: dict[str, Any] = {}
         self._measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan uses them)
 
     async def run(self) -> TrainResult:
@@ -136,6 +142,10 @@ class Coordinator:
         host = self.cluster.listen.rpartition(":")[0]
         self.on_ready(self.port)
         self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
+        dashboard = Dashboard(self.status) if self.cluster.dashboard else None
+        if dashboard is not None and self.cluster.dashboard:
+            dash_port = await dashboard.start(self.cluster.dashboard)
+            self.say(f"dashboard on http://{self.cluster.dashboard.rpartition(':')[0]}:{dash_port}/")
         run: _Run | None = None
         try:
             try:
@@ -146,8 +156,11 @@ class Coordinator:
                     f"{self.cluster.join_timeout:.0f} s; start them with: fusionllm worker --join {host}:{self.port} --token-file FILE"
                 ) from None
             self.membership.state = "running"
+            self.status.state = "planning"
             run = await self._setup()
+            self.status.state = "running"
             with JsonlWriter(self.train.metrics) as metrics:
+                metrics.write(self.plan_record)
                 while True:
                     try:
                         return await self._train(run, metrics)
@@ -157,8 +170,11 @@ class Coordinator:
                         run = await self._replan(run, again, metrics)
         finally:
             self.membership.state = "finished"
+            self.status.state = "finished"
             await self._shutdown(run)
             await self.server.stop(0.5)
+            if dashboard is not None:
+                await dashboard.stop()
 
     # ---- setup -----------------------------------------------------------------------------------
     async def _setup(self, *, recover: bool = False, carry: tuple[dict[str, Any], int] | None = None) -> _Run:
@@ -223,7 +239,30 @@ class Coordinator:
                 f"worker {w} {backend_of(infos[w])}" + ("" if torch_loaded[w] else " (torch not loaded)") for w in plan.workers
             ))
         self._graph_json, self._plan_json = graph_json, plan_json
+        self.plan_record = self._plan_event(run, addresses, cost)
+        self.status.event(self.plan_record)
         return run
+
+    def _plan_event(self, run: _Run, addresses: dict[int, str], cost: Any) -> dict[str, Any]:
+        """The plan as a metrics record (and for the dashboard): stages, workers, links."""
+        graph, plan = run.graph, run.plan
+        stages = []
+        for s in plan.stages:
+            nodes = [graph.node(n) for n in s.nodes]
+            names = {p for n in nodes for p in n.params.values()}
+            stages.append({"stage": s.index, "workers": list(s.workers), "ops": len(nodes), "params": sum(graph.params[p].meta.numel for p in names),
+                           "layers": [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]})
+        hw = getattr(cost, "hw", None)
+        workers = {}
+        for w, m in self.membership.members.items():
+            workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
+                               "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers}
+        bandwidth = {}
+        if hw is not None:
+            bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
+        return {"event": "plan", "epoch": self.epoch, "scheduler": plan.meta.get("scheduler") or self.cluster.scheduler, "schedule": plan.schedule,
+                "micro_batches": plan.micro_batches, "predicted_step_s": plan.meta.get("predicted_step_s"), "stages": stages,
+                "workers": workers, "bandwidth_bps": bandwidth}
 
     async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.control.planning import (
@@ -365,6 +404,7 @@ class Coordinator:
                 result.val_losses.append((step, record["val_loss"]))
                 started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
             metrics.write(record)
+            self.status.step(record)
             self.on_step(record)
             done = step + 1
             if c.checkpoint_every and (done % c.checkpoint_every == 0 or done == t.steps):
@@ -410,7 +450,9 @@ class Coordinator:
         event = {"event": "replan", "why": again.why, "at_step": again.next_step, "seconds": round(time.perf_counter() - began, 3),
                  "old_predicted_step_s": old, "predicted_step_s": run.plan.meta.get("predicted_step_s"),
                  "stages": len(run.plan.stages), "workers": sorted(run.plan.workers)}
+        metrics.write(self.plan_record)
         metrics.write(event)
+        self.status.event(event)
         self.say(f"re-planned in {event['seconds']:.1f} s: {len(run.plan.stages)} stages on workers {event['workers']}")
         return run
 
@@ -486,7 +528,9 @@ class Coordinator:
         run = await self._setup(recover=True)
         event = {"event": "recovery", "lost": sorted(gone), "workers": len(self.membership.members), "resumed_from_step": self.start_step,
                  "seconds": round(time.perf_counter() - began, 3), "why": lost.why}
+        metrics.write(self.plan_record)
         metrics.write(event)
+        self.status.event(event)
         self.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.start_step}")
         return run
 
