@@ -507,6 +507,20 @@ testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces,
 app.add_typer(testbed_app, name="testbed")
 
 
+@app.command()
+@_user_errors
+def report(
+    metrics: Annotated[Path, typer.Argument(help="A run's metrics file (--metrics), or a directory holding exactly one .jsonl file.")],
+    out: Annotated[Path | None, typer.Option(help="Where to write report.md and its PNG plots (default: next to the metrics, in report/).")] = None,
+) -> None:
+    """A finished (or running) training as markdown with plots: loss, tokens/s, bytes and AdaTopK ratio per link, the plan."""
+    from fusionllm.control.report import write_report
+
+    target = out or (metrics if metrics.is_dir() else metrics.parent) / "report"
+    path = write_report(metrics, target)
+    console.print(f"wrote {path} and its plots", highlight=False)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @_user_errors
 def bench(ctx: typer.Context) -> None:

@@ -296,7 +296,7 @@ class Coordinator:
         hw = await self._hardware(clients)
         req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
         plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say,
-                                             compress=parse_codec(c.compress).kind)
+                                             compress=str(parse_codec(c.compress)))
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")

@@ -70,6 +70,8 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, s
     judged = cost
     if compress == "adatopk" and scheduler == "opfence":
         plan, judged = compression_aware(plan, cost, req)
+    elif compress != "none":
+        judged = with_compression(plan, cost, req, compress)  # the prediction counts the codec too
     predicted = simulate(plan, judged, req)
     plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})
     say(f"scheduler {scheduler}: {len(plan.stages)} stages on {len(plan.workers)} of {len(hw)} workers, "
