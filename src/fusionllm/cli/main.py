@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -18,6 +19,7 @@ from fusionllm.core.errors import FusionError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train language models over slow, uneven networks.")
 console = Console(stderr=True)
+DEBUG = {"on": False}  # set by the global --debug option
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -29,11 +31,21 @@ def _user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FusionError as exc:
+            if DEBUG["on"]:
+                traceback.print_exc()
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug, or a condition nobody foresaw: one line, the traceback on request
+            if DEBUG["on"]:
+                raise
+            print(f"error: {type(exc).__name__}: {exc}\n(unexpected: run again with `fusionllm --debug ...` for the traceback, "
+                  "and please report it)", file=sys.stderr)
+            raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -47,8 +59,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error, not just its one line.")] = False,
 ) -> None:
     """fusionllm: the OP-DAG of any PyTorch model, trained across machines with remote autodiff."""
+    DEBUG["on"] = debug
 
 
 ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl) or package.module:factory.")]
@@ -505,6 +519,17 @@ def simulate(
 
 testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces, tc rate limits, CPU quotas.", no_args_is_help=True)
 app.add_typer(testbed_app, name="testbed")
+
+
+@app.command()
+@_user_errors
+def token(path: Annotated[Path, typer.Argument(help="The token file to create (kept if it exists).")]) -> None:
+    """Make the shared secret every process of a run presents (copy it to every machine, keep it private)."""
+    from fusionllm.transport.auth import load_token
+
+    existed = path.exists()
+    load_token(path, create=True)
+    console.print(f"{'kept the existing' if existed else 'wrote a new'} token in {path}", highlight=False)
 
 
 @app.command()
