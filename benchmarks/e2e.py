@@ -127,7 +127,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 run_fusion(tb, path, SYSTEMS[system], args, metrics, tmp / f"{name}-{system}")
                 predicted = None
             after = tb.link_bytes()
-            rec = [json.loads(line) for line in metrics.read_text().splitlines()]
+            rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
             if predicted is None:
                 predicted = rec[0].get("predicted_step_s")
             sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}

@@ -31,7 +31,7 @@ RUN = ["--model", "gpt-micro", "--steps", "30", "--batch-size", "8", "--seq-len"
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") != "plan"] if path.exists() else []
 
 
 def run(fault: str | None, tmp: Path) -> dict:

@@ -27,7 +27,7 @@ def run(cmd: list[str], timeout: float = 300) -> tuple[int, str, float]:
 
 
 def losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
 
 
 def main() -> int:

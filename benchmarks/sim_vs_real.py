@@ -40,7 +40,7 @@ def measure(cluster: Path, scheduler: str, args: argparse.Namespace, tmp: Path) 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    rec = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
     plan_line = next((ln for ln in proc.stderr.splitlines() if ln.startswith("scheduler ")), "")
     return rec[0]["predicted_step_s"], statistics.median(steps), steps, plan_line

@@ -19,7 +19,7 @@ RUN = ["--model", "gpt-micro", "--batch-size", "8", "--seq-len", "64", "--eval-e
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") != "plan"] if path.exists() else []
 
 
 def _wait_steps(path: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:

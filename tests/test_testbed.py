@@ -55,8 +55,8 @@ def test_train_inside_the_testbed_matches_single_process(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "links shaped with tc" in proc.stderr and "10.213." in proc.stderr
     subprocess.run([*BASE, "train", "--single-process", *COMMON, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
-    la = [json.loads(x)["loss"] for x in a.read_text().splitlines()]
-    lb = [json.loads(x)["loss"] for x in b.read_text().splitlines()]
+    la = [r["loss"] for r in map(json.loads, a.read_text().splitlines()) if "step" in r]
+    lb = [r["loss"] for r in map(json.loads, b.read_text().splitlines()) if "step" in r]
     assert len(la) == len(lb) == 4
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
     # the slow link carried bytes: activations crossed sites
@@ -92,7 +92,7 @@ def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(x) for x in out.read_text().splitlines()]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
     ratios = records[-1]["ratios"]
     # two-sites: devices 0,1 in X and 2,3 in Y; the params plan runs 0 -> 1 -> 2 -> 3, so only 1 <-> 2 is slow
     assert ratios["w1->w2"] < 1 and ratios["w2->w1"] < 1
@@ -120,14 +120,14 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
                 break
             time.sleep(0.2)
         assert proc.poll() is None, "training ended before the link could be slowed"
-        slowed_at = len(out.read_text().splitlines())
+        slowed_at = sum(1 for x in out.read_text().splitlines() if '"step"' in x)
         set_link_rate(1, 2, 2_000_000)  # the 20 Mbit/s link between the sites, w1 -> w2: down to 2 Mbit/s
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    records = [json.loads(x) for x in out.read_text().splitlines()]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
     before = records[slowed_at - 1]["ratios"]["w1->w2"]
     after = records[-1]["ratios"]["w1->w2"]
     assert after < 0.5 * before, (before, after)  # a 10x slower link: compressed much harder
@@ -151,7 +151,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
             if out.exists() and len(out.read_text().splitlines()) >= 10:
                 break
             time.sleep(0.2)
-        first = json.loads(out.read_text().splitlines()[0])
+        first = next(r for r in map(json.loads, out.read_text().splitlines()) if "step" in r)
         assert first.get("predicted_step_s"), first
         for a, b in ((0, 1), (1, 0)):  # OP-Fence's plan runs on the two devices of site A: choke their link
             set_link_rate(a, b, 2_000_000)
@@ -160,7 +160,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, text[-3000:]
-    records = [json.loads(x) for x in out.read_text().splitlines()]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
     events = [r for r in records if r.get("event") == "replan"]
     assert len(events) == 1, [r for r in records if "event" in r]
     i = records.index(events[0])
