@@ -441,18 +441,13 @@ class Coordinator:
         for blob in (await self._guard(run, self._stage_states(run))).values():
             tensors.update(unpack_tensors(blob))
         self._measured = self._measured_links()
-        for client in run.clients.values():
-            await client.close()
-        self.membership.lose(set())
-        self.epoch += 1
+        await self._leave(run, set())
         old = run.plan.meta.get("predicted_step_s")
         run = await self._setup(carry=(tensors, again.next_step))
         event = {"event": "replan", "why": again.why, "at_step": again.next_step, "seconds": round(time.perf_counter() - began, 3),
                  "old_predicted_step_s": old, "predicted_step_s": run.plan.meta.get("predicted_step_s"),
                  "stages": len(run.plan.stages), "workers": sorted(run.plan.workers)}
-        metrics.write(self.plan_record)
-        metrics.write(event)
-        self.status.event(event)
+        self._record(metrics, event)
         self.say(f"re-planned in {event['seconds']:.1f} s: {len(run.plan.stages)} stages on workers {event['workers']}")
         return run
 
@@ -518,21 +513,29 @@ class Coordinator:
         survivors = [w for w in run.plan.workers if w not in lost.workers]
         answers = await asyncio.gather(*(abort(w) for w in survivors))
         gone = set(lost.workers) | {w for w, ok in zip(survivors, answers, strict=True) if not ok}
-        for client in run.clients.values():
-            await client.close()
-        self.membership.lose(gone)
+        await self._leave(run, gone)
         if not self.membership.members:
             raise FusionError(f"{lost}; no worker is left")
         self.membership.renumber()
-        self.epoch += 1
         run = await self._setup(recover=True)
         event = {"event": "recovery", "lost": sorted(gone), "workers": len(self.membership.members), "resumed_from_step": self.start_step,
                  "seconds": round(time.perf_counter() - began, 3), "why": lost.why}
+        self._record(metrics, event)
+        self.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.start_step}")
+        return run
+
+    async def _leave(self, run: _Run, lost: set[int]) -> None:
+        """Drop a plan before making the next one: its clients, lost workers, norms in flight; a new epoch."""
+        for client in run.clients.values():
+            await client.close()
+        self.membership.lose(lost)
+        self.epoch += 1
+
+    def _record(self, metrics: JsonlWriter, event: dict[str, Any]) -> None:
+        """A new plan and the event that made it, in the metrics and on the dashboard."""
         metrics.write(self.plan_record)
         metrics.write(event)
         self.status.event(event)
-        self.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.start_step}")
-        return run
 
     def _link_bytes(self, run: _Run, replies: dict[int, dict[str, Any]]) -> dict[str, int]:
         out = {}

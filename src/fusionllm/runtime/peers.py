@@ -35,7 +35,7 @@ class Inbox:
         self.max_payload = max_payload
         self._slots: dict[Key, asyncio.Future] = {}
         self.bytes_received = 0
-        self.epoch = 0  # the assignment in force: tensors sent under an earlier one (before a recovery) are dropped
+        self.epoch: int | None = 0  # the assignment in force (None: none, after an abort); other tensors are dropped
         self.stale = 0
 
     def _slot(self, key: Key) -> asyncio.Future:
@@ -73,8 +73,9 @@ class Inbox:
         for key in [k for k in self._slots if k[1] == step]:
             self._slots.pop(key, None)
 
-    def reset(self, epoch: int) -> None:
-        """A new assignment: forget every waiting tensor and accept only those sent under ``epoch``."""
+    def reset(self, epoch: int | None) -> None:
+        """A new assignment: forget every waiting tensor and accept only those sent under ``epoch``
+        (``None``: accept nothing until the next assignment)."""
         for slot in self._slots.values():
             if not slot.done():
                 slot.cancel()

@@ -181,7 +181,7 @@ class Worker:
         aborted = await self._abort_step()
         if self.peers is not None:
             await self.peers.close()  # connections to a dead peer must not linger
-        self.inbox.reset(self.inbox.epoch + 1_000_000)  # nothing of the aborted attempt is accepted any more
+        self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
         self.log.warning("step aborted by the coordinator")
         return {"aborted": aborted}
 
