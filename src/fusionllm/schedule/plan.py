@@ -192,7 +192,12 @@ def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: boo
     r = routes(graph, plan)
     edges = graph.edges()
     stage = plan.stage_of_worker(worker).index
-    compute = SCHEDULES[plan.schedule](stage, len(plan.stages), plan.mbs_of(worker))
+    # The stage's order over all micro-batches, then this replica's share of it. Ordering a
+    # replica's own micro-batches alone (as if it were the whole stage) deadlocks 1F1B: a replica
+    # taking every r-th micro-batch would need r times the warm-up forwards from the stage before,
+    # which waits for a backward first (a 1-3-1 pipeline with 8 micro-batches hangs that way).
+    mine = set(plan.mbs_of(worker))
+    compute = [a for a in SCHEDULES[plan.schedule](stage, len(plan.stages), range(plan.micro_batches)) if a.mb in mine]
     from_stages = [e for e in r.entering[stage] if r.producer[e] >= 0]
     return lower(
         stage,
