@@ -94,6 +94,8 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the new
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
 CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
+DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.schedule.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
+CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]
 BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]
 BACKENDS = ("torch", "numpy")
 
@@ -444,6 +446,7 @@ def plan_cmd(
     batch_size: BatchOpt = 16,
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,
+    candidates: CandidatesOpt = DEFAULT_PLAN_CANDIDATES,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck."""
@@ -454,7 +457,7 @@ def plan_cmd(
 
     req = Request(batch_size, seq_len, micro_batches)
     started = time.perf_counter()
-    _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
     info = describe(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
     if as_json:
         print(json.dumps(info, indent=1))
@@ -482,6 +485,7 @@ def simulate(
     micro_batches: MicroOpt = 4,
     gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG of one step here.")] = None,
     compress: CompressOpt = "none",
+    candidates: CandidatesOpt = DEFAULT_PLAN_CANDIDATES,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
@@ -493,7 +497,7 @@ def simulate(
     from fusionllm.sim.simulator import simulate as run_sim
 
     req = Request(batch_size, seq_len, micro_batches)
-    _, _, cost, plan = offline(model, str(cluster), scheduler, req)
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
     if compress == "adatopk" and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
         plan, _ = compression_aware(plan, cost, req)
     cost = with_compression(plan, cost, req, compress)

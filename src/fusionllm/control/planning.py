@@ -10,14 +10,21 @@ from typing import Any
 
 from fusionllm.cluster.hardware import DEFAULT_CPU_MEMORY, Device, Hardware
 from fusionllm.cluster.spec import load_cluster
-from fusionllm.compress.policy import LinkPolicy
+from fusionllm.control.adatopk import (  # noqa: F401 (AdaTopK in planning; re-exported here)
+    ADATOPK_PLAN_RATIO,
+    COMPRESSED_PLAN_GAIN,
+    adatopk_policy,
+    compression_aware,
+    link_policy,
+    with_compression,
+)
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
 from fusionllm.graph.registry import SourceProvider
 from fusionllm.runtime.profile import estimate, matmul_flops
 from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import make_schedule
+from fusionllm.schedule.schedulers import DEFAULT_CANDIDATES, make_schedule
 from fusionllm.sim.simulator import simulate
 from fusionllm.transport.rpc import RpcClient
 
@@ -80,7 +87,8 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, s
     return plan, cost
 
 
-def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256) -> tuple[OpGraph, Hardware, CostModel, Plan]:
+def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256,
+            candidates: int = DEFAULT_CANDIDATES) -> tuple[OpGraph, Hardware, CostModel, Plan]:
     """Plan a model for a cluster file without any worker (what `fusionllm plan` / `simulate` do).
 
     The model is traced on the meta device. Ops are timed on this machine when the cluster has CPU
@@ -97,27 +105,28 @@ def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, voca
     calibrate = any(d.cpus for d in hw.devices)
     work = estimate(graph, source=spec_source(model, vocab_size), calibrate=calibrate)
     cost = CostModel(graph, work, hw)
-    return graph, hw, cost, make_schedule(scheduler, cost, req, evaluate=predict)
+    return graph, hw, cost, make_schedule(scheduler, cost, req, evaluate=predict, candidates=candidates)
 
 
 def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
     """What `fusionllm plan --json` prints: fences, stages, links, prediction, bottleneck."""
     from fusionllm.schedule.fences import find_fences
     from fusionllm.schedule.plan import micro_batch_scale, routes
+    from fusionllm.schedule.validate import programs, worker_memory
 
     result = simulate(plan, cost, req)
     scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     graph = cost.graph
     r = routes(graph, plan)
     stages = []
-    for i, s in enumerate(plan.stages):
+    memory = worker_memory(plan, programs(graph, plan), cost, req)
+    for s in plan.stages:
         names = {p for n in s.nodes for p in graph.node(n).params.values()}
-        in_flight = plan.micro_batches if plan.schedule == "gpipe" else min(plan.micro_batches, len(plan.stages) - i)
         stages.append({
             "stage": s.index, "workers": s.workers, "ops": len(s.nodes),
             "first_op": graph.node(s.nodes[0]).name, "last_op": graph.node(s.nodes[-1]).name,
             "params": sum(graph.params[p].meta.numel for p in names),
-            "memory_bytes": scaled.stage_memory(s.nodes, in_flight),
+            "memory_bytes": max(memory[w] for w in s.workers),
             "sends_bytes_per_micro_batch": sum(scaled.edge_bytes(graph.edges()[e].meta.nbytes) for e in r.leaving[s.index]),
         })
     busiest_dev = max(result.busy_s.items(), key=lambda kv: kv[1]) if result.busy_s else (None, 0.0)
@@ -133,14 +142,11 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
         "links": {f"w{a}->w{b}": {"codec": "raw", "ratio": cost.ratio(a, b), "bandwidth_bps": cost.hw.bps(a, b)}
                   for a in plan.workers for b in plan.workers if a != b and f"w{a}->w{b}" in result.link_bytes},
         "unused_devices": sorted(set(range(len(cost.hw))) - set(plan.workers)),
+        "candidates": plan.meta.get("candidates"),
         "predicted": result.to_json(),
         "bottleneck": bottleneck,
         "plan": json.loads(plan.to_json()),
     }
-
-
-ADATOPK_PLAN_RATIO = 0.09  # the byte ratio AdaTopK reached with no measurable loss (docs/compression.md)
-COMPRESSED_PLAN_GAIN = 0.8  # a plan that relies on compression replaces the plain one only if predicted this much faster
 
 
 def with_measured_links(hw: Hardware, measured: dict[tuple[int, int], float], *, below: float = 0.5) -> Hardware:
@@ -154,82 +160,3 @@ def with_measured_links(hw: Hardware, measured: dict[tuple[int, int], float], *,
             rows[a][b] = bps
             changed = True
     return replace(hw, bandwidth=tuple(tuple(r) for r in rows)) if changed else hw
-
-
-def compression_aware(plan: Plan, cost: CostModel, req: Request) -> tuple[Plan, CostModel]:
-    """OP-Fence again, on links that AdaTopK would compress: a link too slow for the budget (the
-    uncompressed plan's stage time, shortened as if every device took part) carries its bytes x
-    max(ADATOPK_PLAN_RATIO, what fits the budget). The plan found
-    there replaces the plain one only when predicted clearly faster (both judged with compression);
-    also returns the cost model it was judged with."""
-    from dataclasses import replace
-
-    policy = link_policy(plan, cost, req)
-    act = max(policy.bytes_per_mb.values(), default=0.0) or max(e.meta.nbytes for e in cost.graph.edges().values())
-    # a plan on every device has stages this much shorter than the uncompressed plan's
-    budget = policy.budget_s * len(set(plan.workers)) / len(cost.hw)
-    ratios = {}
-    for a in range(len(cost.hw)):
-        for b in range(len(cost.hw)):
-            bps = cost.hw.bps(a, b)
-            if a == b or not math.isfinite(bps):
-                continue
-            seconds = act * 8 / bps
-            if seconds > budget > 0:
-                ratios[(a, b)] = max(ADATOPK_PLAN_RATIO, 0.8 * budget / seconds)
-    squeezed = replace(cost, ratios=ratios)
-    again = make_schedule("opfence", squeezed, req, evaluate=predict)
-    # the compressed plan must win clearly: on three-sites a 2% predicted gain measured 20% slower
-    if predict(again, squeezed, req) < COMPRESSED_PLAN_GAIN * predict(plan, squeezed, req):
-        return again, squeezed
-    return plan, squeezed
-
-
-def link_policy(plan: Plan, cost: CostModel, req: Request) -> LinkPolicy:
-    """AdaTopK's starting point: per worker link, the bytes one micro-batch sends and the link's rate;
-    the budget is the slowest stage's compute per micro-batch."""
-    from fusionllm.schedule.plan import micro_batch_scale, routes
-
-    scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
-    graph = cost.graph
-    edges = graph.edges()
-    r = routes(graph, plan)
-    budget = 0.0
-    for s in plan.stages:
-        for w in s.workers:
-            d = cost.hw.devices[w]
-            budget = max(budget, scaled.mean_compute_seconds(s.nodes, d, False) + scaled.mean_compute_seconds(s.nodes, d, True))
-    policy = LinkPolicy(budget_s=budget)
-    seen: set[tuple] = set()
-    for e, consumers in r.consumers.items():
-        if r.producer[e] < 0 or not edges[e].requires_grad:
-            continue
-        nbytes = scaled.edge_bytes(edges[e].meta.nbytes)
-        for c in consumers:
-            for mb in range(plan.micro_batches):
-                a, b = plan.worker_for(r.producer[e], mb), plan.worker_for(c, mb)
-                for link in ((a, b), (b, a)):  # activations forward, their gradients back
-                    if (e, c, link) in seen:
-                        continue
-                    seen.add((e, c, link))
-                    policy.bytes_per_mb[link] = policy.bytes_per_mb.get(link, 0.0) + nbytes
-                    policy.bps.setdefault(link, cost.hw.bps(*link))
-    return policy
-
-
-def with_compression(plan: Plan, cost: CostModel, req: Request, compress: str) -> CostModel:
-    """The cost model with each link's byte ratio under a codec (what `simulate --compress` uses)."""
-    from dataclasses import replace
-
-    from fusionllm.compress.codecs import byte_ratio, parse_codec
-
-    spec = parse_codec(compress)
-    if spec.kind == "none":
-        return cost
-    n = len(cost.hw)
-    if spec.kind == "adatopk":
-        policy = link_policy(plan, cost, req)
-        ratios = {link: policy.byte_target(link) for link in policy.bytes_per_mb}
-    else:
-        ratios = {(a, b): byte_ratio(spec) for a in range(n) for b in range(n) if a != b}
-    return replace(cost, ratios=ratios)

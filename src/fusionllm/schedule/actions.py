@@ -82,6 +82,19 @@ def lower(stage: int, compute: Sequence[Action], *, recv_f: bool, send_f: bool, 
     return out
 
 
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """The most micro-batches whose forward has run and backward has not (their activations are
+    kept): what a program holds in memory at its peak."""
+    live, peak = 0, 0
+    for a in actions:
+        if a.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == "B":
+            live -= 1
+    return peak
+
+
 def format_grid(lists: dict[str, Sequence[Action]], failed: tuple[str, int] | None = None) -> str:
     """The action lists as a grid (one row per worker); the failing cell is marked with ``!``."""
     width = max((len(str(a)) for acts in lists.values() for a in acts), default=4) + 2

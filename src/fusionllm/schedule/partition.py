@@ -10,6 +10,8 @@ A chain element may be a group of replicas: its compute is shared among them.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,7 +69,7 @@ def _element_vector(cost: CostModel, ops: Sequence[str], element: Element) -> np
     return np.max(np.stack(rows), axis=0) / len(rows)
 
 
-def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], cuts: Sequence[int], *, iterations: int = 40) -> list[tuple[Element, list[str]]] | None:
+def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], cuts: Sequence[int], *, iterations: int = 60, tolerance: float = 1e-3) -> list[tuple[Element, list[str]]] | None:
     """Stages (element, ops) covering ``ops`` in order; None if no split fits."""
     n = len(ops)
     if n == 0 or not chain:
@@ -89,13 +91,15 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
     def link_time(k: int, c: int) -> float:
         return float(links[k][c])
 
+    plists = [p.tolist() for p in prefix]
+
     def walk(bound: float) -> list[tuple[int, int, int]] | None:
         i, out = 0, []
         for k in range(len(chain)):
             if i == n:
                 break
             # the furthest j with prefix[j] - prefix[i] + overhead <= bound
-            j = int(np.searchsorted(prefix[k], prefix[k][i] + bound - overhead, side="right")) - 1
+            j = bisect.bisect_right(plists[k], plists[k][i] + bound - overhead) - 1
             j = min(max(j, i), n)
             if j == i:
                 return None
@@ -105,7 +109,7 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
                 break
             if k == len(chain) - 1:
                 return None
-            ok = np.nonzero(links[k][i + 1 : j + 1] <= bound)[0]
+            ok = np.flatnonzero(links[k][i + 1 : j + 1] <= bound)
             if len(ok) == 0:
                 return None
             c = i + 1 + int(ok[-1])
@@ -118,8 +122,13 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
     best = walk(hi * 1e6)
     if best is None:
         return None
+    # bisect in log space to a relative tolerance: the result does not depend on how many steps
+    # a fixed count would take from an arbitrary upper bound
+    lo = max(lo, hi * 1e-9)
     for _ in range(iterations):
-        mid = (lo + hi) / 2
+        if hi <= lo * (1 + tolerance):
+            break
+        mid = math.sqrt(lo * hi)
         got = walk(mid)
         if got is None:
             lo = mid

@@ -12,15 +12,17 @@
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 from collections.abc import Callable
 
+from fusionllm.cluster.hardware import Device
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.fences import find_fences, order_fences
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
+from fusionllm.schedule.validate import InvalidPlan, validate_plan
 
 SCHEDULERS = ("opfence", "uniform", "params", "compute")
 
@@ -80,75 +82,133 @@ def compute(cost: CostModel, req: Request) -> Plan:
 Evaluate = Callable[[Plan, CostModel, Request], float]
 
 
-def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, budget_s: float = 4.0) -> Plan:
+DEFAULT_CANDIDATES = 12  # plans OP-Fence simulates (after ranking all by the closed form); see docs/scheduler.md
+MAX_INVALID = 400  # invalid candidates OP-Fence may meet before it gives up (each is counted)
+
+Layout = list[tuple[tuple[int, ...], list[str]]]
+
+
+def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DEFAULT_CANDIDATES) -> Plan:
     """``evaluate`` predicts a plan's step time (the simulator, given by the caller: the scheduler
-    sits below it); without it the closed-form estimate decides alone."""
-    started = time.perf_counter()
+    sits below it); without it the closed-form estimate decides alone. The search is bounded by the
+    number of ``candidates`` simulated, never by the clock: the same inputs give the same plan on
+    any machine, however busy. Every candidate is validated (``schedule.validate``) before it is
+    judged; invalid ones are discarded and counted in ``plan.meta["invalid_candidates"]``."""
+    if candidates < 1:
+        raise ConfigError(f"--plan-candidates must be >= 1, got {candidates}")
     hw = cost.hw
     graph = cost.graph
     ops = [n.id for n in graph.compute_nodes]
     cuts = cut_bytes(graph)
     fences = order_fences(hw, find_fences(hw))
-    speed = {d.index: (d.flops or 0) + (d.cpus or 0) * 1e12 for d in hw.devices}
+    speed = {d.index: device_speed(d) for d in hw.devices}
     # chains of fences to try: every contiguous run of the ordered fences (a site behind a slow
     # link drops out), and in each fence every replication factor (1: a pipeline through its devices)
     n_f = len(fences)
     windows = [fences[i:j] for i in range(n_f) for j in range(i + 1, n_f + 1)] if n_f <= 12 else [fences, fences[:1]]
     windows.sort(key=lambda w: -len(w))
-    layouts: list[tuple[str, list[tuple[tuple[int, ...], list[str]]]]] = []
+    layouts: list[tuple[str, Layout]] = []
+    splits: dict[tuple[Element, ...], list[tuple[Element, list[str]]] | None] = {}
     for window in windows:
         factors = sorted({r for fence in window for r in _factors(len(fence))})
         for r in factors:
             chain: list[Element] = []
             for fence in window:
-                members = sorted(fence, key=lambda d: -speed[d])
+                members = sorted(fence, key=lambda d: (-speed[d], d))
                 rr = r if len(members) % r == 0 else 1
                 chain += [Element(tuple(members[k : k + rr])) for k in range(0, len(members), rr)]
             # the whole chain, and shorter pipelines on its first elements (less fill, fewer messages)
             for depth in sorted({len(chain), *(d for d in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if d < len(chain))}):
-                split = split_chain(cost, ops, chain[:depth], cuts)
+                key = tuple(chain[:depth])
+                if key not in splits:  # windows share their first elements: split each chain once
+                    splits[key] = split_chain(cost, ops, chain[:depth], cuts)
+                split = splits[key]
                 if split is not None:
                     layouts.append((f"{len(window)} fences, replicas {r}, depth {len(split)}", [(el.workers, nodes) for el, nodes in split]))
     for name, base in (("params", params), ("uniform", uniform), ("compute", compute)):
         p = base(cost, req)
         layouts.append((f"like {name}", [(tuple(s.workers), s.nodes) for s in p.stages]))
+    # a stage without trainable parameters (the token positions alone, say) idles its device: the
+    # variant with that stage merged into its neighbour is a candidate too, and wins unless the
+    # cost model prefers the pass-through (docs/scheduler.md, "Plans that make sense")
+    layouts += [(f"{name}, pass-through merged", merged) for name, stages in list(layouts) if (merged := merge_pass_through(graph, stages)) != stages]
+    layouts = [(name, stages) for name, stages in layouts if sensible(graph, stages, speed)]
     divisors = [m for m in range(1, req.batch_size + 1) if req.batch_size % m == 0]
 
-    def score(stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> tuple[float, Plan] | None:
-        plan = _plan(stages, req, "opfence", m, "1f1b")
-        scaled = cost.scaled(micro_batch_scale(cost.graph, req, m))
-        if not _fits(scaled, plan):
-            return None
-        if evaluate is None:
-            return _estimate(scaled, stages, m), plan
-        return evaluate(plan, cost, req), plan
-
-    def m_choices(stages: list[tuple[tuple[int, ...], list[str]]]) -> list[int]:
+    def m_choices(stages: Layout) -> list[int]:
         depth, widest = len(stages), max(len(w) for w, _ in stages)
         return sorted({m for m in divisors if widest <= m <= 4 * max(depth, widest)} | ({req.micro_batches} & set(divisors)))
 
-    # rank every (layout, micro-batches) by a closed-form estimate, then simulate the best few
-    ranked: list[tuple[float, str, list[tuple[tuple[int, ...], list[str]]], int]] = []
+    # rank every (layout, micro-batches) by a closed-form estimate, then validate and simulate the best
+    ranked: list[tuple[float, int, str, Layout, int]] = []
     seen: set[str] = set()
-    for name, stages in layouts:
+    for order, (name, stages) in enumerate(layouts):
         key = repr(stages)
         if key in seen:
             continue
         seen.add(key)
         for m in m_choices(stages):
-            ranked.append((_estimate(cost.scaled(micro_batch_scale(cost.graph, req, m)), stages, m), name, stages, m))
-    ranked.sort(key=lambda x: x[0])
+            ranked.append((_estimate(cost.scaled(micro_batch_scale(cost.graph, req, m)), stages, m), order, name, stages, m))
+    ranked.sort(key=lambda x: (x[0], x[1], x[4]))  # ties: the earlier layout, fewer micro-batches
     best: tuple[float, Plan] | None = None
-    for i, (_, name, stages, m) in enumerate(ranked):
-        got = score(stages, m)
-        if got is not None and (best is None or got[0] < best[0]):
-            got[1].meta.update({"layout": name, "fences": fences})
-            best = got
-        if best is not None and (i >= 12 or time.perf_counter() - started > budget_s):
+    judged, invalid = 0, Counter[str]()
+    first_invalid = ""
+    for _, _, name, stages, m in ranked:
+        plan = _plan(stages, req, "opfence", m, "1f1b")
+        try:
+            validate_plan(graph, plan, cost, req)
+        except InvalidPlan as exc:
+            invalid[exc.rule] += 1
+            first_invalid = first_invalid or str(exc)
+            if sum(invalid.values()) >= MAX_INVALID:
+                break
+            continue
+        t = _estimate(cost.scaled(micro_batch_scale(graph, req, m)), stages, m) if evaluate is None else evaluate(plan, cost, req)
+        judged += 1
+        if best is None or t < best[0]:
+            plan.meta.update({"layout": name, "fences": fences})
+            best = (t, plan)
+        if judged >= candidates:
             break
     if best is None:
-        raise ConfigError("no plan fits the devices' memory; use more devices or a smaller model")
+        if invalid and set(invalid) != {"memory"}:
+            raise ConfigError(f"OP-Fence found no valid plan: {first_invalid}")
+        raise ConfigError("no plan fits the devices' memory; use more devices, devices with more memory, or a smaller model")
+    best[1].meta.update({"candidates": {"layouts": len(seen), "ranked": len(ranked), "judged": judged, "invalid": dict(invalid)}})
     return best[1]
+
+
+def device_speed(d: Device) -> float:
+    """A sort key for devices: accelerators by peak FLOP/s, CPU shares by their quota."""
+    return (d.flops or 0) + (d.cpus or 0) * 1e12
+
+
+def merge_pass_through(graph: OpGraph, stages: Layout) -> Layout:
+    """The layout with every stage that holds no trainable parameter merged into its neighbour (the
+    next stage; the last one into the stage before it). Its device then drops out of the plan."""
+    out = [(w, list(nodes)) for w, nodes in stages]
+    k = 0
+    while len(out) > 1 and k < len(out):
+        if has_params(graph, out[k][1]):
+            k += 1
+            continue
+        if k + 1 < len(out):
+            out[k + 1] = (out[k + 1][0], out[k][1] + out[k + 1][1])
+        else:
+            out[k - 1] = (out[k - 1][0], out[k - 1][1] + out[k][1])
+        del out[k]
+    return out
+
+
+def sensible(graph: OpGraph, stages: Layout, speed: dict[int, float]) -> bool:
+    """A stage without trainable parameters sits only on the slowest device of the layout: a
+    pass-through on a faster device leaves that device idle while slower ones compute."""
+    slowest = min(speed[w] for workers, _ in stages for w in workers)
+    return all(has_params(graph, nodes) or all(speed[w] <= slowest for w in workers) for workers, nodes in stages)
+
+
+def has_params(graph: OpGraph, nodes: list[str]) -> bool:
+    return any(graph.params[p].trainable for n in nodes for p in graph.node(n).params.values())
 
 
 def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], m: int) -> float:
@@ -202,15 +262,6 @@ def _factors(n: int) -> list[int]:
     return [r for r in range(1, n + 1) if n % r == 0]
 
 
-def _fits(cost: CostModel, plan: Plan) -> bool:
-    for i, s in enumerate(plan.stages):
-        in_flight = plan.micro_batches if plan.schedule == "gpipe" else min(plan.micro_batches, len(plan.stages) - i)
-        need = cost.stage_memory(s.nodes, in_flight)  # cost already scaled to the plan's micro-batch
-        if any(need > cost.hw.devices[w].memory for w in s.workers):
-            return False
-    return True
-
-
 def _infinite_links(cost: CostModel):  # noqa: ANN202
     from fusionllm.cluster.hardware import Hardware
 
@@ -226,9 +277,18 @@ def _knobs(cost: CostModel) -> dict:
 SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute}
 
 
-def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluate | None = None) -> Plan:
+def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DEFAULT_CANDIDATES) -> Plan:
+    """The named scheduler's plan, validated: a plan this returns runs (``schedule.validate``), or
+    an error says why there is none (a baseline's layout that does not fit memory, say)."""
     if name not in SCHEDULER_FUNCS:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     if name == "opfence":
-        return opfence(cost, req, evaluate=evaluate)
-    return SCHEDULER_FUNCS[name](cost, req)
+        return opfence(cost, req, evaluate=evaluate, candidates=candidates)
+    plan = SCHEDULER_FUNCS[name](cost, req)
+    try:
+        validate_plan(cost.graph, plan, cost, req)
+    except InvalidPlan as exc:
+        if exc.rule == "memory":
+            raise ConfigError(f"the {name} scheduler's plan does not fit: {str(exc).split(': ', 1)[1]}; try --scheduler opfence, more devices or a smaller model") from None
+        raise
+    return plan

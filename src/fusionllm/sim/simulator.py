@@ -24,8 +24,8 @@ from fusionllm.schedule.plan import (
     micro_batch_scale,
     routes,
     shared_groups,
-    worker_actions,
 )
+from fusionllm.schedule.validate import validate_plan
 
 CFS_PERIOD = 0.1
 
@@ -91,7 +91,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     r = routes(graph, plan)
     edges = graph.edges()
     groups = shared_groups(graph, plan)
-    lists: dict[int, list[Action]] = {w: worker_actions(graph, plan, w, shared_grads=bool(groups.get(w))) for w in plan.workers}
+    lists: dict[int, list[Action]] = validate_plan(graph, plan)  # raises InvalidPlan naming the first broken rule
     device = {w: cost.hw.devices[w] for w in plan.workers}
     cpu = {w: _Cpu(device[w]) for w in plan.workers}
     clock = dict.fromkeys(plan.workers, 0.0)
