@@ -1,62 +1,161 @@
-"""AdaTopK's policy: how hard each link is compressed.
+"""AdaTopK's policy: which codec each link uses, chosen by the step time it predicts.
 
-From the plan: a link whose transfer of one micro-batch's tensors takes longer than the bottleneck
-stage's compute would become the bottleneck; its byte ratio is set so that the transfer fits in that
-time (with a margin), within ``[r_min, 1]``; every other link stays uncompressed. During training the
-ratio re-adapts from the link's measured throughput (an exponential moving average), so a link that
-slows down is compressed harder, and one that recovers is relieved.
+For every directed worker link the policy knows what one training step puts on it (activations or
+their gradients per micro-batch, all-reduced gradients, messages), the link's rate, and per worker
+the compute of a step and how fast it encodes and decodes. It predicts the step with each byte
+target of a ladder of codecs whose damage was measured acceptable (raw, fp16, 8/6/5-bit per-token
+quantisation, entropy-coded quantisation down to a step of 0.7 x RMS: ``FLOOR``), codec CPU time
+included on the device that pays it (encode on the sender, decode on the receiver), and keeps
+``none`` unless a codec predicts a step at least ``gain`` shorter. Among the codecs within
+``prefer`` of the fastest it takes the most accurate.
+
+During training the workers report, per link and step, the bytes sent, the messages and the time
+the link was busy. A message's busy time has a part that grows with its bytes and a fixed part
+(the ack's way back, which queues behind the reverse direction's traffic, the receiver's wake-up):
+the policy fits both (least squares over recent steps) and judges the link by the part that grows
+with its bytes. Judging it by bytes / busy time instead, as the first policy did, made a compressed
+link look slower the smaller its messages became, which lowered its target further: a spiral that
+drove gradients to top-k 1% (docs/compression.md). A link is re-decided only when its fitted rate
+moved by more than ``rethink`` since its last decision; it moves to a harder codec only when its
+current one predicts a step more than ``prefer`` longer, and back to a lighter one whenever it pays.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-from fusionllm.compress.codecs import topk_ratio_for
+FLOOR_STEP = 0.7  # the coarsest eq step measured acceptable (docs/compression.md: eq:0.7 -0.0%, q3 +6%)
+FLOOR = 0.09  # bytes of eq:0.7 / raw float32 (2.66 bits per value, per-token scales, Huffman's overhead)
+LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.14, 0.12, 0.105, FLOOR)  # none, fp16, q8, q6, q5, eq (finer to 0.7)
+WINDOW = 32  # steps of measurements the fit of a link's fixed part per message looks at
+RECENT = 6  # steps its rate is judged from
+SPREAD = 1.25  # bytes per message must vary this much in the window to fit the fixed part
 
-MIN_SAMPLE = 64 << 10  # bytes a link carries before its throughput is judged
+
+@dataclass
+class LinkLoad:
+    """What one training step puts on a directed link (raw float32 bytes)."""
+
+    step_bytes: float = 0.0  # activations or gradients of all micro-batches: overlaps compute
+    first_bytes: float = 0.0  # one micro-batch's: on the step's critical path (pipeline fill or drain)
+    reduce_bytes: float = 0.0  # all-reduced gradients: after the backward pass, on the critical path
+    messages: float = 0.0
 
 
 @dataclass
 class LinkPolicy:
-    budget_s: float  # the bottleneck stage's compute per micro-batch
-    r_min: float = 0.01
-    margin: float = 0.8  # aim for this fraction of the budget
-    smoothing: float = 0.5  # weight of a new throughput measurement
-    bps: dict[tuple[int, int], float] = field(default_factory=dict)  # link -> estimated bits/s
-    bytes_per_mb: dict[tuple[int, int], float] = field(default_factory=dict)  # raw bytes per micro-batch
-    pending: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (bytes, busy s) not yet averaged
+    compute_s: dict[int, float]  # per worker: compute seconds of one step (its quota applied)
+    loads: dict[tuple[int, int], LinkLoad] = field(default_factory=dict)
+    bps: dict[tuple[int, int], float] = field(default_factory=dict)  # per link: the rate its bytes move at (bits/s)
+    encode_bps: dict[int, float] = field(default_factory=dict)  # per worker: float32 bytes/s its codec encodes
+    decode_bps: dict[int, float] = field(default_factory=dict)
+    overhead_s: float = 2e-4  # fixed seconds per message before any is measured
+    micro_batches: int = 1
+    floor: float = FLOOR
+    margin: float = 0.85  # a link should stay this busy at most over a step's compute
+    gain: float = 0.03  # compress only for a predicted step this much shorter
+    prefer: float = 0.02  # the most accurate codec within this of the fastest
+    rethink: float = 0.2  # re-decide a link whose fitted rate moved this much
+    targets: dict[tuple[int, int], float] = field(default_factory=dict)  # byte target per link (1.0: none)
+    decided_bps: dict[tuple[int, int], float] = field(default_factory=dict)
+    samples: dict[tuple[int, int], deque[tuple[float, float, float]]] = field(default_factory=dict)  # (messages, bytes, busy s)
+    fixed_s: dict[tuple[int, int], float] = field(default_factory=dict)  # fitted fixed seconds per message
+
+    # ---- the prediction ----------------------------------------------------------------------------
+    def predicted_step(self, link: tuple[int, int], target: float, bps: float | None = None) -> float:
+        """The step's seconds as this link and its codec shape them (the other links as they are)."""
+        a, b = link
+        load = self.loads.get(link, LinkLoad())
+        rate = self.bps.get(link, float("inf")) if bps is None else bps
+        per_byte = 8 / rate if rate > 0 else 0.0
+        t = min(1.0, max(self.floor, target))
+        coded = t < 1.0
+        exposed_raw = load.first_bytes + load.reduce_bytes
+        total_raw = load.step_bytes + load.reduce_bytes
+        enc = total_raw / self.encode_bps.get(a, 2.5e8) if coded else 0.0
+        dec = total_raw / self.decode_bps.get(b, 8e8) if coded else 0.0
+        busy = (t * load.step_bytes * per_byte + load.messages * self.overhead_s) / self.margin
+        bound = max(max(self.compute_s.values(), default=0.0), self.compute_s.get(a, 0.0) + enc, self.compute_s.get(b, 0.0) + dec, busy)
+        exposed = t * exposed_raw * per_byte
+        if coded and total_raw > 0:
+            exposed += (enc + dec) * exposed_raw / total_raw
+        return bound + exposed
+
+    def choose(self, link: tuple[int, int]) -> float:
+        """The byte target for the link: ``none`` unless a codec of the ladder clearly pays."""
+        costs = {t: self.predicted_step(link, t) for t in LADDER if t >= self.floor}
+        best = min(costs.values())
+        if best > (1 - self.gain) * costs[1.0]:
+            return 1.0
+        return max(t for t, c in costs.items() if c <= (1 + self.prefer) * best)
+
+    def decide_all(self) -> None:
+        for link in self.loads:
+            self.targets[link] = self.choose(link)
+            self.decided_bps[link] = self.bps.get(link, float("inf"))
+
+    def keep_none(self) -> None:
+        """Every link raw (the plan-level check found compression does not pay)."""
+        for link in self.loads:
+            self.targets[link] = 1.0
+            self.decided_bps[link] = self.bps.get(link, float("inf"))
 
     def byte_target(self, link: tuple[int, int]) -> float:
         """Encoded / raw bytes for the link (1.0: uncompressed)."""
-        nbytes = self.bytes_per_mb.get(link, 0.0)
-        bps = self.bps.get(link, float("inf"))
-        if nbytes <= 0 or bps == float("inf"):
-            return 1.0
-        seconds = nbytes * 8 / bps
-        if seconds <= self.budget_s:
-            return 1.0
-        return max(self.r_min, min(1.0, self.margin * self.budget_s / seconds))
-
-    def topk_ratio(self, link: tuple[int, int]) -> float:
-        return max(self.r_min, topk_ratio_for(self.byte_target(link))) if self.byte_target(link) < 1.0 else 1.0
-
-    def observe(self, link: tuple[int, int], wire_bytes: float, busy_s: float) -> None:
-        """A measurement of the link: bytes that crossed it while it was busy for busy_s seconds.
-
-        Measurements add up until the link has carried MIN_SAMPLE bytes (a compressed link may carry
-        only a few kB per step), then update the moving average."""
-        if wire_bytes <= 0 or busy_s <= 0:
-            return
-        got, took = self.pending.get(link, (0.0, 0.0))
-        got, took = got + wire_bytes, took + busy_s
-        if got < MIN_SAMPLE:
-            self.pending[link] = (got, took)
-            return
-        self.pending.pop(link, None)
-        measured = got * 8 / took
-        old = self.bps.get(link)
-        self.bps[link] = measured if old in (None, float("inf")) else (1 - self.smoothing) * old + self.smoothing * measured
+        return self.targets.get(link, 1.0)
 
     def ratios(self) -> dict[tuple[int, int], float]:
         """Byte target per link (1.0: uncompressed); the worker picks the codec (``adaptive_codec``)."""
-        return {link: self.byte_target(link) for link in self.bytes_per_mb}
+        return {link: self.byte_target(link) for link in self.loads}
+
+    # ---- measurements ------------------------------------------------------------------------------
+    def observe(self, link: tuple[int, int], wire_bytes: float, busy_s: float, messages: float = 1.0) -> None:
+        """One step's measurement of the link: ``messages`` carrying ``wire_bytes`` kept it busy ``busy_s``."""
+        if wire_bytes <= 0 or busy_s <= 0 or messages <= 0:
+            return
+        window = self.samples.setdefault(link, deque(maxlen=WINDOW))
+        window.append((float(messages), float(wire_bytes), float(busy_s)))
+        rate = self.fit(link)
+        if rate is None:
+            return
+        self.bps[link] = rate
+        old = self.decided_bps.get(link, float("inf"))
+        if link in self.loads and (old == float("inf") or abs(rate / old - 1) > self.rethink):
+            current, best = self.byte_target(link), self.choose(link)
+            # compress harder only for a clearly shorter step: measurements wobble, rungs should not
+            if best >= current or self.predicted_step(link, current) > (1 + self.prefer) * self.predicted_step(link, best):
+                self.targets[link] = best
+            self.decided_bps[link] = rate
+
+    def fit(self, link: tuple[int, int]) -> float | None:
+        """The link's rate (bits/s): busy = messages x fixed + bytes x 8 / rate.
+
+        The fixed part is fitted over the window when its messages had different sizes (least
+        squares), else the last fitted one (or ``overhead_s``) is kept; never more than the
+        shortest recent message. The rate comes from the last ``RECENT`` steps, so a link that
+        slows down is seen within a few steps."""
+        window = self.samples.get(link)
+        if not window or len(window) < 2:
+            return None
+        recent = list(window)[-RECENT:]
+        fixed = self.fixed_s.get(link, self.overhead_s)
+        sizes = [s[1] / s[0] for s in window]
+        if max(sizes) >= SPREAD * min(sizes):
+            n, w, y = ([s[i] for s in window] for i in range(3))
+            snn, sww = sum(x * x for x in n), sum(x * x for x in w)
+            snw = sum(a * b for a, b in zip(n, w, strict=True))
+            sny = sum(a * b for a, b in zip(n, y, strict=True))
+            swy = sum(a * b for a, b in zip(w, y, strict=True))
+            det = snn * sww - snw * snw
+            if det > 0:
+                o = (sny * sww - swy * snw) / det
+                c = (snn * swy - snw * sny) / det
+                if o >= 0 and c > 0:
+                    fixed = o
+        fixed = min(fixed, min(s[2] / s[0] for s in recent))
+        self.fixed_s[link] = fixed
+        got = sum(s[1] for s in recent)
+        took = sum(s[2] for s in recent)
+        byte_s = max(took - fixed * sum(s[0] for s in recent), 0.01 * took)  # at least 1% of the time is the bytes'
+        return got * 8 / byte_s

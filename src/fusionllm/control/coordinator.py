@@ -206,12 +206,12 @@ class Coordinator:
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
         if codec.kind == "adatopk":
-            from fusionllm.control.planning import link_policy
+            from fusionllm.control.adatopk import adatopk_policy
             from fusionllm.schedule.plan import Request
 
-            self.policy = link_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
+            self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
-            self.say(f"adatopk: compute budget {self.policy.budget_s * 1e3:.1f} ms per micro-batch; compressed links {slow or 'none (all links keep up)'}")
+            self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         self.membership.participants = set(plan.workers)
         run = _Run(graph, plan, clients)
         self._print_plan(run, addresses)
@@ -390,14 +390,15 @@ class Coordinator:
             if c.compress != "none":
                 record["compress"] = c.compress
             for w, rep in replies.items():
-                for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
+                for dst, (nbytes, busy, *_) in rep.get("link_stats", {}).items():
                     got, took = self._links.get((w, int(dst)), (0, 0.0))
                     self._links[(w, int(dst))] = (got + nbytes, took + busy)
             if self.policy is not None:
                 record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
-                for w, rep in replies.items():
-                    for dst, (nbytes, busy) in rep.get("link_stats", {}).items():
-                        self.policy.observe((w, int(dst)), nbytes, busy)
+                if step > self.start_step:  # the first step's sends also open the connections
+                    for w, rep in replies.items():
+                        for dst, (nbytes, busy, *messages) in rep.get("link_stats", {}).items():
+                            self.policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
             if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
                 paused = time.perf_counter()
                 record["val_loss"] = await self._guard(run, self._evaluate(run, val_batches))

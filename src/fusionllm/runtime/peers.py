@@ -130,8 +130,8 @@ class PeerNet:
             await self.client(worker).push("Push", frames, timeout=timeout)
         self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
 
-    def link_stats(self) -> dict[int, tuple[int, float]]:
-        """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged)."""
+    def link_stats(self) -> dict[int, tuple[int, float, int]]:
+        """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged, messages)."""
         out = {}
         for worker, spans in self._busy.items():
             spans.sort()
@@ -143,7 +143,7 @@ class PeerNet:
                 elif e > end:
                     busy += e - end
                 end = max(end, e)
-            out[worker] = (total, busy)
+            out[worker] = (total, busy, len(spans))
         self._busy.clear()
         return out
 
