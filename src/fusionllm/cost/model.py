@@ -7,6 +7,7 @@ link latency, a per-message overhead, and its bytes at the link's rate (times th
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,16 @@ from fusionllm.graph.ir import OpGraph
 
 REFERENCE_FLOPS = 5e10  # one reference CPU thread, when ops are not calibrated
 HEADER_BYTES = 120  # frame header and gRPC framing of one tensor message
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear through ``points`` (x ascending), extended past the ends along the end
+    segments, never below the smallest measured time's share of x (times stay positive)."""
+    xs = [p[0] for p in points]
+    k = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+    return max(y, min(p[1] for p in points) * min(1.0, x / xs[0]))
 
 
 @dataclass
@@ -40,30 +51,13 @@ class CostModel:
     scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # shared by scaled copies
 
-    def op_parts(self, device: Device) -> tuple[np.ndarray, np.ndarray]:
-        """Per compute op (topological order), forward + backward seconds at sustained speed as
-        (the part that grows with the micro-batch, the fixed part): time = grow * scale + fixed."""
-        key = ("parts", device.index)
-        if key not in self.memo:
-            grow, fixed = [], []
-            rate = self.cpu_rate(device)
-            for n in self.graph.compute_nodes:
-                w = self.work[n.id]
-                if device.flops:
-                    grow.append((w.fwd_flops + w.bwd_flops) / (device.flops * self.gpu_efficiency))
-                elif w.fwd_s is None or w.bwd_s is None:
-                    grow.append((w.fwd_flops + w.bwd_flops) / REFERENCE_FLOPS / rate)
-                else:
-                    grow.append((max(w.fwd_s - self.op_overhead_s, 0.0) + max(w.bwd_s - self.op_overhead_s, 0.0)) / rate)
-                fixed.append(2 * self.op_overhead_s / (1.0 if device.flops else rate))
-            self.memo[key] = (np.array(grow), np.array(fixed))
-        return self.memo[key]
-
     def op_vector(self, device: Device) -> np.ndarray:
-        grow, fixed = self.op_parts(device)
-        key = ("vec", device.index, self.scale)
+        """Per compute op (topological order), forward + backward seconds of one micro-batch (at
+        ``scale``) under sustained load (a CPU device's quota applied): what the partitioner balances."""
+        key = ("vec", device.flops, device.cpus, self.scale)  # devices of the same speed share it
         if key not in self.memo:
-            self.memo[key] = grow * self.scale + fixed
+            full = [self.op_seconds(n.id, device, False) + self.op_seconds(n.id, device, True) for n in self.graph.compute_nodes]
+            self.memo[key] = np.array(full) / self.cpu_rate(device)
         return self.memo[key]
 
     def positions(self) -> dict[str, int]:
@@ -80,6 +74,8 @@ class CostModel:
 
     # ---- compute -------------------------------------------------------------------------------
     def op_seconds(self, node_id: str, device: Device, backward: bool) -> float:
+        """Seconds of one op on one micro-batch (at ``scale``), at full speed (a CPU device's quota is
+        applied by the simulator, see ``cpu_rate``)."""
         w = self.work[node_id]
         flops = w.bwd_flops if backward else w.fwd_flops
         if device.flops:
@@ -87,8 +83,10 @@ class CostModel:
         measured = w.bwd_s if backward else w.fwd_s
         if measured is None:
             return flops * self.scale / REFERENCE_FLOPS + self.op_overhead_s
-        # at full speed on one reference thread (CPU quotas are applied by the simulator); the
-        # fixed part of an op does not grow with the micro-batch
+        points = w.bwd_at if backward else w.fwd_at
+        if len(points) >= 2:
+            return interpolate(points, self.scale)
+        # measured at one size only: all but a dispatch's worth grows with the micro-batch
         return max(measured - self.op_overhead_s, 0.0) * self.scale + self.op_overhead_s
 
     def compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:

@@ -18,6 +18,11 @@ class OpWork:
     out_bytes: int  # the tensors it produces: what crosses a cut after it, what backward keeps
     fwd_s: float | None = None  # measured on the reference device (one CPU thread), if calibrated
     bwd_s: float | None = None
+    # (micro-batch size / the traced one, seconds) at the sizes measured, fwd_s and bwd_s at 1.0
+    # among them (empty: only the traced size was measured); an op's time is not proportional to
+    # its micro-batch (a part of it is fixed), so the cost model interpolates between these
+    fwd_at: tuple[tuple[float, float], ...] = ()
+    bwd_at: tuple[tuple[float, float], ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)
