@@ -28,7 +28,13 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import SCHEDULERS, device_speed, has_params, make_schedule
+from fusionllm.schedule.schedulers import (
+    DEFAULT_CANDIDATES,
+    SCHEDULERS,
+    device_speed,
+    has_params,
+    make_schedule,
+)
 from fusionllm.schedule.validate import InvalidPlan, programs, validate_plan, worker_memory
 from fusionllm.sim.simulator import simulate
 
@@ -50,7 +56,7 @@ class Case:
     compress: str
     batch_size: int
     micro_batches: int
-    candidates: int = 4
+    candidates: int = DEFAULT_CANDIDATES
 
 
 @dataclass
@@ -72,7 +78,7 @@ class Outcome:
         return {**asdict(self), "case": asdict(self.case)}
 
 
-def draw_case(rng: random.Random, models: tuple[str, ...] = BUILTIN_MODELS + ZOO_MODELS, *, max_devices: int = 64, candidates: int = 4) -> Case:
+def draw_case(rng: random.Random, models: tuple[str, ...] = BUILTIN_MODELS + ZOO_MODELS, *, max_devices: int = 64, candidates: int = DEFAULT_CANDIDATES) -> Case:
     """One case, from the ranges of issue 14: 2-10 sites, 2-64 devices, every scheduler and schedule."""
     batch = rng.choice([4, 8, 16, 32, 64])
     return Case(
