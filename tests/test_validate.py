@@ -42,8 +42,8 @@ def micro() -> tuple:
     return graph, estimate(graph)
 
 
-def _replica_local_1f1b(graph, plan, worker, *, shared_grads):  # noqa: ANN001, ANN202 - the lowering of round one
-    r = plan_mod.routes(graph, plan)
+def _replica_local_1f1b(graph, plan, worker, *, shared_grads, r=None):  # noqa: ANN001, ANN202 - the lowering of round one
+    r = r or plan_mod.routes(graph, plan)
     edges = graph.edges()
     stage = plan.stage_of_worker(worker).index
     compute = one_f_one_b(stage, len(plan.stages), plan.mbs_of(worker))  # the replica's own micro-batches only
@@ -98,8 +98,8 @@ def _broken(graph, plan, change):  # noqa: ANN001, ANN202
     """Programs as lowered, then changed by ``change(worker, actions)``."""
     original = plan_mod.worker_actions
 
-    def lowered(g, p, worker, *, shared_grads):  # noqa: ANN001, ANN202
-        return change(worker, original(g, p, worker, shared_grads=shared_grads))
+    def lowered(g, p, worker, *, shared_grads, r=None):  # noqa: ANN001, ANN202
+        return change(worker, original(g, p, worker, shared_grads=shared_grads, r=r))
 
     return lowered
 

@@ -21,19 +21,22 @@ def _sym_bw(hw: Hardware, i: int, j: int) -> float:
 
 
 def find_fences(hw: Hardware, *, min_gap: float = 2.0) -> list[list[int]]:
+    import numpy as np
+
     n = len(hw)
     if n == 1:
         return [[0]]
-    rates = sorted({_sym_bw(hw, i, j) for i in range(n) for j in range(n) if i != j})
+    raw = np.array(hw.bandwidth, dtype=float)
+    sym = np.minimum(raw, raw.T)
+    rates = np.unique(sym[~np.eye(n, dtype=bool)])
     threshold = 0.0
     best_gap = min_gap
-    for lo, hi in itertools.pairwise(rates):
+    for lo, hi in itertools.pairwise(rates.tolist()):
         if hi / lo >= best_gap:
             best_gap, threshold = hi / lo, hi
     # complete linkage: merge the two groups whose slowest mutual link is fastest, while it is fast
-    import numpy as np
-
-    bw = np.array([[_sym_bw(hw, i, j) if i != j else -1.0 for j in range(n)] for i in range(n)])
+    bw = sym.copy()
+    np.fill_diagonal(bw, -1.0)
     groups = [[i] for i in range(n)]
     while len(groups) > 1:
         flat = int(np.argmax(bw))

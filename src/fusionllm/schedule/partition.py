@@ -69,6 +69,21 @@ def _element_vector(cost: CostModel, ops: Sequence[str], element: Element) -> np
     return np.max(np.stack(rows), axis=0) / len(rows)
 
 
+def slowest_pair(cost: CostModel, src: Sequence[int], dst: Sequence[int]) -> tuple[int, int]:
+    """The pair (a in src, b in dst) whose link carries raw bytes slowest (bandwidth / codec ratio)."""
+    if len(src) == 1 and len(dst) == 1:
+        return src[0], dst[0]
+    if "bw" not in cost.memo:
+        cost.memo["bw"] = np.array(cost.hw.bandwidth, dtype=float)
+    eff = cost.memo["bw"][np.ix_(list(src), list(dst))].copy()
+    if cost.ratios:
+        for i, a in enumerate(src):
+            for j, b in enumerate(dst):
+                eff[i, j] /= cost.ratio(a, b)
+    i, j = np.unravel_index(int(np.argmin(eff)), eff.shape)
+    return src[int(i)], dst[int(j)]
+
+
 def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], cuts: Sequence[int], *, iterations: int = 60, tolerance: float = 1e-3) -> list[tuple[Element, list[str]]] | None:
     """Stages (element, ops) covering ``ops`` in order; None if no split fits."""
     n = len(ops)
@@ -82,7 +97,7 @@ def split_chain(cost: CostModel, ops: Sequence[str], chain: Sequence[Element], c
     cut_arr = np.array([cost.edge_bytes(x) for x in cuts], dtype=float)
     links = []
     for k in range(len(chain) - 1):
-        x, y = min(((x, y) for x in chain[k].workers for y in chain[k + 1].workers), key=lambda p: cost.hw.bps(*p) / cost.ratio(*p))
+        x, y = slowest_pair(cost, chain[k].workers, chain[k + 1].workers)
         bps = cost.hw.bps(x, y)
         per_byte = 8 * cost.ratio(x, y) / bps if np.isfinite(bps) else 0.0
         fixed = (HEADER_BYTES * 8 / bps if np.isfinite(bps) else 0.0) + cost.message_overhead_s + cost.latency(x, y)

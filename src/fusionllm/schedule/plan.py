@@ -187,9 +187,9 @@ def make_plan(graph: OpGraph, num_workers: int, *, replicas: list[int] | None = 
     return plan
 
 
-def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: bool) -> list[Action]:
-    """The lowered action list one worker runs every step."""
-    r = routes(graph, plan)
+def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: bool, r: Routes | None = None) -> list[Action]:
+    """The lowered action list one worker runs every step (``r``: the plan's routes, if known)."""
+    r = r or routes(graph, plan)
     edges = graph.edges()
     stage = plan.stage_of_worker(worker).index
     # The stage's order over all micro-batches, then this replica's share of it. Ordering a

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+
 from fusionllm.cluster.hardware import Device
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
@@ -217,17 +219,7 @@ def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], 
     counts: compute, the CPU time of every message at both ends, and the links."""
     from fusionllm.schedule.partition import op_seconds_per_element
 
-    graph = cost.graph
-    if "readers" not in cost.memo:
-        cost.memo["readers"] = graph.consumers()
-    readers = cost.memo["readers"]
-    where = {n: k for k, (_, nodes) in enumerate(stages) for n in nodes}
-    crossing = [0.0] * len(stages)  # bytes leaving stage k per micro-batch (to any later stage)
-    for k, (_, nodes) in enumerate(stages):
-        for n in nodes:
-            for e in graph.node(n).outputs:
-                if e.requires_grad and any(where.get(c, k) > k for c in readers.get(e.id, ())):
-                    crossing[k] += cost.edge_bytes(e.meta.nbytes)
+    crossing, groups = _crossing_and_shared(cost, stages)
     fill, bottleneck = 0.0, 0.0
     for k, (workers, nodes) in enumerate(stages):
         per_op = op_seconds_per_element(cost, nodes, Element(workers))
@@ -240,22 +232,58 @@ def _estimate(cost: CostModel, stages: list[tuple[tuple[int, ...], list[str]]], 
             link = max(cost.transfer_seconds(int(crossing[k]), a, b) + cost.latency(a, b) for a in workers[:1] for b in nxt[:1])
             fill += 2 * link
             bottleneck = max(bottleneck, link)
-    holders: dict[str, set[int]] = {}
-    for workers, nodes in stages:
-        for n in nodes:
-            for p in graph.node(n).params.values():
-                if graph.params[p].trainable:
-                    holders.setdefault(p, set()).update(workers)
-    groups: dict[tuple[int, ...], int] = {}
-    for p, ws in holders.items():
-        if len(ws) > 1:
-            groups[tuple(sorted(ws))] = groups.get(tuple(sorted(ws)), 0) + graph.params[p].meta.nbytes
     reduce = 0.0
     for group, nbytes in groups.items():
         rounds = 2 * (len(group) - 1)
         reduce += rounds * (cost.allreduce_round_seconds(nbytes, list(group)) + 2 * cost.message_cpu_seconds(nbytes / len(group)))
     width = max(1, min(len(w) for w, _ in stages))
     return fill + max(0.0, m / width - 1) * bottleneck + reduce + cost.step_overhead_s
+
+
+def _layout_arrays(cost: CostModel) -> dict:
+    """Per graph, once: every float tensor (its producer's position, its last reader's, its bytes)
+    and every trainable parameter (the positions of the ops that use it)."""
+    if "layout_arrays" not in cost.memo:
+        graph = cost.graph
+        pos = cost.positions()
+        readers = graph.consumers()
+        prod, last, size = [], [], []
+        for n in graph.compute_nodes:
+            for e in n.outputs:
+                ends = [pos[c] for c in readers.get(e.id, ()) if c in pos]
+                if e.requires_grad and ends and max(ends) > pos[n.id]:
+                    prod.append(pos[n.id])
+                    last.append(max(ends))
+                    size.append(e.meta.nbytes)
+        users: dict[str, list[int]] = {}
+        for n in graph.compute_nodes:
+            for p in dict.fromkeys(n.params.values()):
+                if graph.params[p].trainable:
+                    users.setdefault(p, []).append(pos[n.id])
+        cost.memo["layout_arrays"] = {
+            "prod": np.array(prod, dtype=int), "last": np.array(last, dtype=int), "bytes": np.array(size, dtype=float),
+            "params": [(np.array(v, dtype=int), graph.params[p].meta.nbytes) for p, v in users.items()],
+        }
+    return cost.memo["layout_arrays"]
+
+
+def _crossing_and_shared(cost: CostModel, stages: Layout) -> tuple[list[float], dict[tuple[int, ...], int]]:
+    """Bytes leaving each stage per micro-batch (to any later stage), and the bytes of gradients
+    each group of workers shares (replicas, tied weights). Stages are contiguous runs of the order."""
+    arrays = _layout_arrays(cost)
+    pos = cost.positions()
+    ends = np.array([pos[nodes[-1]] + 1 for _, nodes in stages], dtype=int)
+    where = np.searchsorted(ends, arrays["prod"], side="right")  # the stage of each tensor's producer
+    leaves = arrays["last"] >= ends[np.minimum(where, len(stages) - 1)]
+    sizes = np.floor(arrays["bytes"] * cost.scale)
+    crossing = np.bincount(where[leaves], weights=sizes[leaves], minlength=len(stages)).tolist()
+    groups: dict[tuple[int, ...], int] = {}
+    for users, nbytes in arrays["params"]:
+        holders = {w for k in set(np.searchsorted(ends, users, side="right").tolist()) for w in stages[k][0]}
+        if len(holders) > 1:
+            key = tuple(sorted(holders))
+            groups[key] = groups.get(key, 0) + nbytes
+    return crossing, groups
 
 
 def _factors(n: int) -> list[int]:

@@ -20,7 +20,7 @@ action, e.g. ``16RECV_F6 on worker 18 has no sender``):
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fusionllm.core.errors import ConfigError, GraphError
 from fusionllm.cost.model import CostModel
@@ -45,8 +45,7 @@ class InvalidPlan(ConfigError):
         self.rule = rule
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One tensor message of a step: ``kind`` act (forward) or grad (backward)."""
 
     kind: str
@@ -58,10 +57,11 @@ class Message:
     epoch: int
 
 
-def programs(graph: OpGraph, plan: Plan) -> dict[int, list[Action]]:
+def programs(graph: OpGraph, plan: Plan, r: Routes | None = None) -> dict[int, list[Action]]:
     """Every worker's lowered action list, as the runtime and the simulator run it."""
     groups = shared_groups(graph, plan)
-    return {w: worker_actions(graph, plan, w, shared_grads=bool(groups.get(w))) for w in plan.workers}
+    r = r or routes(graph, plan)
+    return {w: worker_actions(graph, plan, w, shared_grads=bool(groups.get(w)), r=r) for w in plan.workers}
 
 
 def validate_plan(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req: Request | None = None) -> dict[int, list[Action]]:
@@ -71,7 +71,7 @@ def validate_plan(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req
     except GraphError as exc:
         raise InvalidPlan("stages", str(exc)) from None
     _check_stages(graph, plan)
-    progs = programs(graph, plan)
+    progs = programs(graph, plan, r)
     _check_micro_batches(plan, progs)
     sends, recvs = _messages(graph, plan, r, progs)
     _check_messages(sends, recvs)

@@ -115,6 +115,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         clock[w] = t
 
     stage_nodes = {s.index: s.nodes for s in plan.stages}
+    compute_s: dict[tuple[int, str], float] = {}
     entering_from = {s: [e for e in r.entering[s] if r.producer[e] >= 0] for s in stage_nodes}
 
     def send(w: int, dst: int, key: tuple, nbytes: int) -> None:
@@ -136,7 +137,10 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         s = a.stage
         t0 = clock[w]
         if a.kind in ("F", "B"):
-            full = cost.compute_seconds(stage_nodes[s], device[w], a.kind == "B")
+            key = (w, a.kind)
+            if key not in compute_s:  # the same for every micro-batch of the stage
+                compute_s[key] = cost.compute_seconds(stage_nodes[s], device[w], a.kind == "B")
+            full = compute_s[key]
             clock[w] = cpu[w].run(t0, full)
             busy[w] += clock[w] - t0
         elif a.kind == "RECV_F":
