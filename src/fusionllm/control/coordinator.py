@@ -41,6 +41,7 @@ from fusionllm.runtime.tensors import tensor_to_wire
 from fusionllm.runtime.worker import COORDINATOR_SERVICE
 from fusionllm.schedule.actions import Action, format_grid
 from fusionllm.schedule.plan import Plan, make_plan, routes
+from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import pack
 from fusionllm.transport.rpc import RpcClient, RpcServer
@@ -205,6 +206,7 @@ class Coordinator:
             cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
+        await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         if codec.kind == "adatopk":
             from fusionllm.control.adatopk import adatopk_policy
             from fusionllm.schedule.plan import Request
