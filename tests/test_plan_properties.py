@@ -88,18 +88,22 @@ def _losses(path: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("seed", "scheduler", "schedule", "micro"), [(11, "opfence", "1f1b", 4), (12, "uniform", "gpipe", 2), (13, "params", "1f1b", 8), (14, "compute", "1f1b", 4)])
+@pytest.mark.parametrize(("seed", "scheduler", "schedule", "micro"), [(11, "opfence", "1f1b", 4), (12, "uniform", "gpipe", 2), (13, "params", "1f1b", 8), (14, "compute", "1f1b", 4), (15, "1,3,1", "1f1b", 8)])
 def test_random_cluster_trains_like_one_process(tmp_path: Path, seed: int, scheduler: str, schedule: str, micro: int) -> None:
-    """A random CPU cluster of 2-5 devices, planned by the scheduler, trained for 3 steps by real
-    worker processes on loopback: the losses equal one plain PyTorch process's (1e-5)."""
+    """A random CPU cluster of 2-5 devices, planned by the scheduler (or with the given replicas:
+    the 1-3-1 pipeline whose 1F1B hung before issue 14), trained for 3 steps by real worker
+    processes on loopback: the losses equal one plain PyTorch process's (1e-5)."""
     shape = ClusterShape(kind="cpu", sites=(2, 4), devices=(2, 5), latency=False)
-    n = random_cluster(seed, shape).num_devices
     hardware = tmp_path / "cluster.toml"
     hardware.write_text(random_cluster_toml(seed, shape))
+    if "," in scheduler:
+        n, plan_args = sum(map(int, scheduler.split(","))), ["--replicas", scheduler]
+    else:
+        n, plan_args = random_cluster(seed, shape).num_devices, ["--hardware", str(hardware), "--scheduler", scheduler]
     single, dist = tmp_path / "single.jsonl", tmp_path / "dist.jsonl"
     subprocess.run([*BASE, "train", "--single-process", *COMMON, "--metrics", str(single)], check=True, capture_output=True, timeout=300)
     proc = subprocess.run(
-        [*BASE, "train", "--cluster", f"local:{n}", "--hardware", str(hardware), "--scheduler", scheduler, "--schedule", schedule,
+        [*BASE, "train", "--cluster", f"local:{n}", *plan_args, "--schedule", schedule,
          "--micro-batches", str(micro), *COMMON, "--metrics", str(dist), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600,
     )

@@ -180,6 +180,7 @@ def train(
     scheduler: SchedulerOpt = None,
     probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
+    hardware: Annotated[Path | None, typer.Option(help="With --cluster local:N and --scheduler: plan with this cluster file's rates (N devices) instead of probing the workers.")] = None,
     compress: CompressOpt = "none",
     backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
     tls_cert: TlsCertOpt = None,
@@ -222,6 +223,7 @@ def train(
             args += [] if probe_links else ["--hardware", cluster]
             raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
         args += ["--scheduler", scheduler] if scheduler else []
+        args += ["--hardware", str(hardware)] if hardware else []
         n = parse_cluster(cluster)
         worker_args = [
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
