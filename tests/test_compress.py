@@ -137,8 +137,8 @@ def test_policy_compresses_only_slow_links_and_adapts() -> None:
     assert policy.byte_target((0, 1)) == 1.0  # 32 ms on 1 Gbit/s: the compute hides it
     slow = policy.byte_target((1, 2))
     assert 0 < slow < 1
-    for _ in range(4):
-        policy.observe((1, 2), slow * 4e6, 4 * 2e-4 + slow * 4e6 * 8 / 2e6, 4)  # the link slowed to 2 Mbit/s
+    for step in range(14):  # at its planned 8 Mbit/s for three steps, then slowed to 2 Mbit/s
+        policy.observe((1, 2), slow * 4e6, 4 * 2e-4 + slow * 4e6 * 8 / (8e6 if step < 3 else 2e6), 4)
     assert policy.byte_target((1, 2)) <= slow and policy.bps[(1, 2)] < 3e6
     policy.observe((0, 1), 10, 1.0)  # one measurement: not enough to judge
     assert policy.bps[(0, 1)] == 1e9

@@ -131,8 +131,8 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
     records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
     before = records[slowed_at - 1]["ratios"]["w1->w2"]
     after = records[-1]["ratios"]["w1->w2"]
-    # a 10x slower link: compressed harder, down to the coarsest codec measured acceptable (eq:0.7), never below
-    assert after < before and after == pytest.approx(FLOOR), (before, after)
+    # a 10x slower link: compressed harder, never below the coarsest codec measured acceptable (eq:0.7)
+    assert FLOOR <= after < before, (before, after)
     # (w2 -> w1 slows too, and is compressed harder as well: its TCP acks queue behind w1 -> w2's data)
     assert records[-1]["ratios"]["w0->w1"] == 1 and records[-1]["ratios"]["w2->w3"] == 1  # links inside a site stay raw
 

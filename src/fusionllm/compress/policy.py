@@ -10,10 +10,11 @@ included on the device that pays it (encode on the sender, decode on the receive
 ``prefer`` of the fastest it takes the most accurate.
 
 During training the workers report, per link and step, the bytes sent, the messages and the time
-the link was busy. A message's busy time has a part that grows with its bytes and a fixed part
-(the ack's way back, which queues behind the reverse direction's traffic, the receiver's wake-up):
-the policy fits both (least squares over recent steps) and judges the link by the part that grows
-with its bytes. Judging it by bytes / busy time instead, as the first policy did, made a compressed
+the link was busy. A message's busy time has a part that grows with its bytes, a fixed part (the
+ack's way back, which queues behind the reverse direction's traffic) and host delays (a busy event
+loop, a worker computing on a shared core) that vary from step to step and only ever add time: the
+policy reads both parts from the fastest recent measurements (``fit``) and judges the link by the
+part that grows with its bytes. Judging it by bytes / busy time instead, as the first policy did, made a compressed
 link look slower the smaller its messages became, which lowered its target further: a spiral that
 drove gradients to top-k 1% (docs/compression.md). A link is re-decided only when its fitted rate
 moved by more than ``rethink`` since its last decision; it moves to a harder codec only when its
@@ -29,7 +30,7 @@ FLOOR_STEP = 0.7  # the coarsest eq step measured acceptable (docs/compression.m
 FLOOR = 0.09  # bytes of eq:0.7 / raw float32 (2.66 bits per value, per-token scales, Huffman's overhead)
 LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.14, 0.12, 0.105, FLOOR)  # none, fp16, q8, q6, q5, eq (finer to 0.7)
 WINDOW = 32  # steps of measurements the fit of a link's fixed part per message looks at
-RECENT = 6  # steps its rate is judged from
+RECENT = 8  # steps its rate is judged from
 SPREAD = 1.25  # bytes per message must vary this much in the window to fit the fixed part
 
 
@@ -55,12 +56,13 @@ class LinkPolicy:
     floor: float = FLOOR
     margin: float = 0.85  # a link should stay this busy at most over a step's compute
     gain: float = 0.03  # compress only for a predicted step this much shorter
-    prefer: float = 0.02  # the most accurate codec within this of the fastest
+    prefer: float = 0.05  # the most accurate codec within this of the fastest (every rung is acceptable; lighter is safer)
     rethink: float = 0.2  # re-decide a link whose fitted rate moved this much
     targets: dict[tuple[int, int], float] = field(default_factory=dict)  # byte target per link (1.0: none)
     decided_bps: dict[tuple[int, int], float] = field(default_factory=dict)
     samples: dict[tuple[int, int], deque[tuple[float, float, float]]] = field(default_factory=dict)  # (messages, bytes, busy s)
     fixed_s: dict[tuple[int, int], float] = field(default_factory=dict)  # fitted fixed seconds per message
+    planned_bps: dict[tuple[int, int], float] = field(default_factory=dict)  # the rate before any measurement
 
     # ---- the prediction ----------------------------------------------------------------------------
     def predicted_step(self, link: tuple[int, int], target: float, bps: float | None = None) -> float:
@@ -129,33 +131,28 @@ class LinkPolicy:
             self.decided_bps[link] = rate
 
     def fit(self, link: tuple[int, int]) -> float | None:
-        """The link's rate (bits/s): busy = messages x fixed + bytes x 8 / rate.
+        """The link's rate (bits/s), from busy = messages x fixed + bytes x 8 / rate + delays.
 
-        The fixed part is fitted over the window when its messages had different sizes (least
-        squares), else the last fitted one (or ``overhead_s``) is kept; never more than the
-        shortest recent message. The rate comes from the last ``RECENT`` steps, so a link that
-        slows down is seen within a few steps."""
+        Host delays (a busy event loop, a worker computing) only ever add time, so both parts are
+        read from the fastest measurements: the fixed part from the lower envelope of time per
+        message against bytes per message (when the window holds sizes ``SPREAD`` apart; else the
+        last one fitted, or ``overhead_s``), the rate as the best of the last ``RECENT`` steps' rates
+        with the fixed part taken off, at most the planned (probed or declared) rate: a small
+        message can pass a shaped link faster than its rate (the shaper's burst), not a step's worth."""
         window = self.samples.get(link)
-        if not window or len(window) < 2:
+        if not window or len(window) < 3:
             return None
-        recent = list(window)[-RECENT:]
         fixed = self.fixed_s.get(link, self.overhead_s)
-        sizes = [s[1] / s[0] for s in window]
-        if max(sizes) >= SPREAD * min(sizes):
-            n, w, y = ([s[i] for s in window] for i in range(3))
-            snn, sww = sum(x * x for x in n), sum(x * x for x in w)
-            snw = sum(a * b for a, b in zip(n, w, strict=True))
-            sny = sum(a * b for a, b in zip(n, y, strict=True))
-            swy = sum(a * b for a, b in zip(w, y, strict=True))
-            det = snn * sww - snw * snw
-            if det > 0:
-                o = (sny * sww - swy * snw) / det
-                c = (snn * swy - snw * sny) / det
-                if o >= 0 and c > 0:
-                    fixed = o
-        fixed = min(fixed, min(s[2] / s[0] for s in recent))
+        per = [(w / n, y / n) for n, w, y in window]  # (bytes, seconds) per message
+        smallest, largest = min(p[0] for p in per), max(p[0] for p in per)
+        if largest >= SPREAD * smallest:
+            middle = (smallest * largest) ** 0.5
+            small = min((p for p in per if p[0] <= middle), key=lambda p: p[1])
+            large = min((p for p in per if p[0] > middle), key=lambda p: p[1])
+            c = (large[1] - small[1]) / (large[0] - small[0])
+            o = small[1] - small[0] * c
+            if c > 0 and o >= 0:
+                fixed = o
         self.fixed_s[link] = fixed
-        got = sum(s[1] for s in recent)
-        took = sum(s[2] for s in recent)
-        byte_s = max(took - fixed * sum(s[0] for s in recent), 0.01 * took)  # at least 1% of the time is the bytes'
-        return got * 8 / byte_s
+        best = max(w * 8 / max(y - n * fixed, 0.05 * y) for n, w, y in list(window)[-RECENT:])
+        return min(best, self.planned_bps.setdefault(link, self.bps.get(link, float("inf"))))

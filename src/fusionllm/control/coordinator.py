@@ -401,6 +401,9 @@ class Coordinator:
                     for w, rep in replies.items():
                         for dst, (nbytes, busy, *messages) in rep.get("link_stats", {}).items():
                             self.policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
+                            record.setdefault("link_stats", {})[f"w{w}->w{dst}"] = [nbytes, round(busy, 5), *messages]
+                record["link_fit"] = {f"w{a}->w{b}": [round(self.policy.bps[(a, b)]), round(self.policy.fixed_s.get((a, b), 0.0), 5)]
+                                      for (a, b) in self.policy.loads if (a, b) in self.policy.bps}
             if c.eval_every and ((step + 1) % c.eval_every == 0 or step + 1 == t.steps):
                 paused = time.perf_counter()
                 record["val_loss"] = await self._guard(run, self._evaluate(run, val_batches))
