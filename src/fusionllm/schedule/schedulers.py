@@ -91,8 +91,9 @@ Layout = list[tuple[tuple[int, ...], list[str]]]
 
 
 def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DEFAULT_CANDIDATES) -> Plan:
-    """``evaluate`` predicts a plan's step time (the simulator, given by the caller: the scheduler
-    sits below it); without it the closed-form estimate decides alone. The search is bounded by the
+    """``evaluate`` predicts a plan's step time and raises InvalidPlan for a plan that cannot run
+    (the simulator, which validates what it runs, given by the caller: the scheduler sits below
+    it); without it the validator and the closed-form estimate decide alone. The search is bounded by the
     number of ``candidates`` simulated, never by the clock: the same inputs give the same plan on
     any machine, however busy. Every candidate is validated (``schedule.validate``) before it is
     judged; invalid ones are discarded and counted in ``plan.meta["invalid_candidates"]``."""
@@ -157,15 +158,18 @@ def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, 
     first_invalid = ""
     for _, _, name, stages, m in ranked:
         plan = _plan(stages, req, "opfence", m, "1f1b")
-        try:
-            validate_plan(graph, plan, cost, req)
+        try:  # the simulator validates what it runs; the closed form needs the validator first
+            if evaluate is None:
+                validate_plan(graph, plan, cost, req)
+                t = _estimate(cost.scaled(micro_batch_scale(graph, req, m)), stages, m)
+            else:
+                t = evaluate(plan, cost, req)
         except InvalidPlan as exc:
             invalid[exc.rule] += 1
             first_invalid = first_invalid or str(exc)
             if sum(invalid.values()) >= MAX_INVALID:
                 break
             continue
-        t = _estimate(cost.scaled(micro_batch_scale(graph, req, m)), stages, m) if evaluate is None else evaluate(plan, cost, req)
         judged += 1
         if best is None or t < best[0]:
             plan.meta.update({"layout": name, "fences": fences})
@@ -260,9 +264,12 @@ def _layout_arrays(cost: CostModel) -> dict:
             for p in dict.fromkeys(n.params.values()):
                 if graph.params[p].trainable:
                     users.setdefault(p, []).append(pos[n.id])
+        names = list(users)
         cost.memo["layout_arrays"] = {
             "prod": np.array(prod, dtype=int), "last": np.array(last, dtype=int), "bytes": np.array(size, dtype=float),
-            "params": [(np.array(v, dtype=int), graph.params[p].meta.nbytes) for p, v in users.items()],
+            "user_pos": np.array([x for p in names for x in users[p]], dtype=int),  # every (parameter, op using it)
+            "user_param": np.array([k for k, p in enumerate(names) for _ in users[p]], dtype=int),
+            "param_bytes": [graph.params[p].meta.nbytes for p in names],
         }
     return cost.memo["layout_arrays"]
 
@@ -278,11 +285,19 @@ def _crossing_and_shared(cost: CostModel, stages: Layout) -> tuple[list[float], 
     sizes = np.floor(arrays["bytes"] * cost.scale)
     crossing = np.bincount(where[leaves], weights=sizes[leaves], minlength=len(stages)).tolist()
     groups: dict[tuple[int, ...], int] = {}
-    for users, nbytes in arrays["params"]:
-        holders = {w for k in set(np.searchsorted(ends, users, side="right").tolist()) for w in stages[k][0]}
-        if len(holders) > 1:
-            key = tuple(sorted(holders))
-            groups[key] = groups.get(key, 0) + nbytes
+    if len(arrays["user_pos"]):
+        n_stages = len(stages)
+        pairs = np.unique(arrays["user_param"] * n_stages + np.searchsorted(ends, arrays["user_pos"], side="right"))
+        param, stage = np.divmod(pairs, n_stages)
+        width = np.array([len(w) for w, _ in stages])
+        stages_per_param = np.bincount(param, minlength=len(arrays["param_bytes"]))
+        shared = (stages_per_param[param] > 1) | (width[stage] > 1)  # held by more than one worker
+        holders: dict[int, set[int]] = {}
+        for p, k in zip(param[shared].tolist(), stage[shared].tolist(), strict=True):
+            holders.setdefault(p, set()).update(stages[k][0])
+        for p, ws in holders.items():
+            key = tuple(sorted(ws))
+            groups[key] = groups.get(key, 0) + arrays["param_bytes"][p]
     return crossing, groups
 
 

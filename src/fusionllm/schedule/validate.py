@@ -14,7 +14,8 @@ action, e.g. ``16RECV_F6 on worker 18 has no sender``):
    all-reduce of each replica group, the global STEP) has no cycle: run abstractly, without
    clocks, every program finishes. A cycle is printed as the chain of waits that closes it;
 5. **memory** (when a cost model is given): each worker's parameters, optimizer state and the
-   activations of its micro-batches in flight (counted from its program) fit its device.
+   activations of its micro-batches in flight (counted from its program) fit its device. It is
+   checked right after the programs are lowered (cheap, and what rules out most OP-Fence candidates).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import NamedTuple
 from fusionllm.core.errors import ConfigError, GraphError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.actions import Action, peak_in_flight
+from fusionllm.schedule.actions import SCHEDULES, Action, peak_in_flight
 from fusionllm.schedule.plan import (
     Plan,
     Request,
@@ -66,6 +67,8 @@ def programs(graph: OpGraph, plan: Plan, r: Routes | None = None) -> dict[int, l
 
 def validate_plan(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req: Request | None = None) -> dict[int, list[Action]]:
     """Raise InvalidPlan naming the first broken rule; return the programs when all hold."""
+    if cost is not None and req is not None:  # the cheapest rule, and the one that prunes most candidates
+        _check_memory(plan, compute_orders(plan), cost, req)
     try:
         r = routes(graph, plan)
     except GraphError as exc:
@@ -76,9 +79,19 @@ def validate_plan(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req
     sends, recvs = _messages(graph, plan, r, progs)
     _check_messages(sends, recvs)
     _check_order(plan, progs, sends, recvs, graph)
-    if cost is not None and req is not None:
-        _check_memory(plan, progs, cost, req)
     return progs
+
+
+def compute_orders(plan: Plan) -> dict[int, list[Action]]:
+    """Each worker's forwards and backwards in program order (its share of its stage's order),
+    without the communication: enough to count micro-batches in flight."""
+    out: dict[int, list[Action]] = {}
+    for s in plan.stages:
+        order = SCHEDULES[plan.schedule](s.index, len(plan.stages), range(plan.micro_batches))
+        for w in s.workers:
+            mine = set(plan.mbs_of(w))
+            out[w] = [a for a in order if a.mb in mine]
+    return out
 
 
 def is_valid(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req: Request | None = None) -> bool:
@@ -187,14 +200,16 @@ def _check_order(plan: Plan, progs: dict[int, list[Action]], sends: dict[Message
             needs.setdefault(end, []).extend(sends.get(m, []))
     shared = shared_groups(graph, plan)
     reduce_groups = {w: [g for g, _names, _bytes in shared.get(w, [])] for w in plan.workers}
-    pos = dict.fromkeys(plan.workers, 0)
-    sub = dict.fromkeys(plan.workers, 0)  # which of its groups a worker is reducing
+    workers = plan.workers
+    pos = dict.fromkeys(workers, 0)
+    sub = dict.fromkeys(workers, 0)  # which of its groups a worker is reducing
+    at_step = sum(len(progs[w]) <= 1 for w in workers)  # workers whose next action is their last (STEP)
     total = sum(len(p) for p in progs.values())
     done = 0
     progress = True
     while progress:
         progress = False
-        for w in plan.workers:
+        for w in workers:
             while pos[w] < len(progs[w]):
                 a = progs[w][pos[w]]
                 if a.kind.startswith("RECV") and any(pos[sw] <= si for sw, si in needs.get((w, pos[w]), [])):
@@ -208,9 +223,11 @@ def _check_order(plan: Plan, progs: dict[int, list[Action]], sends: dict[Message
                         sub[w] += 1
                     if sub[w] < len(mine):
                         break
-                if a.kind == "STEP" and not all(pos[x] >= len(progs[x]) - 1 for x in plan.workers):
+                if a.kind == "STEP" and at_step < len(workers):
                     break
                 pos[w] += 1
+                if pos[w] == len(progs[w]) - 1:
+                    at_step += 1
                 done += 1
                 progress = True
     if done < total:

@@ -47,19 +47,23 @@ class _Cpu:
         seconds /= self.speed
         if not math.isfinite(self.quota):
             return t + seconds
-        while seconds > 1e-12:
-            p = math.floor(t / CFS_PERIOD + 1e-9)
-            if p != self.period:
-                self.period, self.used = p, 0.0
-            left = self.quota - self.used
-            if left <= 1e-12:
-                t = (p + 1) * CFS_PERIOD
-                continue
-            burn = min(seconds, left, (p + 1) * CFS_PERIOD - t)
-            t += burn
-            self.used += burn
-            seconds -= burn
-        return t
+        if seconds <= 1e-12:
+            return t
+        # what is left of the current period's quota, then whole periods of quota each: closed form,
+        # so a long action on a small quota costs O(1), not one iteration per 100 ms period
+        p = math.floor(t / CFS_PERIOD + 1e-9)
+        if p != self.period:
+            self.period, self.used = p, 0.0
+        burn = max(0.0, min(seconds, self.quota - self.used, (p + 1) * CFS_PERIOD - t))
+        t += burn
+        self.used += burn
+        seconds -= burn
+        if seconds <= 1e-12:
+            return t
+        n = max(1, math.ceil(seconds / self.quota - 1e-9))  # periods after p that the rest needs
+        last = seconds - (n - 1) * self.quota
+        self.period, self.used = p + n, last
+        return (p + n) * CFS_PERIOD + last
 
 
 @dataclass
@@ -88,11 +92,12 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     cost = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     tokens_per_step = req.tokens
     graph = cost.graph
+    lists: dict[int, list[Action]] = validate_plan(graph, plan, cost, req)  # raises InvalidPlan naming the first broken rule
     r = routes(graph, plan)
     edges = graph.edges()
     groups = shared_groups(graph, plan)
-    lists: dict[int, list[Action]] = validate_plan(graph, plan)  # raises InvalidPlan naming the first broken rule
-    device = {w: cost.hw.devices[w] for w in plan.workers}
+    workers = plan.workers
+    device = {w: cost.hw.devices[w] for w in workers}
     cpu = {w: _Cpu(device[w]) for w in plan.workers}
     clock = dict.fromkeys(plan.workers, 0.0)
     pos = dict.fromkeys(plan.workers, 0)
@@ -182,8 +187,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
                 clock[w] = arrival[("reduced", group)]
                 reduce_idx[w] += 1
         elif a.kind == "STEP":
-            barrier[("step",)][w] = max(clock[w], max((link_free[(w, d)] for d in plan.workers if (w, d) in link_free), default=0.0))
-            if len(barrier[("step",)]) < len(plan.workers):
+            barrier[("step",)][w] = max(clock[w], max((link_free[(w, d)] for d in workers if (w, d) in link_free), default=0.0))
+            if len(barrier[("step",)]) < len(workers):
                 return False
             params = sum(cost.graph.params[p].meta.nbytes for n in stage_nodes[s] for p in set(cost.graph.node(n).params.values()))
             t0 = max(barrier[("step",)].values())
