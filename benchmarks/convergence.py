@@ -1,14 +1,25 @@
 #!/usr/bin/env python
-"""Convergence under compression: the same model, data and seed over an 8 Mbit/s emulated link.
+"""Convergence under AdaTopK on several clusters: the same model, data, seed and steps with and without it.
 
-A two-stage pipeline (`--scheduler params`) across the slow link of examples/clusters/slow-link.toml,
-trained for the same number of steps with no compression, fixed codecs (top-k, fixed-width and
-entropy-coded quantisation: the experiment of docs/compression.md), and AdaTopK, once per seed.
-Validation loss is measured at the coordinator every few steps on the same held-out batches; the
-table gives the mean over the seeds. Writes convergence.json, convergence.md,
-convergence_loss_step.png and convergence_loss_time.png. Needs root (the testbed).
+Each cluster is brought up on the emulated testbed (network namespaces, tc rate limits, CPU quotas)
+and trained once per seed and codec; the plan is the same for every codec of a cluster (``params``:
+one stage per device, in device order, so the pipeline crosses the cluster's slow links; or
+``--replicas``), so the runs differ only in what crosses the links. Validation loss is measured at
+the coordinator on the same held-out batches (its time is left out of tokens/s). Clusters:
 
-    python benchmarks/convergence.py [--steps 120] [--seeds 0 1] [--codecs none adatopk ...]
+- ``slow-link``: two stages across 8 Mbit/s (examples/clusters/slow-link.toml);
+- ``tri-slow``: two devices at one site, one behind 8 Mbit/s; three stages, so activations go out
+  over the slow link, their gradients come back over it, and the tied embedding's gradient is
+  all-reduced across it (first and last stage);
+- ``random-1``, ``random-11``: random CPU clusters (``fusionllm.cluster.random``, 2-4 sites, 3-4
+  devices), seeds whose pipeline crosses links of 12-30 Mbit/s;
+- ``dp-slow``: two replicas of the whole model across 50 Mbit/s: every step all-reduces all gradients
+  over the slow link.
+
+Writes convergence.json, convergence.md and convergence.png; with ``--clusters`` a subset is run and
+merged into the existing convergence.json (so each cluster can be its own run). Needs root.
+
+    python benchmarks/convergence.py [--clusters tri-slow dp-slow] [--steps 120] [--seeds 0 1] [--codecs none adatopk]
 """
 
 from __future__ import annotations
@@ -18,41 +29,140 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ["none", "adatopk", "eq:0.7", "q4", "q3", "topk:0.1", "fp16"]
+FAST = 1e9  # links at least this fast are not "slow links"
 
 
-def run(codec: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
-    metrics = tmp / f"{codec.replace(':', '_')}-{seed}.jsonl"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(ROOT / "examples" / "clusters" / f"{args.cluster}.toml"),
-           "--scheduler", "params", "--compress", codec, "--model", args.model, "--steps", str(args.steps),
+@dataclass(frozen=True)
+class Cluster:
+    what: str
+    layout: tuple[str, ...] = ("--scheduler", "params")
+    file: str = ""  # examples/clusters/<file>.toml
+    toml: str = ""  # or the text of a cluster file
+    random_seed: int = -1  # or a random CPU cluster
+
+
+TRI = """name = "tri-slow"
+[sites.home]
+devices = 2
+cpus = 0.7
+bandwidth = "1gbit"
+[sites.far]
+devices = 1
+cpus = 0.6
+bandwidth = "1gbit"
+[[links]]
+sites = ["home", "far"]
+bandwidth = "8mbit"
+"""
+
+DP = """name = "dp-slow"
+[sites.a]
+devices = 1
+cpus = 1.0
+bandwidth = "1gbit"
+[sites.b]
+devices = 1
+cpus = 1.0
+bandwidth = "1gbit"
+[[links]]
+sites = ["a", "b"]
+bandwidth = "50mbit"
+"""
+
+CLUSTERS = {
+    "slow-link": Cluster("two stages across 8 Mbit/s", file="slow-link"),
+    "tri-slow": Cluster("three stages, the last behind 8 Mbit/s (tied embeddings all-reduced across it)", toml=TRI),
+    "random-1": Cluster("random CPU cluster, seed 1: three stages", random_seed=1),
+    "random-11": Cluster("random CPU cluster, seed 11: four stages", random_seed=11),
+    "dp-slow": Cluster("two replicas across 50 Mbit/s (all gradients all-reduced over it)", layout=("--replicas", "2"), toml=DP),
+}
+
+
+def cluster_text(c: Cluster) -> str:
+    if c.file:
+        return (ROOT / "examples" / "clusters" / f"{c.file}.toml").read_text()
+    if c.toml:
+        return c.toml
+    from fusionllm.cluster.random import ClusterShape, random_cluster_toml
+
+    return random_cluster_toml(c.random_seed, ClusterShape(kind="cpu", sites=(2, 4), devices=(3, 4), latency=False))
+
+
+def slow_links(path: Path) -> set[str]:
+    from fusionllm.cluster.hardware import Hardware
+    from fusionllm.cluster.spec import load_cluster
+
+    hw = Hardware.from_spec(load_cluster(path))
+    n = len(hw)
+    return {f"w{a}->w{b}" for a in range(n) for b in range(n) if a != b and hw.bps(a, b) < FAST}
+
+
+def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
+    metrics = tmp / f"{name}-{codec.replace(':', '_')}-{seed}.jsonl"
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(path), *CLUSTERS[name].layout,
+           "--compress", codec, "--model", args.model, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", "4", "--lr", str(args.lr),
-           "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
+           "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics),
+           "--run-dir", str(tmp / f"run-{name}")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{codec}: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"{name} {codec} seed {seed}: {proc.stderr[-2000:]}")
     rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
-    slow = [k for k in rec[0]["bytes"]]  # the only links of this two-device cluster cross the slow link
-    per_step = [sum(r["bytes"].get(k, 0) for k in slow) for r in rec]
+    slow = slow_links(path)
+    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in rec]
+    ratios = {k: [r["ratios"][k] for r in rec] for k in rec[0].get("ratios", {}) if k in slow}
     return {
-        "codec": codec, "seed": seed, "final_val_loss": rec[-1]["val_loss"], "final_train_loss": sum(r["loss"] for r in rec[-10:]) / 10,
-        "bytes_per_step_slow_link": sum(per_step) / len(per_step), "wall_s": rec[-1]["elapsed_s"],
-        "tokens_per_s": rec[-1]["tokens_per_s"],
+        "cluster": name, "codec": codec, "seed": seed, "final_val_loss": rec[-1]["val_loss"],
+        "bytes_per_step_slow": sum(per_step) / len(per_step), "wall_s": rec[-1]["elapsed_s"], "tokens_per_s": rec[-1]["tokens_per_s"],
         "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in rec if "val_loss" in r],
-        "train_curve": [(r["step"], r["elapsed_s"], r["loss"]) for r in rec],
-        "ratios_last": rec[-1].get("ratios", {}),
+        # per slow link: the byte target's range over the run and how often it changed
+        "ratios": {k: {"min": min(v), "max": max(v), "last": v[-1], "changes": sum(a != b for a, b in zip(v, v[1:], strict=False))}
+                   for k, v in ratios.items()},
     }
+
+
+def mean_row(name: str, codec: str, runs: list[dict]) -> dict:
+    def avg(key: str) -> float:
+        return sum(r[key] for r in runs) / len(runs)
+
+    return {"cluster": name, "codec": codec, "final_val_loss": avg("final_val_loss"), "bytes_per_step_slow": avg("bytes_per_step_slow"),
+            "tokens_per_s": avg("tokens_per_s"), "wall_s": avg("wall_s"), "per_seed_val_loss": [r["final_val_loss"] for r in runs],
+            "ratios": runs[-1]["ratios"]}
+
+
+def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
+    seeds = sorted({r["seed"] for r in runs})
+    lines = [f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}, 4 micro-batches, lr {args.lr}; validation loss on "
+             f"the same {args.eval_batches} held-out batches; mean of seeds {', '.join(map(str, seeds))} (per seed in the last column). "
+             "Slow links: every link under 1 Gbit/s. Speed-up: tokens/s against `none` on the same cluster and plan.", "",
+             "| cluster | codec | final val loss | vs none | slow-link bytes/step | fewer bytes | tokens/s | speed-up | per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((b for b in rows if b["cluster"] == r["cluster"] and b["codec"] == "none"), r)
+        fewer = base["bytes_per_step_slow"] / r["bytes_per_step_slow"] if r["bytes_per_step_slow"] else float("nan")
+        lines.append(f"| {r['cluster']} | {r['codec']} | {r['final_val_loss']:.4f} | {r['final_val_loss'] / base['final_val_loss'] - 1:+.1%} | "
+                     f"{r['bytes_per_step_slow'] / 1e3:.1f} kB | {fewer:.1f}x | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                     f"{', '.join(f'{v:.4f}' for v in r['per_seed_val_loss'])} |")
+    lines += ["", "AdaTopK's byte target per slow link over the run (last seed: min-max, changes between steps):", ""]
+    for r in rows:
+        if r["codec"] == "adatopk":
+            parts = [f"{k} {v['min']:g}-{v['max']:g} ({v['changes']})" for k, v in sorted(r["ratios"].items())]
+            lines.append(f"- {r['cluster']}: {', '.join(parts) or 'no slow link carried traffic'}")
+    lines += ["", "Clusters:", ""] + [f"- {n}: {CLUSTERS[n].what}" for n in dict.fromkeys(r["cluster"] for r in rows) if n in CLUSTERS]
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--cluster", default="slow-link")
+    ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -61,61 +171,55 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--codecs", nargs="*", default=CODECS)
+    ap.add_argument("--codecs", nargs="+", default=["none", "adatopk"])
+    ap.add_argument("--fresh", action="store_true", help="do not merge with the clusters already in convergence.json")
     args = ap.parse_args()
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="fusion-conv-") as tmp:
-        for seed in args.seeds:
-            for codec in args.codecs:
-                runs.append(run(codec, seed, args, Path(tmp)))
-                r = runs[-1]
-                print(f"seed {seed} {codec}: val {r['final_val_loss']:.4f}, {r['bytes_per_step_slow_link'] / 1e3:.1f} kB/step on the slow link, {r['wall_s']:.0f} s", flush=True)
-    rows = [_mean(codec, [r for r in runs if r["codec"] == codec]) for codec in args.codecs]
-    base = next((r for r in rows if r["codec"] == "none"), rows[0])
-    seeds = " and ".join(str(s) for s in args.seeds)
-    table = [f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}, two stages across an 8 Mbit/s link "
-             f"({args.cluster}.toml); validation loss on the same {args.eval_batches} held-out batches; mean of seeds {seeds} "
-             "(per seed in the last column).", "",
-             "| codec | final val loss | vs none | bytes/step on the slow link | fewer bytes | train wall (s) | tokens/s | per seed |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        per_seed = ", ".join(f"{v:.4f}" for v in r["per_seed_val_loss"])
-        table.append(f"| {r['codec']} | {r['final_val_loss']:.4f} | {r['final_val_loss'] / base['final_val_loss'] - 1:+.1%} | "
-                     f"{r['bytes_per_step_slow_link'] / 1e3:.1f} kB | {base['bytes_per_step_slow_link'] / r['bytes_per_step_slow_link']:.1f}x | "
-                     f"{r['wall_s']:.0f} | {r['tokens_per_s']:.0f} | {per_seed} |")
-    write(args.out, "convergence", {"mean": rows, "runs": runs}, table, {"args": {k: v for k, v in vars(args).items() if k != "out"}})
-    _plot([r for r in runs if r["seed"] == args.seeds[0]], args.out)
+    runs: list[dict] = []
+    old = args.out / "convergence.json"
+    if old.exists() and not args.fresh:
+        doc = json.loads(old.read_text())
+        if isinstance(doc.get("results"), dict) and "runs" in doc["results"]:
+            runs = [r for r in doc["results"]["runs"] if "cluster" in r and r["cluster"] not in args.clusters]
+    with tempfile.TemporaryDirectory(prefix="fusion-conv-") as tmpdir:
+        tmp = Path(tmpdir)
+        for name in args.clusters:
+            path = tmp / f"{name}.toml"
+            path.write_text(cluster_text(CLUSTERS[name]))
+            for seed in args.seeds:
+                for codec in args.codecs:
+                    runs.append(run(name, path, codec, seed, args, tmp))
+                    r = runs[-1]
+                    print(f"[{name}] seed {seed} {codec}: val {r['final_val_loss']:.4f}, {r['tokens_per_s']:.0f} tokens/s, "
+                          f"{r['bytes_per_step_slow'] / 1e3:.1f} kB/step on slow links, ratios {r['ratios']}", flush=True)
+    order = list(dict.fromkeys([*[n for n in CLUSTERS if any(r["cluster"] == n for r in runs)]]))
+    codecs = list(dict.fromkeys(r["codec"] for r in runs))
+    rows = [mean_row(n, c, [r for r in runs if r["cluster"] == n and r["codec"] == c]) for n in order for c in codecs
+            if any(r["cluster"] == n and r["codec"] == c for r in runs)]
+    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args),
+          {"args": {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}, "clusters": {n: cluster_text(CLUSTERS[n]) for n in order}})
+    _plot(runs, order, args.out)
     return 0
 
 
-def _mean(codec: str, runs: list[dict]) -> dict:
-    def avg(key: str) -> float:
-        return sum(r[key] for r in runs) / len(runs)
-
-    return {
-        "codec": codec, "final_val_loss": avg("final_val_loss"), "final_train_loss": avg("final_train_loss"),
-        "bytes_per_step_slow_link": avg("bytes_per_step_slow_link"), "wall_s": avg("wall_s"), "tokens_per_s": avg("tokens_per_s"),
-        "per_seed_val_loss": [r["final_val_loss"] for r in runs], "ratios_last": runs[-1]["ratios_last"],
-    }
-
-
-def _plot(rows: list[dict], out: Path) -> None:
+def _plot(runs: list[dict], order: list[str], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, x_index, xlabel in (("convergence_loss_step.png", 0, "step"), ("convergence_loss_time.png", 1, "wall time (s)")):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for r in rows:
-            ax.plot([p[x_index] for p in r["val_curve"]], [p[2] for p in r["val_curve"]], marker="o", ms=3, label=r["codec"])
-        ax.set_xlabel(xlabel)
+    fig, axes = plt.subplots(1, len(order), figsize=(4.2 * len(order), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], order, strict=True):
+        for r in runs:
+            if r["cluster"] == name:
+                ax.plot([p[1] for p in r["val_curve"]], [p[2] for p in r["val_curve"]], marker="o", ms=2,
+                        ls="-" if r["codec"] == "adatopk" else "--", label=f"{r['codec']} s{r['seed']}")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("training time (s)")
         ax.set_ylabel("validation loss")
-        ax.set_title(f"training over an 8 Mbit/s link (seed {rows[0]['seed']})")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def train(
         tls = _tls_args(tls_cert, tls_key, tls_ca)
         args += tls
         if cluster.endswith(".toml"):
-            args += ["--scheduler", scheduler or "opfence"]
+            args += [] if replicas and not scheduler else ["--scheduler", scheduler or "opfence"]  # --replicas: a plan by hand
             args += [] if probe_links else ["--hardware", cluster]
             raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
         args += ["--scheduler", scheduler] if scheduler else []

@@ -88,14 +88,14 @@ def link_policy(plan: Plan, cost: CostModel, req: Request) -> LinkPolicy:
 
 def adatopk_policy(plan: Plan, cost: CostModel, req: Request) -> tuple[LinkPolicy, CostModel]:
     """The plan's link policy, checked on the whole plan by the simulator: when the step it predicts
-    with the policy's codecs (their CPU time on each sender and receiver included) is not shorter
-    than without, every link stays raw. Returns the policy and the cost model that counts its codecs."""
+    with the policy's codecs (their CPU time on each sender and receiver included) is longer than
+    without, every link stays raw. Returns the policy and the cost model that counts its codecs."""
     policy = link_policy(plan, cost, req)
     ratios = {link: t for link, t in policy.ratios().items() if t < 1.0}
     if not ratios:
         return policy, cost
     judged = replace(cost, ratios=ratios)
-    if _predict(plan, judged, req) >= _predict(plan, cost, req):
+    if _predict(plan, judged, req) > _predict(plan, cost, req):  # (the simulator runs all-reduces raw: equal there is the policy's call)
         policy.keep_none()
         return policy, cost
     return policy, judged
