@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """End to end: fusionllm against torch.distributed.pipelining, in the same emulated network.
 
-For each cluster file, one testbed (network namespaces, tc rate limits, CPU quotas) is brought up
+For each cluster file (or random cluster, ``random:SEED``), one testbed (network namespaces, tc rate limits, CPU quotas) is brought up
 and four systems train the same model on the same data, batch, sequence length and seed, one after
 the other, in the same namespaces and on the same links:
 
@@ -18,7 +18,7 @@ counts them (packet headers included, the same counter for every system), and th
 predicted step time next to the measured one. Writes e2e.json, e2e.md, e2e_tokens.png and
 e2e_loss_time.png. Needs root (the testbed).
 
-    python benchmarks/e2e.py [--quick] [--clusters three-sites uniform] [--steps 120]
+    python benchmarks/e2e.py [--quick] [--clusters three-sites uniform random:12] [--steps 120] [--merge]
 """
 
 from __future__ import annotations
@@ -107,8 +107,22 @@ def summarize(name: str, rec: list[dict], args: argparse.Namespace, predicted: f
     }
 
 
+RANDOM_SHAPE = {"kind": "cpu", "sites": (3, 3), "devices": (4, 4), "latency": False}  # `random:SEED`: four devices in three sites
+
+
+def cluster_path(name: str, tmp: Path) -> Path:
+    """examples/clusters/NAME.toml, or for ``random:SEED`` a random CPU cluster written to ``tmp``."""
+    if not name.startswith("random:"):
+        return ROOT / "examples" / "clusters" / f"{name}.toml"
+    from fusionllm.cluster.random import ClusterShape, random_cluster_toml
+
+    path = tmp / f"random-{name.split(':', 1)[1]}.toml"
+    path.write_text(random_cluster_toml(int(name.split(":", 1)[1]), ClusterShape(**RANDOM_SHAPE)))
+    return path
+
+
 def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
-    path = ROOT / "examples" / "clusters" / f"{name}.toml"
+    path = cluster_path(name, tmp)
     spec = load_cluster(path)
     rows = []
     with Testbed(spec) as tb:
@@ -127,11 +141,16 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 run_fusion(tb, path, SYSTEMS[system], args, metrics, tmp / f"{name}-{system}")
                 predicted = None
             after = tb.link_bytes()
-            rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+            lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+            rec = [r for r in lines if "step" in r]
+            plan_event = next((r for r in lines if r.get("event") == "plan"), None)
             if predicted is None:
                 predicted = rec[0].get("predicted_step_s")
             sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             row = {"cluster": name, **summarize(system, rec, args, predicted, sent)}
+            if plan_event is not None:
+                row["plan"] = json.dumps({k: plan_event.get(k) for k in ("stages", "micro_batches", "schedule")}, sort_keys=True)
+                row["ratios"] = rec[-1].get("ratios", {})
             rows.append(row)
             print(f"[{name}] {system}: {row['tokens_per_s']:.0f} tokens/s, val {row['final_val_loss']:.3f}, "
                   f"predicted {row['predicted_step_s']} s vs {row['median_step_s']} s", flush=True)
@@ -162,6 +181,14 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines.append("")
     for c in clusters:
         lines.append(f"{c}: target validation loss {next(r for r in rows if r['cluster'] == c)['target_val_loss']:.3f} (the highest final one).")
+    lines += ["", "OP-Fence + AdaTopK against OP-Fence alone (tokens/s; AdaTopK must never lose):", ""]
+    for c in clusters:
+        alone = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence"), None)
+        ada = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence+adatopk"), None)
+        if alone and ada:
+            ratio = ada["tokens_per_s"] / alone["tokens_per_s"]
+            lines.append(f"- {c}: {ratio:.2f}x ({ada['tokens_per_s']:.0f} vs {alone['tokens_per_s']:.0f}; plans {'the same' if ada['plan'] == alone['plan'] else 'different'}; "
+                         f"{sum(ada['link_bytes'].values()) / 1e6:.1f} vs {sum(alone['link_bytes'].values()) / 1e6:.1f} MB sent)")
     return lines
 
 
@@ -169,7 +196,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a reduced run (fewer steps) for a check in a few minutes")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform"])
+    ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform", "random:12", "random:7"],
+                    help="names in examples/clusters, or random:SEED (four CPU devices in three sites)")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of the existing e2e.json not run this time")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=120)
@@ -188,9 +217,14 @@ def main() -> int:
         args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = 24, 8, 2, 8, 3
         args.out = args.out / "quick" if args.out == ROOT / "benchmarks" / "results" else args.out
     rows = []
+    old = args.out / "e2e.json"
+    if args.merge and old.exists():  # keep the clusters not run this time (each cluster can be its own run)
+        rows = [r for r in json.loads(old.read_text())["results"] if r["cluster"] not in args.clusters or r["system"] not in args.systems]
     with tempfile.TemporaryDirectory(prefix="fusion-e2e-") as tmpdir:
         for name in args.clusters:
             rows += bench_cluster(name, args, Path(tmpdir))
+    order = {c: i for i, c in enumerate(dict.fromkeys(r["cluster"] for r in rows))}
+    rows.sort(key=lambda r: (order[r["cluster"]], list(SYSTEMS).index(r["system"])))
     write(args.out, "e2e", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
     _plot(rows, args.out)
     return 0
