@@ -21,9 +21,9 @@ def _leftovers() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes():
+def no_leftover_processes(tmp: Path):
     yield
-    left = _leftovers()
+    left = [line for line in _leftovers() if str(tmp) in line]  # only this module's run directory (the machine is shared)
     for line in left:
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"fusionllm processes left running: {left}"
@@ -141,23 +141,26 @@ def test_ctrl_c_stops_every_process(tmp: Path) -> None:
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
     proc.wait(timeout=60)
     time.sleep(1)
-    assert _leftovers() == []
+    assert [line for line in _leftovers() if str(run_dir) in line] == []  # ours only: the machine is shared
 
 
 def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:
     token = tmp / "t.token"
     token.write_text("c" * 64)
+    metrics = tmp / "dies.jsonl"
     port = 20001 + os.getpid() % 20000
     coord = subprocess.Popen(
         [*BASE, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--workers", "2", "--model", "gpt-nano",
-         "--steps", "100000", "--batch-size", "8", "--seq-len", "16"],
+         "--steps", "100000", "--batch-size", "8", "--seq-len", "16", "--metrics", str(metrics), "--eval-every", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     workers = [
         subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    time.sleep(12)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and '"step"' in metrics.read_text()):
+        time.sleep(0.5)  # wait until it trains (a fixed sleep lost the race on a busy machine)
     coord.kill()
     coord.wait()
     for w in workers:
