@@ -75,3 +75,25 @@ def test_trace_writes_the_opgraph(tmp_path: Path) -> None:
 
     graph = OpGraph.from_json(out.read_text())
     assert graph.num_params() > 1.4e9
+
+
+def test_plan_json_counts_candidates_and_is_repeatable(tmp_path: Path) -> None:
+    """`plan --json` on a random cluster file: the candidates OP-Fence judged (bounded by
+    --plan-candidates), and the same plan twice."""
+    import json
+
+    from fusionllm.cli.main import DEFAULT_PLAN_CANDIDATES
+    from fusionllm.cluster.random import ClusterShape, random_cluster_toml
+    from fusionllm.schedule.schedulers import DEFAULT_CANDIDATES
+
+    assert DEFAULT_PLAN_CANDIDATES == DEFAULT_CANDIDATES
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(random_cluster_toml(21, ClusterShape(devices=(6, 12))))
+    outs = []
+    for _ in range(2):
+        proc = run("plan", "--cluster", str(cluster), "--model", "gpt-nano", "--seq-len", "64", "--plan-candidates", "3", "--json")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout))
+    first, second = outs
+    assert 1 <= first["candidates"]["judged"] <= 3 <= first["candidates"]["ranked"]
+    assert first["plan"]["stages"] == second["plan"]["stages"] and first["micro_batches"] == second["micro_batches"]
