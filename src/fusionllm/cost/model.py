@@ -38,11 +38,17 @@ class CostModel:
     work: dict[str, OpWork]
     hw: Hardware
     gpu_efficiency: float = 0.4  # achieved / peak for transformer blocks on accelerators
-    op_overhead_s: float = 2e-5  # dispatch of one op
-    action_overhead_s: float = 1e-3  # one compute action in the worker's loop (thread hand-off, dispatch, autograd set-up); fitted to testbed step times
+    op_overhead_s: float = 2e-5  # dispatch of one op (an op measured at one micro-batch size only)
+    # The per-micro-batch and per-step CPU of the runtime, measured as CPU seconds per step of each
+    # testbed worker (/proc/PID/stat) against the micro-batch count, on a model whose ops cost next
+    # to nothing (gpt-nano, batch 16 x 8, uniform cluster, M = 1, 4, 16; docs/scheduler.md):
+    # 5.8 ms per micro-batch on a middle stage (2 compute actions, 4 message ends), 3.3 ms on the
+    # first stage and 2.7 ms on the last (2 actions, 2 message ends), about 5 ms per step.
+    action_overhead_s: float = 4e-4  # one compute action beyond its ops: thread hand-off, feeds, outputs
     message_overhead_s: float = 2e-4  # one tensor message on the wire (stream set-up, wake-ups)
-    message_cpu_s: float = 1e-4  # CPU time one message costs its sender, and again its receiver (the TCP data plane)
+    message_cpu_s: float = 1e-3  # CPU one message costs its sender, and again its receiver: asyncio task, framing, the data plane, the inbox
     cpu_bytes_per_s: float = 2e9  # copying a tensor into the socket (sender) or out of it into a tensor (receiver)
+    step_cpu_s: float = 5e-3  # a worker's CPU per step outside its actions: the Step call and reply, the norm reduction
     encode_bytes_per_s: float = 2.5e8  # a codec encoding float32 input (entropy-coded quantisation: 190-320 MB/s measured)
     decode_bytes_per_s: float = 8e8  # and decoding it (750-1000 MB/s measured)
     step_overhead_s: float = 6e-3  # the coordinator's Step round trip and the norm reduction
@@ -132,9 +138,12 @@ class CostModel:
         return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) for a, b in ring)
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
+        """What a worker's STEP action costs it: AdamW over its parameters and, on a CPU device, the
+        step's own work (``step_cpu_s``: the Step call, the norm reduction, the reply; the
+        coordinator's round trip is ``step_overhead_s``, wall time)."""
         if device.flops:
             return param_bytes / 1e11  # memory bound on an accelerator
-        return param_bytes / self.optimizer_bytes_per_s
+        return param_bytes / self.optimizer_bytes_per_s + self.step_cpu_s
 
     def codec_cpu_seconds(self, nbytes: float, src: int, dst: int, *, sender: bool) -> float:
         """CPU time of the link's codec on a message of ``nbytes`` raw bytes (0 on an uncompressed link)."""
@@ -143,8 +152,9 @@ class CostModel:
         return nbytes / (self.encode_bytes_per_s if sender else self.decode_bytes_per_s)
 
     def message_cpu_seconds(self, nbytes: float) -> float:
-        """CPU time one end spends on a message (measured on the data plane: 0.13 ms for both ends of a
-        small one, 0.25 ms for 256 KiB, 0.73 ms for 1 MiB)."""
+        """CPU time one end spends on a message: the runtime's fixed part (``message_cpu_s``, measured
+        in the workers) and the copies (the data plane alone: 0.13 ms for both ends of a small
+        message, 0.25 ms for 256 KiB, 0.73 ms for 1 MiB)."""
         return self.message_cpu_s + nbytes / self.cpu_bytes_per_s
 
     # ---- memory ------------------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 FLOPs: each op runs alone on meta tensors shaped like its inputs, under torch's
 ``FlopCounterMode``, forward then backward; nothing is allocated and the counts are those of the
 kernels the op really calls. Times: each op runs on real tensors on the reference device (one CPU
-thread by default), forward and backward, the fastest of a few repetitions after a warm-up (on a
-shared machine the other processes only ever add time: the median of 3 measured a gpt-micro block's
-forward 3.5x too slow while the workers were starting). Ops with the same kind, config and input
-shapes are counted and timed once; times are cached on disk per device and signature
-(``~/.cache/fusionllm/calibration.json``).
+thread by default), forward and backward: the median CPU time of the calling thread (torch runs
+CPU kernels and autograd there with one thread) over up to 20 repetitions after a warm-up. CPU
+time, not wall time: on a shared machine another process's time slices would land in a wall-clock
+measurement (the median wall time of 3 measured a gpt-micro block's forward 3.5x too slow while the
+workers were starting); the median, not the fastest run: a worker's ops run with its caches shared
+with other processes, and a block's fastest run here is 20-40% below its typical one (12.3 ms,
+against a median 15.3 ms alone and 17.5 ms with three other processes computing). Ops with the same
+kind, config and input shapes are counted and timed once; times are cached on disk per device and
+signature (``~/.cache/fusionllm/calibration.json``).
 
 An op's time is not proportional to its micro-batch: part of it (Python dispatch, autograd
 book-keeping, kernel launches, loops over the parameters) is the same for one sequence as for
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,7 +42,7 @@ from fusionllm.runtime.executor import StageExecutor
 from fusionllm.runtime.tensors import torch_dtype
 
 CACHE = Path(os.environ.get("FUSIONLLM_CACHE", Path.home() / ".cache" / "fusionllm")) / "calibration.json"
-CACHE_VERSION = "min"  # times taken as the fastest repetition (older entries, medians, are not reused)
+CACHE_VERSION = "cpu-median"  # CPU time, the median of up to 20 runs (older entries, wall time of 3, are not reused)
 TIME_BUDGET_S = 1.0  # per op and micro-batch size: fewer repetitions for ops slower than this allows
 
 
@@ -76,24 +81,26 @@ def _count(graph: OpGraph, node: Node, source: SourceProvider | None) -> tuple[f
 
 
 def _time(graph: OpGraph, node: Node, source: SourceProvider | None, device: str, reps: int) -> tuple[float, float]:
-    """Forward and backward seconds: the fastest of ``reps`` runs after a warm-up run."""
+    """Forward and backward seconds: the median CPU time of this thread over ``reps`` runs after a
+    warm-up run (on an accelerator, wall time)."""
+    clock = time.perf_counter if device != "cpu" else time.thread_time
     ex = _executor(graph, node, device, source)
     fwd_t, bwd_t = [], []
     started = time.perf_counter()
     for rep in range(reps + 1):
         feeds = _inputs(graph, node, device)
-        t0 = time.perf_counter()
+        t0 = clock()
         out = ex.forward(rep, feeds)
-        t1 = time.perf_counter()
+        t1 = clock()
         ex.backward(rep, _grads(graph, out))
-        t2 = time.perf_counter()
+        t2 = clock()
         ex.release(rep)
         if rep:  # the first run warms up
             fwd_t.append(t1 - t0)
             bwd_t.append(t2 - t1)
-            if time.perf_counter() - started > TIME_BUDGET_S:
+            if time.perf_counter() - started > TIME_BUDGET_S and rep >= 3:
                 break
-    return min(fwd_t), min(bwd_t)
+    return statistics.median(fwd_t), statistics.median(bwd_t)
 
 
 def traced_batch(graph: OpGraph) -> int:

@@ -5,7 +5,8 @@ function the runtime uses). ``F``/``B`` take the cost model's compute time; on a
 they run at full speed until the cgroup's quota of the current 100 ms period is spent, then wait for
 the next period, as the kernel's CFS bandwidth control does. ``SEND_*`` queue each tensor on the
 directed link (one transfer at a time per link); ``RECV_*`` wait for arrival; ``REDUCE`` is a ring
-all-reduce among the workers sharing gradients; ``STEP`` is the global norm barrier plus AdamW.
+all-reduce among the workers sharing gradients; ``STEP`` is the global norm barrier plus AdamW and
+the step's own CPU on each worker (``CostModel.optimizer_seconds``).
 """
 
 from __future__ import annotations
