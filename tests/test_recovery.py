@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,8 +146,12 @@ def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: P
         assert port
         _wait_steps(out, 3, proc)
         spare = subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(run_dir / "token")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(3)  # registered and heart-beating
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "FUSIONLLM_LOGLEVEL": "INFO"})
+        joined = ""
+        while "joined" not in joined and spare.stderr:  # registered (a fixed sleep lost this race on a busy machine)
+            joined = spare.stderr.readline()
+            assert joined or spare.poll() is None, "the spare exited before it joined"
+        threading.Thread(target=spare.stderr.read, daemon=True).start()  # keep its pipe drained
         assert proc.poll() is None
         os.kill(_pids(f"worker .*{run_dir}/token .*--rank 1 ")[0], signal.SIGKILL)
         text, _ = proc.communicate(timeout=300)
