@@ -156,6 +156,16 @@ def predict(model: str, cluster: Path, args: argparse.Namespace, traced_m: int, 
     return simulate(Plan(stages, ran["schedule"], ran["micro_batches"]), cost, req).step_time_s
 
 
+def quieter(new: dict, earlier: list[dict]) -> dict:
+    """Of a row measured again (--merge), the run during which other processes used the least CPU;
+    the others are listed under ``also_measured``."""
+    runs = sorted([new, *earlier], key=lambda r: r["other_cores"])
+    keep = runs[0]
+    keep["also_measured"] = [x for r in runs[1:] for x in [*r.get("also_measured", []),
+                             {"measured_s": r["measured_s"], "other_cores": r["other_cores"], "measured_at": r["measured_at"]}]]
+    return keep
+
+
 def repredict(r: dict, args: argparse.Namespace, tmp: Path) -> dict:
     """Fill in a measured row's predictions (the model's, now) and their errors."""
     path = cluster_file(r["cluster"], tmp)
@@ -203,7 +213,8 @@ def main() -> int:
                 path = cluster_file(row.cluster, tmp)
                 before = load.wait_quiet(args.quiet_cores, args.patience)
                 got = measure(path, row, args, tmp, load)
-                results = [r for r in results if (r["cluster"], r["scheduler"], r["micro_batches_asked"]) != (row.cluster, row.scheduler, row.micro_batches)]
+                same = [r for r in results if (r["cluster"], r["scheduler"], r["micro_batches_asked"]) == (row.cluster, row.scheduler, row.micro_batches)]
+                results = [r for r in results if r not in same]
                 results.append({
                     "cluster": row.cluster, "scheduler": row.scheduler, "micro_batches_asked": row.micro_batches,
                     "micro_batches": got["plan"]["micro_batches"], "plan": got["plan"], "predicted_at_run_s": round(got["predicted"], 4),
@@ -211,6 +222,7 @@ def main() -> int:
                     "measured_steps_s": [round(x, 4) for x in got["steps"]], "coordinator_said": got["plan_line"],
                     "measured_at": time.strftime("%Y-%m-%d %H:%M"),
                 })
+                results[-1] = quieter(results[-1], same)
                 r = repredict(results[-1], args, tmp)
                 print(f"{row.cluster} {row.scheduler} M={r['micro_batches']}: predicted {r['predicted_s']:.3f} s (traced at 4: "
                       f"{r['predicted_traced_at_4_s']:.3f}), measured {r['measured_s']:.3f} s ({r['error']:+.0%}); "
@@ -243,6 +255,10 @@ def report(results: list[dict], args: argparse.Namespace) -> list[str]:
         table.append(f"| {r['cluster']} | {r['scheduler']} | {plan_text} | {r['micro_batches']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
                      f"{r['error']:+.0%} | {r['predicted_traced_at_4_s']:.3f} | {r['error_traced_at_4']:+.0%} | {r['other_cores']:.2f}{mark} | "
                      f"{req.tokens / r['measured_s']:.0f} |")
+    again = [r for r in results if r.get("also_measured")]
+    if again:
+        table += ["", f"{len(again)} rows were measured more than once (--merge); each shows the run during which other processes used the "
+                  "least CPU, the others are in the JSON (`also_measured`)."]
     quiet = [r for r in results if r["other_cores"] <= args.quiet_cores]
     worst = max(results, key=lambda r: abs(r["error"]))
     table += ["", f"Largest error: {worst['error']:+.0%} ({worst['cluster']}, {worst['scheduler']}, M={worst['micro_batches']}), over {len(results)} rows; "
