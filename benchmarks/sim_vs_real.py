@@ -157,8 +157,9 @@ def predict(model: str, cluster: Path, args: argparse.Namespace, traced_m: int, 
 
 
 def quieter(new: dict, earlier: list[dict]) -> dict:
-    """Of a row measured again (--merge), the run during which other processes used the least CPU;
-    the others are listed under ``also_measured``."""
+    """Of a row measured again (--merge) with the same plan, the run during which other processes
+    used the least CPU; the others are listed under ``also_measured``."""
+    earlier = [r for r in earlier if r["plan"] == new["plan"]]  # a plan chosen anew (OP-Fence, a new model) replaces the old runs
     runs = sorted([new, *earlier], key=lambda r: r["other_cores"])
     keep = runs[0]
     keep["also_measured"] = [x for r in runs[1:] for x in [*r.get("also_measured", []),
