@@ -314,7 +314,10 @@ def _infinite_links(cost: CostModel):  # noqa: ANN202
 
 
 def _knobs(cost: CostModel) -> dict:
-    return {k: getattr(cost, k) for k in ("gpu_efficiency", "op_overhead_s", "action_overhead_s", "message_overhead_s", "message_cpu_s", "cpu_bytes_per_s", "step_overhead_s", "optimizer_bytes_per_s")}
+    """Every constant of the cost model (a knob added later is carried over too)."""
+    from dataclasses import fields
+
+    return {f.name: getattr(cost, f.name) for f in fields(cost) if f.name not in ("graph", "work", "hw", "ratios", "scale", "memo")}
 
 
 SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute}
