@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEMO_STEPS ?= 300
 
-.PHONY: demo test lint install install-dev clean
+.PHONY: demo test test-slow lint install install-dev clean
 
 # Reuse a torch the system Python already has (venv with system site-packages); otherwise pin 2.13.0,
 # which on the development machines installs the CPU build that lies on disk.
@@ -38,6 +38,10 @@ lint: $(VENV)/.installed-dev
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest
+
+# The slow tier: real worker processes on small random clusters, against one process (a few minutes).
+test-slow: $(VENV)/.installed-dev
+	$(PY) -m pytest -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
