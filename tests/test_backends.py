@@ -95,15 +95,16 @@ def test_both_backends_pack_the_same_safetensors_bytes() -> None:
 COMMON = ["--batch-size", "8", "--seed", "1", "--eval-every", "0"]
 
 
-def _leftovers() -> list[str]:
-    out = subprocess.run(["pgrep", "-fa", "fusionllm (worker|coordinator)"], capture_output=True, text=True).stdout
+def _leftovers(root: Path) -> list[str]:
+    """fusionllm workers and coordinators started under ``root`` (this test's run directory) only."""
+    out = subprocess.run(["pgrep", "-fa", f"fusionllm (worker|coordinator) .*{re.escape(str(root))}"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.strip()]
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes(tmp_path: Path):
     yield
-    left = [line for line in _leftovers() if str(tmp_path) in line]  # only this test's (the machine is shared)
+    left = _leftovers(tmp_path)  # only this test's (the machine is shared)
     for line in left:
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"fusionllm processes left running: {left}"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,15 +16,16 @@ BASE = [sys.executable, "-m", "fusionllm"]
 COMMON = ["--steps", "6", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
 
 
-def _leftovers() -> list[str]:
-    out = subprocess.run(["pgrep", "-fa", "fusionllm (worker|coordinator)"], capture_output=True, text=True).stdout
+def _leftovers(root: Path) -> list[str]:
+    """fusionllm workers and coordinators started under ``root`` (this test's run directory) only."""
+    out = subprocess.run(["pgrep", "-fa", f"fusionllm (worker|coordinator) .*{re.escape(str(root))}"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.strip()]
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes(tmp: Path):
     yield
-    left = [line for line in _leftovers() if str(tmp) in line]  # only this module's run directory (the machine is shared)
+    left = _leftovers(tmp)  # only this module's run directory (the machine is shared)
     for line in left:
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"fusionllm processes left running: {left}"
@@ -136,12 +138,12 @@ def test_ctrl_c_stops_every_process(tmp: Path) -> None:
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.5)  # wait until it trains
-    mine = [line for line in _leftovers() if str(run_dir) in line]
+    mine = _leftovers(run_dir)
     assert len(mine) == 3  # coordinator and two workers
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
     proc.wait(timeout=60)
     time.sleep(1)
-    assert [line for line in _leftovers() if str(run_dir) in line] == []  # ours only: the machine is shared
+    assert _leftovers(run_dir) == []  # ours only: the machine is shared
 
 
 def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:

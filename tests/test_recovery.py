@@ -34,6 +34,8 @@ def _wait_steps(path: Path, n: int, proc: subprocess.Popen, timeout: float = 300
 
 
 def _pids(pattern: str) -> list[int]:
+    """PIDs whose command line matches ``pattern``; callers put their own run directory in it."""
+    assert "/token" in pattern, "match only this test's processes: put its run directory in the pattern"
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 

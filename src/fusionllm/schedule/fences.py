@@ -16,10 +16,6 @@ import math
 from fusionllm.cluster.hardware import Hardware
 
 
-def _sym_bw(hw: Hardware, i: int, j: int) -> float:
-    return min(hw.bps(i, j), hw.bps(j, i))
-
-
 def find_fences(hw: Hardware, *, min_gap: float = 2.0) -> list[list[int]]:
     import numpy as np
 

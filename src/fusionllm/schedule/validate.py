@@ -94,14 +94,6 @@ def compute_orders(plan: Plan) -> dict[int, list[Action]]:
     return out
 
 
-def is_valid(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req: Request | None = None) -> bool:
-    try:
-        validate_plan(graph, plan, cost, req)
-    except InvalidPlan:
-        return False
-    return True
-
-
 # ---- 1. stages --------------------------------------------------------------------------------
 def _check_stages(graph: OpGraph, plan: Plan) -> None:
     seen: dict[str, int] = {}
