@@ -155,3 +155,26 @@ def test_plan_policy_covers_every_link_and_direction(rate: str, tmp_path: Path) 
     else:
         assert all(r == 1.0 for r in ratios.values()) and judged is cost
     assert all(math.isfinite(v) for v in policy.compute_s.values())
+
+
+def test_a_shaper_burst_does_not_send_a_slowed_link_back_to_a_light_codec() -> None:
+    """Why it can fail: a token-bucket shaper passes messages smaller than its bucket at line rate
+    while it refills between them. Judged by those, a link slowed to 2 Mbit/s looked fast again under
+    a hard codec, the policy went back to the light one, whose larger messages then crawled: the codec
+    went back and forth every few steps (CI, 2026-12-01). A lighter codec must be judged by the rate
+    its own message size showed."""
+    link = (1, 2)
+    policy = _policy(20e6)
+    bucket, slow = 8_000.0, 2e6
+
+    def busy(wire: float) -> float:  # per message: free up to the bucket, the rest at the slow rate
+        per = wire / MESSAGES
+        return MESSAGES * (2e-4 + max(0.0, per - bucket) * 8 / slow + min(per, bucket) * 8 / 1e9)
+
+    targets = []
+    for _ in range(60):
+        wire = max(policy.byte_target(link), FLOOR) * RAW
+        policy.observe(link, wire, busy(wire), MESSAGES)
+        targets.append(policy.byte_target(link))
+    assert targets[-1] < 0.5
+    assert len(set(targets[-30:])) == 1, targets  # settled, not oscillating
