@@ -58,6 +58,7 @@ class WorkerConfig:
     probe_seconds: float = 1.0  # the device probe (achieved matmul FLOP/s) when joining
     backend: str = "torch"  # torch | numpy: the framework that runs the stage
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
+    handle_signals: bool = True  # SIGINT/SIGTERM stop the worker; False where it shares a process (harness.py)
 
 
 class Worker:
@@ -93,7 +94,7 @@ class Worker:
         data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
         self.data_address = f"{self._advertise_host()}:{data_port}"
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM) if self.config.handle_signals else ():
             loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
         try:
             await self._register(address, info)
