@@ -18,13 +18,16 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from fusionllm.transport.messages import pack
 
+pytestmark = pytest.mark.slow  # real processes
+
 BASE = [sys.executable, "-m", "fusionllm"]
 RUN = ["--model", "gpt-micro", "--steps", "60", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--seed", "5"]
-METHODS = ["/fusionllm.Worker/Step", "/fusionllm.Worker/GetState", "/fusionllm.Worker/Shutdown", "/fusionllm.Worker/Abort",
-           "/fusionllm.Coordinator/Register", "/fusionllm.Coordinator/Heartbeat", "/fusionllm.Coordinator/NormReduce", "/no.Such/Method"]
+METHODS = ["/fusionllm.Worker/Step", "/fusionllm.Worker/Evaluate", "/fusionllm.Worker/SaveShard", "/fusionllm.Worker/GetState", "/fusionllm.Worker/Shutdown", "/fusionllm.Worker/Abort",
+           "/fusionllm.Coordinator/Register", "/fusionllm.Coordinator/Heartbeat", "/no.Such/Method"]
 
 
 def _listening(pids: list[int]) -> list[int]:

@@ -73,10 +73,12 @@ def test_failure_grid_marks_the_failing_action() -> None:
 
 
 def test_coordinator_reports_the_grid() -> None:
-    from fusionllm.control.coordinator import Coordinator, _Run
+    from fusionllm.control.config import Run
+    from fusionllm.control.coordinator import Coordinator
+    from fusionllm.transport.control import Failure, StepDone
 
-    run = _Run(graph=None, plan=None, clients={}, actions={0: [Action(0, "F", 0), Action(0, "STEP")], 1: [Action(1, "F", 0), Action(1, "STEP")]})  # type: ignore[arg-type]
-    replies = {0: {"failed": {"worker": 0, "index": 1, "action": "0STEP", "error": "TimeoutError: waited"}}, 1: {"failed": {"worker": 1, "index": 0, "action": "1F0", "error": "GraphError: boom"}}}
+    run = Run(graph=None, plan=None, clients={}, actions={0: [Action(0, "F", 0), Action(0, "STEP")], 1: [Action(1, "F", 0), Action(1, "STEP")]})  # type: ignore[arg-type]
+    replies = {0: StepDone(failed=Failure(0, 1, "0STEP", "TimeoutError: waited")), 1: StepDone(failed=Failure(1, 0, "1F0", "GraphError: boom"))}
     with pytest.raises(FusionError) as info:
         Coordinator._check_failures(None, run, 7, replies)  # type: ignore[arg-type]
     msg = str(info.value)

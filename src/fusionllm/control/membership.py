@@ -1,4 +1,4 @@
-"""Who has joined: registration (with version checks), heartbeats, the per-step norm reduction."""
+"""Who has joined: registration (with version checks) and heartbeats."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from typing import Any
 from fusionllm import __version__
 from fusionllm.core.errors import AuthError, FusionError
 from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport.control import (
+    Heartbeat,
+    HeartbeatReply,
+    Register,
+    Registered,
+)
 
 
 @dataclass
@@ -34,8 +40,6 @@ class Membership:
         self.members: dict[int, Member] = {}
         self.state = "joining"
         self.full = asyncio.Event()
-        self._norms: dict[int, dict[int, float]] = {}
-        self._norm_done: dict[int, asyncio.Future] = {}
         self.participants: set[int] = set()
         self.spares: set[int] = set()
 
@@ -46,7 +50,8 @@ class Membership:
                 f"version mismatch: worker runs fusionllm {version} (protocol {protocol}), coordinator runs "
                 f"fusionllm {__version__} (protocol {PROTOCOL_VERSION}); install the same version on both"
             )
-        address = str(msg.get("address", ""))
+        msg = Register.from_wire(msg).to_wire()  # every field of the right type before it is kept
+        address = msg["address"]
         if ":" not in address:
             raise FusionError(f"worker address {address!r} is not HOST:PORT")
         if self.state == "running":  # a spare: taken in at the next re-plan
@@ -55,7 +60,7 @@ class Membership:
             member = Member(max(self.members, default=-1) + 1, address, dict(msg), origin=-2)
             self.members[member.id] = member
             self.spares.add(member.id)
-            return {"worker": member.id, "spare": True}
+            return Registered(member.id).to_wire()
         if self.state != "joining" or len(self.members) >= self.expected:
             raise FusionError(f"the run already has its {self.expected} workers")
         rank = msg.get("rank")
@@ -67,17 +72,18 @@ class Membership:
         self.members[member.id] = member
         if len(self.members) == self.expected:
             self.full.set()
-        return {"worker": member.id}
+        return Registered(member.id).to_wire()
 
     async def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
-        member = self.members.get(int(msg.get("worker", -1)))
-        if member is not None and msg.get("address", member.address) == member.address:
+        beat = Heartbeat.from_wire(msg)
+        member = self.members.get(beat.worker)
+        if member is not None and beat.address in ("", member.address):
             member.last_seen = time.monotonic()
         else:  # its id changed in a re-plan it has not heard of yet: find it by address
             for m in self.members.values():
-                if m.address == msg.get("address"):
+                if m.address == beat.address:
                     m.last_seen = time.monotonic()
-        return {"state": self.state}
+        return HeartbeatReply(self.state).to_wire()
 
     def stale(self, seconds: float) -> list[int]:
         """Members whose last heartbeat is older than ``seconds``."""
@@ -85,15 +91,10 @@ class Membership:
         return [m.id for m in self.members.values() if now - m.last_seen > seconds]
 
     def lose(self, ids: set[int]) -> None:
-        """Forget lost workers, and every norm reduction in progress (its step will run again)."""
+        """Forget lost workers."""
         for w in ids:
             self.members.pop(w, None)
             self.spares.discard(w)
-        for fut in self._norm_done.values():
-            if not fut.done():
-                fut.set_exception(FusionError("the step was abandoned: a worker was lost"))
-        self._norms.clear()
-        self._norm_done.clear()
 
     def renumber(self) -> dict[int, int]:
         """Ids 0..n-1 for the members (spares included), in the order of their old ids: old -> new."""
@@ -103,18 +104,3 @@ class Membership:
             m.id = new
         self.spares.clear()
         return mapping
-
-    async def norm_reduce(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Each worker's share of the squared gradient norm; answers all with the sum."""
-        step, worker, sq = int(msg["step"]), int(msg["worker"]), float(msg["sq"])
-        if worker not in self.participants:
-            raise FusionError(f"worker {worker} is not in the plan")
-        shares = self._norms.setdefault(step, {})
-        done = self._norm_done.setdefault(step, asyncio.get_running_loop().create_future())
-        shares[worker] = sq
-        if len(shares) == len(self.participants) and not done.done():
-            done.set_result(sum(shares[w] for w in sorted(shares)))
-        total = await asyncio.shield(done)
-        self._norms.pop(step - 2, None)
-        self._norm_done.pop(step - 2, None)
-        return {"total": total}

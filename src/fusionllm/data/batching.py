@@ -6,11 +6,14 @@ Every worker can therefore rebuild the same batch on its own, in any order, with
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fusionllm.core.errors import DataError
+
+if TYPE_CHECKING:  # torch only where torch tensors are asked for: a NumPy worker reads batches too
+    import torch
 
 
 class Batcher:
@@ -53,6 +56,24 @@ class Batcher:
         """Return batch ``step`` as int64 tensors ``x, y`` of shape (batch_size, seq_len)."""
         return self._gather(self.offsets(step))
 
+    def arrays(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``step`` as int64 NumPy arrays (what ``get`` returns, without torch)."""
+        return self._windows(self.offsets(step))
+
+    def eval_starts(self, max_batches: int) -> list[np.ndarray]:
+        """Window starts of the whole batches ``iter_eval`` yields (a last partial batch left out,
+        so that a pipeline of fixed-size micro-batches sees exactly the same windows)."""
+        n_windows = (len(self.tokens) - 1) // self.seq_len
+        whole = min(n_windows // self.batch_size, max_batches)
+        return [np.arange(i * self.batch_size, (i + 1) * self.batch_size) * self.seq_len for i in range(whole)]
+
+    def eval_arrays(self, index: int, max_batches: int) -> tuple[np.ndarray, np.ndarray]:
+        """Whole evaluation batch ``index`` (of ``eval_starts``) as int64 NumPy arrays."""
+        starts = self.eval_starts(max_batches)
+        if not 0 <= index < len(starts):
+            raise DataError(f"evaluation batch {index} does not exist: the validation split holds {len(starts)} whole batches")
+        return self._windows(starts[index])
+
     def iter_eval(self, max_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield up to ``max_batches`` batches of consecutive, non-overlapping windows from token 0.
 
@@ -66,8 +87,12 @@ class Batcher:
         for i in range(0, len(starts), self.batch_size):
             yield self._gather(starts[i : i + self.batch_size])
 
-    def _gather(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         windows = self.tokens[starts[:, None] + self._window].astype(np.int64)  # (B, T+1)
-        x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))  # (B, T)
-        y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))  # (B, T)
-        return x, y
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])  # (B, T) each
+
+    def _gather(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        x, y = self._windows(starts)
+        return torch.from_numpy(x), torch.from_numpy(y)

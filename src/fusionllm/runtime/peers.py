@@ -46,7 +46,7 @@ class Inbox:
     async def receive(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
         """The Push handler: read one tensor stream and file it."""
         header, array = await read_tensor(frames, max_payload=self.max_payload)
-        if header.get("kind") not in ("act", "grad", "reduce"):
+        if header.get("kind") not in ("act", "grad", "reduce", "norm"):
             raise WireError(f"unknown tensor kind {header.get('kind')!r}")
         if header.get("epoch", 0) != self.epoch:
             self.stale += 1  # in flight when its step was aborted: the step runs again under the new plan
@@ -106,7 +106,7 @@ class PeerNet:
 
     async def push(
         self, worker: int, header: dict[str, Any], array: np.ndarray | None, timeout: float, *,
-        dtype: str | None = None, encoded: tuple[str, bytes] | None = None,
+        dtype: str | None = None, encoded: tuple[str, bytes] | None = None, record: bool = True,
     ) -> None:
         """Send an array raw (``dtype``: its wire name, default the array's own; ``bfloat16`` for
         uint16 bit patterns), or the ``encoded`` form (codec tag, payload) of a float32 array."""
@@ -120,7 +120,8 @@ class PeerNet:
             meta = {"dtype": dtype or a.dtype.name, "shape": list(a.shape), "codec": "raw"}
         frames = list(tensor_frames({**header, **meta, "epoch": self.epoch}, payload))
         size = sum(len(f) for f in frames)
-        self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size
+        if record:  # a link's bytes and busy time as the training traffic makes them (not the norm's few bytes)
+            self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size
         started = time.perf_counter()
         if worker in self.data_addresses:
             if worker not in self._data:
@@ -128,7 +129,8 @@ class PeerNet:
             await self._data[worker].push(frames, timeout=timeout)
         else:
             await self.client(worker).push("Push", frames, timeout=timeout)
-        self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
+        if record:
+            self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
 
     def link_stats(self) -> dict[int, tuple[int, float, int]]:
         """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged, messages)."""

@@ -102,7 +102,11 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None) ->
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Batcher, max_batches: int) -> float:
+    """Mean loss over the whole validation batches (``Batcher.eval_starts``), as the pipeline
+    computes it; over the one partial batch only when the split holds no whole batch."""
     model.eval()
-    losses = [float(lm_loss(model(x), y)) for x, y in batches.iter_eval(max_batches)]
+    n = len(batches.eval_starts(max_batches))
+    whole = [tuple(map(torch.from_numpy, batches.eval_arrays(i, max_batches))) for i in range(n)] or list(batches.iter_eval(max_batches))
+    losses = [float(lm_loss(model(x), y)) for x, y in whole]
     model.train()
     return sum(losses) / len(losses)

@@ -4,7 +4,7 @@ The loop runs the worker's lowered action list for each step and makes no decisi
 ``F``/``B`` run the executor (in a thread, so tensors keep arriving meanwhile), ``SEND_*`` push
 tensors to the workers that run the consuming stage for that micro-batch, ``RECV_*`` wait for
 them, ``REDUCE`` ring-all-reduces gradients shared with other workers, ``STEP`` clips by the global
-gradient norm and applies AdamW.
+gradient norm (its shares gathered from every worker over the data plane) and applies AdamW.
 
 The loop knows no framework: the stage's ``StageBackend`` (``runtime/backend.py``) runs the
 executor and the optimizer in torch or in NumPy, and tensors cross the network as NumPy arrays.
@@ -31,9 +31,9 @@ from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, owners, routes, shared_groups, worker_actions
+from fusionllm.transport.control import Failure, Hyper, StepDone
 
 log = get_logger("runtime", "stage")
-NormReduce = Callable[[int, float], Awaitable[float]]
 
 
 class StepFailure(FusionError):
@@ -41,15 +41,8 @@ class StepFailure(FusionError):
         super().__init__(f"worker {worker} failed at action {index} ({action}): {error}")
         self.worker, self.index, self.action, self.error = worker, index, action, error
 
-
-@dataclass(frozen=True)
-class Hyper:
-    lr: float
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    recv_timeout: float = 600.0
-    compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
-    compress_roles: str = "act,grad,reduce"  # which traffic the codec applies to (an experiment knob)
+    def message(self) -> Failure:
+        return Failure(self.worker, self.index, str(self.action), self.error)
 
 
 @dataclass
@@ -76,14 +69,13 @@ class StageRuntime:
         hyper: Hyper,
         peers: PeerNet,
         inbox: Inbox,
-        norm_reduce: NormReduce,
         *,
         backend: Backend,
         device: str = "cpu",
         optimizer_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
-        self.peers, self.inbox, self.norm_reduce = peers, inbox, norm_reduce
+        self.peers, self.inbox = peers, inbox
         self.stage = plan.stage_of_worker(worker)
         self.routes = routes(graph, plan)
         self.edges = graph.edges()
@@ -93,6 +85,9 @@ class StageRuntime:
         self.executor = self.backend.executor
         self._groups = self._shared_groups()
         self.actions = worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
+        self.eval_actions = [a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]  # the forward-only program
+        tok, tgt = (n.outputs[0].id for n in graph.input_nodes)
+        self._batch_edges = [(e, i) for i, e in enumerate((tok, tgt)) if self.stage.index in self.routes.consumers.get(e, [])]
         if optimizer_state:
             self.backend.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
@@ -111,14 +106,16 @@ class StageRuntime:
         return {group: names for group, names, _ in shared_groups(self.graph, self.plan).get(self.worker, [])}
 
     # ---- one step --------------------------------------------------------------------------------
-    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, Any]], ratios: dict[int, float] | None = None) -> dict[str, Any]:
-        st = _StepState(step, lr, inputs)
-        if ratios is not None:
-            self.ratios = ratios
-        started = time.perf_counter()
-        for i, action in enumerate(self.actions):
+    def feeds(self, x: np.ndarray, y: np.ndarray) -> dict[int, dict[str, Any]]:
+        """This worker's micro-batches of a batch ``(x, y)``: the token or target rows its stage reads."""
+        size = x.shape[0] // self.plan.micro_batches
+        return {mb: {e: self.backend.from_host((x, y)[i][mb * size : (mb + 1) * size], self.edges[e].meta.dtype) for e, i in self._batch_edges}
+                for mb in self.plan.mbs_of(self.worker)}
+
+    async def _run(self, program: list[Action], st: _StepState) -> None:
+        for i, action in enumerate(program):
             try:
-                log.debug("w%d step %d: %s", self.worker, step, action)
+                log.debug("w%d step %d: %s", self.worker, st.step, action)
                 await _HANDLERS[action.kind](self, action, st)
             except Exception as exc:
                 for t in st.sends:
@@ -126,15 +123,36 @@ class StageRuntime:
                 for mb in range(self.plan.micro_batches):
                     self.executor.release(mb)
                 self.executor.zero_grad()
-                self.inbox.drop_step(step)
+                self.inbox.drop_step(st.step)
                 raise StepFailure(self.worker, i, action, f"{type(exc).__name__}: {exc}") from exc
-        return {
-            "losses": {str(k): v for k, v in st.losses.items()},
-            "grad_norm": st.grad_norm,
-            "seconds": time.perf_counter() - started,
-            "bytes_to": {str(k): v for k, v in self.peers.bytes_to.items()},
-            "link_stats": {str(k): list(v) for k, v in self.peers.link_stats().items()},
-        }
+
+    async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, Any]], ratios: dict[int, float] | None = None) -> StepDone:
+        st = _StepState(step, lr, inputs)
+        if ratios is not None:
+            self.ratios = ratios
+        started = time.perf_counter()
+        await self._run(self.actions, st)
+        return StepDone(
+            losses={str(k): v for k, v in st.losses.items()},
+            grad_norm=st.grad_norm,
+            seconds=time.perf_counter() - started,
+            bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
+            link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
+        )
+
+    async def run_eval(self, key: int, inputs: dict[int, dict[str, Any]]) -> dict[int, float]:
+        """The forward-only program on one validation batch (tensors tagged ``key``, a negative
+        step number no training step uses); the loss of each micro-batch whose loss this stage holds."""
+        st = _StepState(key, 0.0, inputs)
+        self.executor.train(False)
+        try:
+            await self._run(self.eval_actions, st)
+            await asyncio.gather(*st.sends)  # every activation has reached the next stage
+        finally:
+            for mb in range(self.plan.micro_batches):
+                self.executor.release(mb)
+            self.executor.train(True)
+        return st.losses
 
     # ---- compression ---------------------------------------------------------------------------------
     def _ratio(self, dst: int) -> float | None:
@@ -266,10 +284,30 @@ class StageRuntime:
     async def _step(self, a: Action, st: _StepState) -> None:
         await asyncio.gather(*st.sends)  # every tensor of this step has left
         st.sends.clear()
-        total = math.sqrt(await self.norm_reduce(st.step, self.backend.grad_sq(self.owned)))
+        total = math.sqrt(await self._norm_allgather(st, self.backend.grad_sq(self.owned)))
         st.grad_norm = total
         coef = min(1.0, self.hyper.grad_clip / (total + 1e-6)) if self.hyper.grad_clip > 0 else 1.0
         self.backend.step(coef, st.lr)
+
+    async def _norm_allgather(self, st: _StepState, sq: float) -> float:
+        """The squared global gradient norm: every worker sends its share to every other over the
+        data plane and sums all shares in worker order, so all get the same total bit for bit."""
+        others = [w for w in self.plan.workers if w != self.worker]
+        header = {"kind": "norm", "step": st.step, "mb": 0, "edge": "sq", "src": self.worker}
+        share = np.array([sq], dtype=np.float64)
+        sends = [asyncio.create_task(self.peers.push(w, header, share, self.hyper.recv_timeout, record=False)) for w in others]
+        shares = {self.worker: float(sq)}
+        try:
+            for w in others:
+                got = await self.inbox.get(("norm", st.step, 0, "sq", w), self.hyper.recv_timeout)
+                if got is None or got.shape != (1,):
+                    raise FusionError(f"worker {w} sent a malformed gradient-norm share")
+                shares[w] = float(got[0])
+            await asyncio.gather(*sends)
+        finally:
+            for t in sends:
+                t.cancel()
+        return sum(shares[w] for w in sorted(shares))
 
     # ---- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, Any]:

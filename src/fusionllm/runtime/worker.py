@@ -1,9 +1,10 @@
 """`fusionllm worker`: join a coordinator, receive a stage, train it, exit when the run ends.
 
 The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tensor pushes from
-other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats, the gradient-norm
-reduction). It exits when the coordinator says so, when the coordinator stops answering for
-``coordinator_timeout`` seconds, or on SIGINT/SIGTERM.
+other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats). It reads its own
+batches, evaluates in the pipeline and writes its stage's checkpoint shard. It exits when the
+coordinator says so, when the coordinator stops answering for ``coordinator_timeout`` seconds, or
+on SIGINT/SIGTERM.
 
 The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backend.py``);
 this module imports no framework, so a NumPy worker never loads torch. When it joins it advertises
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fusionllm import __version__
@@ -29,9 +31,29 @@ from fusionllm.core.errors import AuthError, FusionError, RemoteError, Transport
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.stage_runtime import Hyper, StageRuntime, StepFailure
+from fusionllm.runtime.shards import read_selected, stage_keep, write_shard
+from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
+from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
+from fusionllm.transport.control import (
+    Aborted,
+    Assign,
+    Assigned,
+    Evaluate,
+    Evaluated,
+    GetState,
+    Heartbeat,
+    HeartbeatReply,
+    MeasureTo,
+    Register,
+    Registered,
+    SaveShard,
+    ShardSaved,
+    StatePage,
+    Step,
+    StepDone,
+)
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
 from fusionllm.transport.stream import DataServer
@@ -39,6 +61,7 @@ from fusionllm.transport.tls import TlsFiles
 
 COORDINATOR_SERVICE = "fusionllm.Coordinator"
 MAX_WEIGHTS = 1 << 40
+PAGE = 64 << 20  # the largest page of state one GetState answers (well under the transport's message limit)
 
 
 @dataclass(frozen=True)
@@ -75,13 +98,16 @@ class Worker:
         self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token, tls=config.tls)
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
-            control={"Step": self._on_step, "Abort": self._on_abort, "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
+            control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
+                     "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
         self.data_address = ""
         self.address = ""
         self._step_task: asyncio.Task | None = None
+        self.data_source: WorkerData | None = None
+        self._state_blob: bytes | None = None
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -129,13 +155,12 @@ class Worker:
 
     async def _register(self, address: str, info: dict[str, Any]) -> None:
         b = self.backend
-        request = {
-            "version": __version__, "protocol": PROTOCOL_VERSION, "address": address, "data_address": self.data_address, "device": info,
-            "backend": b.name, "software": b.software(), "kinds": b.kinds(), "torch_loaded": "torch" in sys.modules,
-            "hostname": socket.gethostname(), "pid": os.getpid(), "threads": b.threads(),
-            "rank": self.config.rank,
-            "probe": {"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
-        }
+        request = Register(
+            version=__version__, protocol=PROTOCOL_VERSION, address=address, data_address=self.data_address, device=info,
+            backend=b.name, software=b.software(), kinds=b.kinds(), torch_loaded="torch" in sys.modules,
+            hostname=socket.gethostname(), pid=os.getpid(), threads=b.threads(), rank=self.config.rank,
+            probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
+        ).to_wire()
         deadline = time.monotonic() + self.config.join_timeout
         while True:
             try:
@@ -147,7 +172,7 @@ class Worker:
                 if time.monotonic() > deadline:
                     raise TransportError(f"could not join {self.config.join} within {self.config.join_timeout:.0f} s: {exc}") from None
                 await asyncio.sleep(0.5)
-        self.id = int(reply["worker"])
+        self.id = Registered.from_wire(reply).worker
         self.log = get_logger("worker", f"worker {self.id}")
         self.log.info("joined %s as worker %d, serving on %s", self.config.join, self.id, address)
 
@@ -156,9 +181,9 @@ class Worker:
         while not self.done.is_set():
             await asyncio.sleep(self.config.heartbeat_s)
             try:
-                reply = await self.coordinator.call("Heartbeat", {"worker": self.id, "address": self.address}, timeout=5)
+                reply = await self.coordinator.call("Heartbeat", Heartbeat(self.id or 0, self.address).to_wire(), timeout=5)
                 last_ok = time.monotonic()
-                if reply.get("state") == "finished":
+                if HeartbeatReply.from_wire(reply).state == "finished":
                     self._stop(0)
             except FusionError as exc:
                 if time.monotonic() - last_ok > self.config.coordinator_timeout:
@@ -171,9 +196,10 @@ class Worker:
 
     async def _on_measure_to(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The link probe: stream to another worker for a while, through this transport."""
-        client = RpcClient(str(msg["address"]), WORKER_SERVICE, self.config.token, tls=self.config.tls)
+        req = MeasureTo.from_wire(msg)
+        client = RpcClient(req.address, WORKER_SERVICE, self.config.token, tls=self.config.tls)
         try:
-            return await probe.measure(client, seconds=float(msg.get("seconds", 1.0)))
+            return await probe.measure(client, seconds=req.seconds)
         finally:
             await client.close()
 
@@ -184,7 +210,7 @@ class Worker:
             await self.peers.close()  # connections to a dead peer must not linger
         self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
         self.log.warning("step aborted by the coordinator")
-        return {"aborted": aborted}
+        return Aborted(aborted).to_wire()
 
     async def _abort_step(self) -> bool:
         task, self._step_task = self._step_task, None
@@ -203,67 +229,133 @@ class Worker:
         first = await anext(frames, None)
         if first is None:
             raise WireError("empty assignment")
-        msg = unpack(first)
-        nbytes = int(msg.get("nbytes", -1))
-        if not 0 <= nbytes <= MAX_WEIGHTS:
-            raise WireError(f"assignment declares {nbytes} bytes of weights")
-        buf = bytearray(nbytes)
+        msg = Assign.from_wire(unpack(first))
+        if not 0 <= msg.nbytes <= MAX_WEIGHTS:
+            raise WireError(f"assignment declares {msg.nbytes} bytes of weights")
+        buf = bytearray(msg.nbytes)
         filled = 0
         async for chunk in frames:
-            if filled + len(chunk) > nbytes:
+            if filled + len(chunk) > msg.nbytes:
                 raise WireError("assignment longer than declared")
             buf[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
-        if filled != nbytes:
-            raise WireError(f"assignment truncated: {filled} of {nbytes} bytes")
-        graph = self.backend.parse_graph(msg["graph"])
-        plan = Plan.from_json(msg["plan"])
-        tensors = self.backend.unpack(bytes(buf))
+        if filled != msg.nbytes:
+            raise WireError(f"assignment truncated: {filled} of {msg.nbytes} bytes")
+        graph = await asyncio.to_thread(self.backend.parse_graph, msg.graph)
+        plan = Plan.from_json(msg.plan)
+        blob = bytes(buf)
+        del buf
+        if msg.load is not None:  # resume and recovery: this stage's tensors from the checkpoint's shards
+            blob = await asyncio.to_thread(self._read_shards, msg.load, graph, plan, msg.worker)
+        tensors = await asyncio.to_thread(self.backend.unpack, blob) if blob else {}
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
-        data = {int(k): str(v) for k, v in msg.get("data_addresses", {}).items()}
         await self._abort_step()
         if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
             await self.peers.close()
-        epoch = int(msg.get("epoch", 0))
-        self.inbox.reset(epoch)
-        self.id = int(msg["worker"])
-        self.peers = PeerNet({int(k): v for k, v in msg["addresses"].items()}, self.config.token, data_addresses=data, tls=self.config.tls, epoch=epoch)
-        hyper = Hyper(**msg["hyper"])
+        self.inbox.reset(msg.epoch)
+        self.id = msg.worker
+        self.peers = PeerNet({int(k): v for k, v in msg.addresses.items()}, self.config.token,
+                             data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch)
         self.runtime = await asyncio.to_thread(
-            StageRuntime, graph, plan, int(msg["worker"]), params, hyper, self.peers, self.inbox, self._norm_reduce,
+            StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam,
         )
-        return {"actions": [str(a) for a in self.runtime.actions], "torch_loaded": "torch" in sys.modules}
+        self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
+        if self.data_source is None:
+            self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
+        self._state_blob = None
+        return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
-    async def _norm_reduce(self, step: int, sq: float) -> float:
-        reply = await self.coordinator.call("NormReduce", {"step": step, "worker": self.id, "sq": sq}, timeout=self.runtime.hyper.recv_timeout if self.runtime else 600)
-        return float(reply["total"])
+    def _read_shards(self, directory: str, graph: Any, plan: Plan, worker: int) -> bytes:
+        paths = sorted(Path(directory).glob("stage-*.safetensors"))
+        if not paths:
+            raise FusionError(f"checkpoint {directory} has no shards this worker can read (a directory shared by every machine is needed)")
+        stage = plan.stage_of_worker(worker)
+        names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
+        return read_selected(paths, stage_keep(names))
 
-    async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _runtime(self, what: str) -> StageRuntime:
         if self.runtime is None:
-            raise FusionError("Step before Assign")
-        stage = self.runtime.backend
-        inputs = {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in msg.get("inputs", {}).items()}
-        task: asyncio.Task | None = None
+            raise FusionError(f"{what} before Assign")
+        return self.runtime
+
+    def _fed(self, runtime: StageRuntime, inputs: dict[str, dict[str, bytes]]) -> dict[int, dict[str, Any]]:
+        stage = runtime.backend
+        return {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in inputs.items()}
+
+    async def _cancellable(self, work: Any) -> Any:
+        """Run a step's (or an evaluation's) program as a task the coordinator's Abort can cancel."""
+        task = asyncio.create_task(work)
+        self._step_task = task
         try:
-            ratios = {int(k): float(v) for k, v in msg["ratios"].items()} if "ratios" in msg else None
-            task = asyncio.create_task(self.runtime.run_step(int(msg["step"]), float(msg["lr"]), inputs, ratios))
-            self._step_task = task
             return await task
         except asyncio.CancelledError:
             me = asyncio.current_task()
-            if task is not None and task.cancelled() and not (me is not None and me.cancelling()):  # aborted by the coordinator
-                return {"aborted": True}
+            if task.cancelled() and not (me is not None and me.cancelling()):  # aborted by the coordinator
+                return None
             raise
+
+    async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
+        runtime = self._runtime("Step")
+        req = Step.from_wire(msg)
+        if req.inputs is not None:
+            inputs = self._fed(runtime, req.inputs)
+        elif self.data_source is not None:
+            inputs = await asyncio.to_thread(lambda: runtime.feeds(*self.data_source.step(req.step)))
+        else:
+            raise FusionError(f"step {req.step}: no batches (this worker reads no data and none were sent)")
+        ratios = {int(k): v for k, v in req.ratios.items()} if req.ratios is not None else None
+        try:
+            done = await self._cancellable(runtime.run_step(req.step, req.lr, inputs, ratios))
         except StepFailure as exc:
             self.log.error("%s", exc)
-            return {"failed": {"worker": exc.worker, "index": exc.index, "action": str(exc.action), "error": exc.error}}
+            return StepDone(failed=exc.message()).to_wire()
+        return (done if done is not None else StepDone(aborted=True)).to_wire()
+
+    async def _on_evaluate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Validation loss in the pipeline: the forward-only program over each validation batch."""
+        runtime = self._runtime("Evaluate")
+        req = Evaluate.from_wire(msg)
+        out = Evaluated()
+        for j in range(req.batches):
+            if req.inputs is not None:
+                inputs = self._fed(runtime, req.inputs.get(str(j), {}))
+            elif self.data_source is not None:
+                inputs = await asyncio.to_thread(lambda j=j: runtime.feeds(*self.data_source.eval_batch(j)))
+            else:
+                raise FusionError("evaluation: this worker reads no data and none was sent")
+            try:
+                losses = await self._cancellable(runtime.run_eval(-(req.at_step * 1000 + j + 1), inputs))
+            except StepFailure as exc:
+                self.log.error("evaluation: %s", exc)
+                return Evaluated(failed=exc.message()).to_wire()
+            if losses is None:
+                return Evaluated().to_wire()
+            if losses:
+                out.losses[str(j)] = {str(mb): v for mb, v in losses.items()}
+        return out.to_wire()
+
+    async def _on_save_shard(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Write this stage's weights and AdamW state into the checkpoint directory being made."""
+        runtime = self._runtime("SaveShard")
+        req = SaveShard.from_wire(msg)
+        data = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
+        path, digest = await asyncio.to_thread(write_shard, req.directory, runtime.stage.index, data)
+        return ShardSaved(str(path), len(data), digest).to_wire()
 
     async def _on_get_state(self, msg: dict[str, Any]) -> dict[str, Any]:
-        if self.runtime is None:
-            raise FusionError("GetState before Assign")
-        return {"state": await asyncio.to_thread(lambda: self.backend.pack(self.runtime.state_tensors()))}
+        """One page of the packed state: no message grows with the model (a re-plan, an export)."""
+        runtime = self._runtime("GetState")
+        req = GetState.from_wire(msg)
+        if req.offset == 0 or self._state_blob is None:
+            self._state_blob = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
+        blob = self._state_blob
+        size = max(1, min(req.size, PAGE))
+        page = blob[req.offset : req.offset + size]
+        if req.offset + size >= len(blob):
+            self._state_blob = None
+        return StatePage(page, len(blob)).to_wire()
 
 
 def run_worker(config: WorkerConfig) -> int:

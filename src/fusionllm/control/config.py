@@ -1,0 +1,85 @@
+"""The coordinator's settings and the two events that make it plan again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.actions import Action
+from fusionllm.schedule.plan import Plan
+from fusionllm.transport.rpc import RpcClient
+from fusionllm.transport.tls import TlsFiles
+
+Say = Callable[[str], None]
+OnStep = Callable[[dict], None]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    listen: str
+    token: str
+    workers: int
+    schedule: str = "1f1b"
+    micro_batches: int = 4
+    replicas: list[int] | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    join_timeout: float = 300.0
+    step_timeout: float = 600.0
+    scheduler: str | None = None  # None: the plan balanced by parameters (or --replicas)
+    hardware: str | None = None  # a cluster file to plan with; None: probe the workers
+    probe_seconds: float = 1.0
+    compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
+    compress_roles: str = "act,grad,reduce"  # which traffic --compress applies to (an experiment knob: --compress-roles)
+    eval_every: int = 0  # validation loss in the pipeline every N steps (and at the end); 0: never
+    eval_batches: int = 4
+    dead_after_s: float = 10.0  # a worker whose heartbeat (every 2 s) is older than this is lost
+    max_recoveries: int = 3  # re-plans after lost workers before giving up
+    replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
+    max_replans: int = 2
+    dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
+    tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("--checkpoint-every must be >= 0")
+        parse_codec(self.compress)  # a bad --compress fails before any worker is waited for
+        roles = set(self.compress_roles.split(","))
+        if not roles or not roles <= {"act", "grad", "reduce"}:
+            raise ConfigError(f"--compress-roles {self.compress_roles!r}: a comma-separated subset of act,grad,reduce")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+
+
+class Replan(FusionError):
+    """The plan is far from what it promised (a link slowed down): plan again from the current state."""
+
+    def __init__(self, why: str, next_step: int) -> None:
+        super().__init__(why)
+        self.why, self.next_step = why, next_step
+
+
+class WorkerLost(FusionError):
+    """Workers of the plan died or hung; the run goes on without them."""
+
+    def __init__(self, workers: set[int], why: str) -> None:
+        super().__init__(f"lost worker(s) {sorted(workers)}: {why}")
+        self.workers, self.why = set(workers), why
+
+
+@dataclass
+class Run:
+    """One plan in force: its graph, the workers' clients and action lists, who reads its own data."""
+
+    graph: OpGraph
+    plan: Plan
+    clients: dict[int, RpcClient]
+    actions: dict[int, list[Action]] = field(default_factory=dict)
+    bytes_before: dict[str, int] = field(default_factory=dict)
+    fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches

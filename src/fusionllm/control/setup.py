@@ -1,0 +1,197 @@
+"""Making a plan and handing it out: trace, measure, schedule, place, validate, assign.
+
+A worker receives the graph, the plan, its peers' addresses, the hyper-parameters, where to read
+its data, and its stage's tensors: from the coordinator's fresh model (the first start), from the
+weights carried over by a re-plan, or, on resume and recovery, as the path of a checkpoint whose
+shards it reads itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import torch
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.data import ByteTokenizer
+from fusionllm.graph.ir import OpGraph
+from fusionllm.models.spec import build_model
+from fusionllm.runtime.checkpoint import pack_tensors
+from fusionllm.runtime.model_graph import model_tensors, trace_lm
+from fusionllm.runtime.peers import WORKER_SERVICE
+from fusionllm.schedule.actions import Action
+from fusionllm.schedule.plan import Plan, make_plan
+from fusionllm.schedule.validate import validate_plan
+from fusionllm.transport.control import Assign, Assigned, Hyper
+from fusionllm.transport.frames import CHUNK
+from fusionllm.transport.messages import pack
+from fusionllm.transport.rpc import RpcClient
+
+from .capabilities import backend_of, place
+from .config import Run
+
+
+class SetupMixin:
+    """The coordinator's planning half (``Coordinator`` mixes it in)."""
+
+    async def _setup(self, *, recover: bool = False, carry: tuple[dict[str, Any], int] | None = None) -> Run:
+        t, c = self.train, self.cluster
+        model, graph = await asyncio.to_thread(self._trace)  # minutes for a large model: heartbeats keep being answered
+        tensors: dict[str, torch.Tensor] = {}
+        load: str | None = None
+        self.start_step = 0
+        if carry is not None:  # a re-plan: the weights and AdamW state as they are now
+            tensors, self.start_step = carry
+        elif c.resume or recover:
+            load = self._resume(graph)
+        if carry is None and load is None:
+            tensors = {f"param/{k}": v for k, v in (await asyncio.to_thread(model_tensors, model)).items()}
+        addresses = {m.id: m.address for m in self.membership.members.values()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
+        replicas = None if recover else c.replicas  # a hand-made layout no longer fits fewer workers
+        if c.scheduler and replicas:
+            raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
+        self.model = model
+        self.policy = None
+        codec = parse_codec(c.compress)
+        if c.scheduler:
+            graph, plan, cost = await self._schedule(model, graph, clients)
+        else:
+            plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
+            cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
+        await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
+        if codec.kind == "adatopk":
+            from fusionllm.control.adatopk import adatopk_policy
+            from fusionllm.schedule.plan import Request
+
+            self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
+            slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
+            self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
+        self.membership.participants = set(plan.workers)
+        run = Run(graph, plan, clients)
+        self._print_plan(run, addresses)
+        await self._assign(run, addresses, tensors, load, codec)
+        self.plan_record = self._plan_event(run, addresses, cost)
+        self.status.event(self.plan_record)
+        return run
+
+    def _trace(self) -> tuple[Any, OpGraph]:
+        t, c = self.train, self.cluster
+        model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
+        block = getattr(getattr(model, "config", None), "block_size", None)
+        if isinstance(block, int) and t.seq_len > block:
+            raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
+        return model, trace_lm(model, t.batch_size // c.micro_batches, t.seq_len, spec=t.model)
+
+    async def _assign(self, run: Run, addresses: dict[int, str], tensors: dict[str, Any], load: str | None, codec: Any) -> None:
+        t, c = self.train, self.cluster
+        graph, plan = run.graph, run.plan
+        hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
+                      compress_roles=c.compress_roles)
+        graph_json, plan_json = graph.to_json(), plan.to_json()
+        data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        replies: dict[int, Assigned] = {}
+
+        async def assign(w: int) -> None:
+            stage = plan.stage_of_worker(w)
+            names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
+            mine = {k: v for k, v in tensors.items() if k.split("/")[-1] in names and (k.startswith("param/") or k.startswith("adam/"))}
+            blob = await asyncio.to_thread(pack_tensors, mine) if mine else b""
+            head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
+                          nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load)
+            frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
+            replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
+            run.actions[w] = [Action.parse(a) for a in replies[w].actions]
+
+        await asyncio.gather(*(assign(w) for w in plan.workers))
+        run.fed = {w for w, r in replies.items() if r.data != "own"}
+        for w in sorted(run.fed):
+            self.say(f"worker {w} reads no data of its own ({replies[w].data}); the coordinator sends its batches")
+        if any(backend_of(infos[w]) != "torch" for w in plan.workers):
+            self.say("backends: " + ", ".join(
+                f"worker {w} {backend_of(infos[w])}" + ("" if replies[w].torch_loaded else " (torch not loaded)") for w in plan.workers
+            ))
+        self._graph_json, self._plan_json = graph_json, plan_json
+
+    def _plan_event(self, run: Run, addresses: dict[int, str], cost: Any) -> dict[str, Any]:
+        """The plan as a metrics record (and for the dashboard): stages, workers, links."""
+        graph, plan = run.graph, run.plan
+        stages = []
+        for s in plan.stages:
+            nodes = [graph.node(n) for n in s.nodes]
+            names = {p for n in nodes for p in n.params.values()}
+            stages.append({"stage": s.index, "workers": list(s.workers), "ops": len(nodes), "params": sum(graph.params[p].meta.numel for p in names),
+                           "layers": [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]})
+        hw = getattr(cost, "hw", None)
+        workers = {}
+        for w, m in self.membership.members.items():
+            workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
+                               "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers}
+        bandwidth = {}
+        if hw is not None:
+            bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
+        return {"event": "plan", "epoch": self.epoch, "scheduler": plan.meta.get("scheduler") or self.cluster.scheduler, "schedule": plan.schedule,
+                "micro_batches": plan.micro_batches, "predicted_step_s": plan.meta.get("predicted_step_s"), "stages": stages,
+                "workers": workers, "bandwidth_bps": bandwidth}
+
+    async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
+        from fusionllm.control.planning import (
+            hardware_from_file,
+            probe_hardware,
+            with_measured_links,
+        )
+
+        c = self.cluster
+        members = sorted(self.membership.members.values(), key=lambda m: m.id)
+        if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
+            hw = hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
+            return with_measured_links(hw, self._measured)
+        return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
+
+    async def _cost(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
+        from fusionllm.cost.model import CostModel
+        from fusionllm.runtime.model_graph import graph_source, root_source
+        from fusionllm.runtime.profile import estimate
+
+        hw = await self._hardware(clients)
+        work = await asyncio.to_thread(estimate, graph, source=graph_source(graph) or root_source(model), calibrate=True)
+        return CostModel(graph, work, hw)
+
+    async def _schedule(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
+        from fusionllm.control.planning import choose_plan
+        from fusionllm.runtime.model_graph import graph_source, root_source
+        from fusionllm.schedule.plan import Request
+
+        t, c = self.train, self.cluster
+        hw = await self._hardware(clients)
+        req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
+        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say,
+                                             compress=str(parse_codec(c.compress)))
+        if plan.micro_batches != c.micro_batches:
+            if t.batch_size % plan.micro_batches:
+                raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")
+            again = await asyncio.to_thread(trace_lm, model, t.batch_size // plan.micro_batches, t.seq_len, spec=t.model)
+            if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
+                raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and a plan by hand")
+            graph = again
+        return graph, plan, cost
+
+    def _print_plan(self, run: Run, addresses: dict[int, str]) -> None:
+        self.say(f"plan: {len(run.plan.stages)} stages, schedule {run.plan.schedule}, {run.plan.micro_batches} micro-batches per step")
+        for w in sorted(set(addresses) - set(run.plan.workers)):
+            self.say(f"  worker {w} ({addresses[w]}): idle (the plan is faster without it)")
+        for s in run.plan.stages:
+            nodes = [run.graph.node(n) for n in s.nodes]
+            params = sum(run.graph.params[p].meta.numel for p in {p for n in nodes for p in n.params.values()})
+            names = [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]
+            shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
+            for w in s.workers:
+                info = self.membership.members[w].info
+                dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
+                self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")

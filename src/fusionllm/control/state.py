@@ -1,0 +1,140 @@
+"""Evaluation, checkpoints and resuming, with the weights staying where they are.
+
+The validation loss is computed in the pipeline: every worker runs its forward-only program over
+the validation batches and the stage holding the loss reports one number per micro-batch.
+Checkpoints are written by the workers, one safetensors shard per stage, into a temporary
+directory the coordinator then completes with the plan, the graph and ``state.json`` (the
+manifest, with each shard's size and sha256) and renames: a checkpoint is whole or absent. A shard
+the coordinator cannot see (a worker on another machine without a shared directory) is fetched
+page by page and written here. Resuming hands the workers the checkpoint's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.runtime.checkpoint import PREFIX, latest_checkpoint
+from fusionllm.runtime.shards import shard_keys, write_shard
+from fusionllm.transport.control import (
+    Evaluate,
+    Evaluated,
+    GetState,
+    SaveShard,
+    ShardSaved,
+    StatePage,
+)
+
+from .config import Run
+
+PAGE = 32 << 20  # bytes of state per GetState call
+
+
+class StateMixin:
+    """The coordinator's evaluation and checkpoint half (``Coordinator`` mixes it in)."""
+
+    async def _stage_states(self, run: Run, only: set[int] | None = None) -> dict[int, bytes]:
+        """Each stage's (or the ``only`` ones') weights and AdamW state (safetensors bytes), from its
+        first worker, in pages no larger than ``PAGE``."""
+        out = {}
+        for s in run.plan.stages:
+            if only is not None and s.index not in only:
+                continue
+            client, chunks, total, offset = run.clients[s.workers[0]], [], None, 0
+            while total is None or offset < total:
+                page = StatePage.from_wire(await client.call("GetState", GetState(offset, PAGE).to_wire(), timeout=self.cluster.step_timeout))
+                total = page.total
+                if not page.data and offset < total:
+                    raise FusionError(f"worker {s.workers[0]} sent an empty page of its state at {offset} of {total} bytes")
+                chunks.append(page.data)
+                offset += len(page.data)
+            out[s.index] = b"".join(chunks)
+        return out
+
+    async def _evaluate(self, run: Run, batches: int, at_step: int) -> float:
+        """Validation loss of the current weights, computed by the workers in the pipeline."""
+        c = self.cluster
+
+        async def ask(w: int) -> Evaluated:
+            inputs = None
+            if w in run.fed:
+                inputs = {str(j): self._inputs_for(run, w, *self.val_batches.eval_arrays(j, c.eval_batches)) for j in range(batches)}
+            return Evaluated.from_wire(await run.clients[w].call("Evaluate", Evaluate(at_step, batches, inputs).to_wire(), timeout=c.step_timeout))
+
+        replies = await self._step_calls(run, {w: ask(w) for w in run.plan.workers})
+        failed = [(w, r.failed) for w, r in replies.items() if r.failed is not None]
+        if failed:
+            w, why = failed[0]
+            raise FusionError(f"evaluation failed on worker {w} at {why.action}: {why.error}")
+        losses = [v for r in replies.values() for per_mb in r.losses.values() for v in per_mb.values()]
+        if len(losses) != batches * run.plan.micro_batches:
+            raise FusionError(f"evaluation: got {len(losses)} micro-batch losses, expected {batches * run.plan.micro_batches}")
+        return sum(losses) / len(losses)
+
+    async def _checkpoint(self, run: Run, done: int) -> None:
+        root = Path(self.cluster.checkpoint_dir or "").resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{PREFIX}{done:06d}"
+        tmp = root / f".tmp-{PREFIX}{done:06d}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+        async def save(stage: int, w: int) -> ShardSaved:
+            return ShardSaved.from_wire(await run.clients[w].call("SaveShard", SaveShard(str(tmp), done).to_wire(), timeout=self.cluster.step_timeout))
+
+        saved = dict(zip([s.index for s in run.plan.stages],
+                         await asyncio.gather(*(save(s.index, s.workers[0]) for s in run.plan.stages)), strict=True))
+        shards = {}
+        for k, shard in saved.items():
+            path = tmp / f"stage-{k}.safetensors"
+            if not (path.is_file() and path.stat().st_size == shard.nbytes):  # written on another machine: fetch it
+                data = (await self._stage_states(run, {k}))[k]
+                _, digest = await asyncio.to_thread(write_shard, tmp, k, data)
+                shard = ShardSaved(str(path), len(data), digest)
+            shards[str(k)] = {"nbytes": shard.nbytes, "sha256": shard.sha256}
+        state = {"step": done, "data_position": done, "train": asdict(self.train), "shards": shards,
+                 "cluster": {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls")}}
+        for name, text in (("plan.json", self._plan_json), ("graph.json", self._graph_json), ("state.json", json.dumps(state, indent=1))):
+            with open(tmp / name, "w") as fh:  # state.json last: a directory without it is incomplete
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        self.say(f"checkpoint {final}")
+
+    def _resume(self, graph: OpGraph) -> str | None:
+        """The newest complete checkpoint's path (the workers read their shards), checked against this run."""
+        path = latest_checkpoint(self.cluster.checkpoint_dir or "")
+        if path is None:
+            self.say(f"--resume: no complete checkpoint in {self.cluster.checkpoint_dir}; starting from step 0")
+            return None
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
+        for key in ("model", "seq_len", "batch_size", "seed"):
+            if state["train"].get(key) != asdict(self.train).get(key):
+                raise ConfigError(f"--resume: checkpoint {path} was made with {key}={state['train'].get(key)!r}, this run has {asdict(self.train).get(key)!r}")
+        have: set[str] = set()
+        for f in sorted(path.glob("stage-*.safetensors")):
+            have.update(shard_keys(f))
+        missing = [f"param/{p}" for p in graph.params if f"param/{p}" not in have]
+        if missing:
+            raise ConfigError(f"--resume: checkpoint {path} lacks {missing[:4]}")
+        for k, meta in state.get("shards", {}).items():
+            f = path / f"stage-{k}.safetensors"
+            if f.stat().st_size != meta["nbytes"]:
+                raise ConfigError(f"checkpoint {path}: {f.name} has {f.stat().st_size} bytes, the manifest says {meta['nbytes']} (damaged)")
+        self.start_step = int(state["step"])
+        self.say(f"resuming from {path} at step {self.start_step}")
+        return str(path)
+

@@ -1,0 +1,286 @@
+"""Typed control messages between the coordinator and the workers.
+
+Every control call carries one of these dataclasses as a msgpack map (``to_wire``) with the
+message version ``v``; ``from_wire`` checks the version and every field's type before anything
+uses it, so a malformed or hostile message fails as a ``WireError`` naming the field, never as a
+``KeyError`` deep in a handler. Fields are plain data (numbers, strings, bytes, lists and maps of
+them, nested messages): no code and no pickles cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
+
+from fusionllm.core.errors import WireError
+
+VERSION = 1
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of the control messages: (de)serialisation with validation."""
+
+    name: ClassVar[str] = "message"
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {f.name: _out(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        out["v"] = VERSION
+        return out
+
+    @classmethod
+    def from_wire(cls: type[M], raw: Any) -> M:
+        if not isinstance(raw, dict):
+            raise WireError(f"{cls.__name__}: expected a map, got {type(raw).__name__}")
+        if raw.get("v", VERSION) != VERSION:
+            raise WireError(f"{cls.__name__}: message version {raw.get('v')!r}, this side speaks {VERSION} (run the same fusionllm everywhere)")
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name not in raw:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise WireError(f"{cls.__name__}: field {f.name!r} is missing")
+                continue
+            values[f.name] = _check(raw[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
+        return cls(**values)
+
+
+def _out(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_wire()
+    if isinstance(value, list):
+        return [_out(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _out(v) for k, v in value.items()}
+    return value
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        raise WireError(f"{where}: untyped field")  # message types name every field's type
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in get_args(tp):
+            try:
+                return _check(value, option, where)
+            except WireError as exc:
+                errors.append(exc)
+        real = [e for o, e in zip(get_args(tp), errors, strict=True) if o is not type(None)]
+        if len(real) == 1 and value is not None:
+            raise real[0]  # an optional field: the reason its value is wrong
+        raise WireError(f"{where}: {type(value).__name__} is none of {tp}")
+    if tp is type(None):
+        if value is not None:
+            raise WireError(f"{where}: expected nothing, got {type(value).__name__}")
+        return None
+    if isinstance(tp, type) and issubclass(tp, Message):
+        return tp.from_wire(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = get_args(tp)
+        return [_check(v, item, f"{where}[]") for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"{where}: expected a map, got {type(value).__name__}")
+        kt, vt = get_args(tp)
+        return {_check(k, kt, f"{where} key"): _check(v, vt, f"{where}[{k!r}]") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise WireError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WireError(f"{where}: expected an integer, got {type(value).__name__}")
+        return value
+    if tp in (str, bytes, bool):
+        if not isinstance(value, tp):
+            raise WireError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    raise WireError(f"{where}: unsupported field type {tp}")
+
+
+# ---- joining ---------------------------------------------------------------------------------------
+@dataclass
+class Register(Message):
+    version: str
+    protocol: int
+    address: str
+    backend: str
+    data_address: str = ""
+    device: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    software: dict[str, str] = field(default_factory=dict)
+    kinds: str | list[str] = "*"
+    torch_loaded: bool = False
+    hostname: str = ""
+    pid: int = 0
+    threads: int | None = None
+    rank: int | None = None
+    probe: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Registered(Message):
+    worker: int
+
+
+@dataclass
+class Heartbeat(Message):
+    worker: int
+    address: str = ""
+
+
+@dataclass
+class HeartbeatReply(Message):
+    state: str
+
+
+@dataclass
+class NormReduce(Message):
+    step: int
+    worker: int
+    sq: float
+
+
+@dataclass
+class NormTotal(Message):
+    total: float
+
+
+# ---- a plan's assignment -------------------------------------------------------------------------
+@dataclass
+class DataSpec(Message):
+    """Where a worker reads its batches: batch ``i`` is a function of (corpus, seed, i)."""
+
+    source: str | None  # --data (None: the embedded default corpus)
+    seed: int
+    batch_size: int
+    seq_len: int
+    val_fraction: float
+    digest: str  # sha256 of the training tokens, as the coordinator loaded them
+    eval_batches: int
+
+
+@dataclass
+class Hyper(Message):
+    lr: float
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    recv_timeout: float = 600.0
+    compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
+    compress_roles: str = "act,grad,reduce"  # which traffic the codec applies to (an experiment knob)
+
+
+@dataclass
+class Assign(Message):
+    """The head frame of an assignment; the stage's weights follow as raw safetensors chunks."""
+
+    worker: int
+    graph: str
+    plan: str
+    addresses: dict[str, str]
+    hyper: Hyper
+    nbytes: int
+    epoch: int = 0
+    data_addresses: dict[str, str] = field(default_factory=dict)
+    data: DataSpec | None = None
+    load: str | None = None  # a checkpoint directory whose shards hold this stage's tensors (instead of nbytes)
+
+
+@dataclass
+class Assigned(Message):
+    actions: list[str]
+    torch_loaded: bool = True
+    data: str = "own"  # "own": reads its batches; else why not (the coordinator feeds it)
+
+
+# ---- training ------------------------------------------------------------------------------------
+@dataclass
+class Step(Message):
+    step: int
+    lr: float
+    inputs: dict[str, dict[str, bytes]] | None = None  # per micro-batch, per edge: only for workers without their own data
+    ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
+
+
+@dataclass
+class Failure(Message):
+    worker: int
+    index: int
+    action: str
+    error: str
+
+
+@dataclass
+class StepDone(Message):
+    losses: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    seconds: float = 0.0
+    bytes_to: dict[str, int] = field(default_factory=dict)
+    link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
+    failed: Failure | None = None
+    aborted: bool = False
+
+
+@dataclass
+class Evaluate(Message):
+    """Run the forward-only program over the validation batches (``Batcher.eval_starts``)."""
+
+    at_step: int
+    batches: int
+    inputs: dict[str, dict[str, dict[str, bytes]]] | None = None  # per batch, per micro-batch, per edge (no own data)
+
+
+@dataclass
+class Evaluated(Message):
+    losses: dict[str, dict[str, float]] = field(default_factory=dict)  # per batch, per micro-batch: held by the loss's stage
+    failed: Failure | None = None
+
+
+@dataclass
+class SaveShard(Message):
+    """Write this stage's weights and optimizer state as ``directory/stage-<k>.safetensors``."""
+
+    directory: str
+    step: int
+
+
+@dataclass
+class ShardSaved(Message):
+    path: str
+    nbytes: int
+    sha256: str
+
+
+@dataclass
+class GetState(Message):
+    """One page of the stage's packed state (weights and AdamW, safetensors)."""
+
+    offset: int = 0
+    size: int = 64 << 20
+
+
+@dataclass
+class StatePage(Message):
+    data: bytes
+    total: int
+
+
+@dataclass
+class Empty(Message):
+    pass
+
+
+@dataclass
+class Aborted(Message):
+    aborted: bool
+
+
+@dataclass
+class MeasureTo(Message):
+    address: str
+    seconds: float = 1.0

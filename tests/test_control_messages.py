@@ -1,0 +1,111 @@
+"""Typed control messages and checkpoint shards: every field checked on decode, sizes before allocation."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fusionllm.core.errors import ConfigError, WireError
+from fusionllm.runtime.shards import read_selected, shard_keys, stage_keep, write_shard
+from fusionllm.transport.control import (
+    VERSION,
+    Assign,
+    DataSpec,
+    Evaluated,
+    Failure,
+    Hyper,
+    Register,
+    Step,
+    StepDone,
+)
+from fusionllm.transport.messages import pack, unpack
+
+
+def test_messages_round_trip_through_msgpack() -> None:
+    msgs = [
+        Step(3, 1e-3, None, {"2": 0.2}),
+        StepDone(losses={"0": 1.5}, grad_norm=0.3, link_stats={"1": [10.0, 0.1, 2.0]}, failed=Failure(0, 2, "0F1", "boom")),
+        Evaluated(losses={"0": {"1": 2.0}}),
+        Assign(worker=1, graph="{}", plan="{}", addresses={"0": "h:1"}, hyper=Hyper(lr=0.1), nbytes=0,
+               data=DataSpec(source=None, seed=0, batch_size=8, seq_len=16, val_fraction=0.1, digest="ab", eval_batches=2)),
+    ]
+    for m in msgs:
+        assert type(m).from_wire(unpack(pack(m.to_wire()))) == m
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    ({"step": 1}, "field 'lr' is missing"),
+    ({"step": "1", "lr": 0.1}, "Step.step: expected an integer"),
+    ({"step": True, "lr": 0.1}, "Step.step: expected an integer"),
+    ({"step": 1, "lr": 0.1, "ratios": {"1": "x"}}, "Step.ratios"),
+    ({"step": 1, "lr": 0.1, "ratios": [1]}, "Step.ratios"),
+    ({"step": 1, "lr": 0.1, "v": VERSION + 1}, "message version"),
+    ([1, 2], "expected a map"),
+])
+def test_a_malformed_message_names_its_field(raw: object, why: str) -> None:
+    with pytest.raises(WireError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        Step.from_wire(raw)
+
+
+def test_nested_messages_are_checked_too() -> None:
+    good = StepDone(failed=Failure(0, 1, "0F0", "x")).to_wire()
+    good["failed"]["index"] = "one"
+    with pytest.raises(WireError, match="Failure.index"):
+        StepDone.from_wire(good)
+
+
+def test_register_keeps_a_device_map_of_plain_values() -> None:
+    raw = Register(version="1", protocol=1, address="h:1", backend="torch", device={"kind": "cpu", "cores": 2}).to_wire()
+    assert Register.from_wire(raw).device == {"kind": "cpu", "cores": 2}
+    raw["device"] = {"kind": {"nested": 1}}
+    with pytest.raises(WireError, match="Register.device"):
+        Register.from_wire(raw)
+
+
+def _shard(tmp: Path, stage: int, tensors: dict[str, torch.Tensor]) -> Path:
+    path, digest = write_shard(tmp, stage, st_save(tensors))
+    assert len(digest) == 64 and not list(tmp.glob(".*.part"))
+    return path
+
+
+def test_a_stage_reads_only_its_tensors_from_every_shard(tmp_path: Path) -> None:
+    a = {"param/w": torch.arange(6.0).reshape(2, 3), "adam/exp_avg/w": torch.ones(2, 3), "param/tied": torch.full((2,), 7.0)}
+    b = {"param/v": torch.arange(4, dtype=torch.bfloat16), "param/tied": torch.full((2,), 7.0), "adam/exp_avg/v": torch.zeros(4)}
+    paths = [_shard(tmp_path, 0, a), _shard(tmp_path, 1, b)]
+    assert sorted(shard_keys(paths[1])) == sorted(b)
+    got = st_load(read_selected(paths, stage_keep({"w", "tied", "v"})))
+    assert set(got) == set(a) | set(b)  # the tied tensor once
+    for k, v in {**a, **b}.items():
+        assert torch.equal(got[k], v) and got[k].dtype == v.dtype
+    only = st_load(read_selected(paths, stage_keep({"v"})))
+    assert set(only) == {"param/v", "adam/exp_avg/v"}
+
+
+def test_a_damaged_shard_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    path = _shard(tmp_path, 0, {"param/w": torch.ones(1000)})
+    data = path.read_bytes()
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 1 << 60) + data[8:])
+    with pytest.raises(ConfigError, match="declares a header"):
+        read_selected([huge], lambda _: True)
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    head["param/w"]["data_offsets"] = [0, 1 << 40]
+    text = json.dumps(head).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    with pytest.raises(ConfigError, match="outside the file"):
+        read_selected([bad], lambda _: True)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:4])
+    with pytest.raises(ConfigError, match="truncated"):
+        read_selected([cut], lambda _: True)
+    assert np.isfinite(1.0)
