@@ -1,0 +1,39 @@
+"""The commands' options and their help texts, each defined once (most are taken by several commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl) or package.module:factory.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
+StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
+SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
+LrOpt = Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")]
+DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")]
+MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
+WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
+EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
+DashboardOpt = Annotated[str | None, typer.Option("--dashboard", help="Serve a live dashboard (a web page and /api/status) at HOST:PORT, e.g. 127.0.0.1:8080.")]
+ReplanOpt = Annotated[float, typer.Option("--replan-factor", min=0.0, help="With --scheduler: plan again, with the links as measured, when 8 steps in a row take this many times the predicted step time (0: never).")]
+DeadAfterOpt = Annotated[float, typer.Option("--dead-after", min=1.0, help="Seconds without a heartbeat (sent every 2 s) before a worker is lost and the run re-plans without it.")]
+TlsCertOpt = Annotated[Path | None, typer.Option("--tls-cert", help="This process's certificate (PEM, signed by --tls-ca, naming DNS:fusionllm): mutual TLS on every connection.")]
+TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The private key of --tls-cert (PEM).")]
+TlsCaOpt = Annotated[Path | None, typer.Option("--tls-ca", help="The run's CA certificate (PEM): peers must present a certificate it signed.")]
+EvalBatchesOpt = Annotated[int, typer.Option("--eval-batches", min=1, help="Held-out batches per validation loss.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads (per worker with --cluster).")]
+ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule: gpipe or 1f1b.")]
+MicroOpt = Annotated[int, typer.Option("--micro-batches", help="Micro-batches per step (divides --batch-size).")]
+ReplicasOpt = Annotated[str | None, typer.Option(help="Workers per stage, e.g. 1,2 (data parallel); default one stage per worker.")]
+CkptDirOpt = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here.")]
+CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only with --resume use).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in --checkpoint-dir.")]
+SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
+CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
+HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
+DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.schedule.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
+CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]
+BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]

@@ -1,0 +1,143 @@
+"""`fusionllm coordinator` and `fusionllm worker`: one run across machines, a process per role."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fusionllm.cli.common import console, progress_bar, summary, user_errors
+from fusionllm.cli.options import (
+    BackendOpt,
+    BatchOpt,
+    CkptDirOpt,
+    CkptEveryOpt,
+    CompressOpt,
+    DashboardOpt,
+    DataOpt,
+    DeadAfterOpt,
+    EvalBatchesOpt,
+    HardwareOpt,
+    LrOpt,
+    MetricsOpt,
+    MicroOpt,
+    ModelOpt,
+    ReplanOpt,
+    ReplicasOpt,
+    ResumeOpt,
+    ScheduleOpt,
+    SchedulerOpt,
+    SeedOpt,
+    SeqOpt,
+    StepsOpt,
+    ThreadsOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    WarmupOpt,
+)
+from fusionllm.core.errors import FusionError
+
+
+def _replicas(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise FusionError(f"--replicas {text!r}: expected comma-separated worker counts such as 1,2") from None
+
+
+@user_errors
+def coordinator(
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on (0.0.0.0:PORT for other machines).")],
+    token_file: Annotated[Path, typer.Option("--token-file", help="Shared secret every call presents.")],
+    workers: Annotated[int, typer.Option(help="Workers to wait for.")],
+    model: ModelOpt = "gpt-micro",
+    steps: StepsOpt = 200,
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    lr: LrOpt = 3e-3,
+    seed: SeedOpt = 0,
+    data: DataOpt = None,
+    metrics: MetricsOpt = None,
+    warmup: WarmupOpt = 20,
+    schedule: ScheduleOpt = "1f1b",
+    micro_batches: MicroOpt = 4,
+    replicas: ReplicasOpt = None,
+    checkpoint_dir: CkptDirOpt = None,
+    checkpoint_every: CkptEveryOpt = 0,
+    resume: ResumeOpt = False,
+    join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
+    scheduler: SchedulerOpt = None,
+    hardware: HardwareOpt = None,
+    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
+    compress: CompressOpt = "none",
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (at the coordinator) every N steps and at the end; 0: never.")] = 0,
+    eval_batches: EvalBatchesOpt = 4,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    dashboard: DashboardOpt = None,
+    replan_factor: ReplanOpt = 2.0,
+    dead_after: DeadAfterOpt = 10.0,
+) -> None:
+    """Wait for the workers, trace and plan the model, hand out stages, drive training."""
+    from fusionllm.control.coordinator import ClusterConfig, run_coordinator
+    from fusionllm.runtime.single import TrainConfig
+    from fusionllm.transport.auth import load_token
+    from fusionllm.transport.tls import TlsFiles
+
+    train_cfg = TrainConfig(
+        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0,
+    )
+    cluster_cfg = ClusterConfig(
+        listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
+        replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
+        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
+        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
+    )
+    bar, on_step, first = progress_bar(steps, "train")
+
+    def say(msg: str) -> None:
+        console.print(msg, highlight=False, markup=False)
+
+    with bar:
+        result = run_coordinator(train_cfg, cluster_cfg, say=say, on_step=on_step)
+    summary(model, result, first, steps)
+
+
+@user_errors
+def worker(
+    join: Annotated[str, typer.Option(help="The coordinator's HOST:PORT.")],
+    token_file: Annotated[Path, typer.Option("--token-file", help="The coordinator's shared secret.")],
+    device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
+    threads: ThreadsOpt = None,
+    listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves control calls on (port 0: any).")] = "127.0.0.1:0",
+    data_port: Annotated[int, typer.Option("--data-port", min=0, max=65535, help="TCP port for tensors from other workers, on --listen's host (0: any).")] = 0,
+    advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
+    coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
+    rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
+    backend: BackendOpt = "torch",
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+) -> None:
+    """Join a coordinator, run the stage it assigns, exit when the run ends."""
+    if backend == "numpy" and threads:  # NumPy's BLAS reads its thread count once, when it loads
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+    from fusionllm.runtime.worker import WorkerConfig, run_worker
+    from fusionllm.transport.auth import load_token
+    from fusionllm.transport.tls import TlsFiles
+
+    config = WorkerConfig(
+        join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
+        coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,
+        tls=TlsFiles.load(tls_cert, tls_key, tls_ca),
+    )
+    raise typer.Exit(run_worker(config))

@@ -1,0 +1,162 @@
+"""`fusionllm train`: the single-process reference, or a local cluster (loopback or an emulated testbed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fusionllm.cli.common import console, progress_bar, summary, user_errors
+from fusionllm.cli.options import (
+    BatchOpt,
+    CkptDirOpt,
+    CkptEveryOpt,
+    CompressOpt,
+    DashboardOpt,
+    DataOpt,
+    DeadAfterOpt,
+    EvalBatchesOpt,
+    EvalOpt,
+    LrOpt,
+    MetricsOpt,
+    MicroOpt,
+    ModelOpt,
+    ReplanOpt,
+    ReplicasOpt,
+    ResumeOpt,
+    ScheduleOpt,
+    SchedulerOpt,
+    SeedOpt,
+    SeqOpt,
+    StepsOpt,
+    ThreadsOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    WarmupOpt,
+)
+from fusionllm.core.errors import FusionError
+
+BACKENDS = ("torch", "numpy")
+
+
+def _backends(text: str | None, workers: int) -> list[str]:
+    """``--backends torch,numpy,torch``: one backend per worker."""
+    if not text:
+        return ["torch"] * workers
+    names = [x.strip() for x in text.split(",")]
+    if len(names) != workers or any(n not in BACKENDS for n in names):
+        raise FusionError(f"--backends {text!r}: expected {workers} comma-separated names, one per worker, each one of {', '.join(BACKENDS)}")
+    return names
+
+
+@user_errors
+def train(
+    model: ModelOpt = "gpt-micro",
+    steps: StepsOpt = 200,
+    batch_size: BatchOpt = 16,
+    seq_len: SeqOpt = 128,
+    lr: LrOpt = 3e-3,
+    seed: SeedOpt = 0,
+    data: DataOpt = None,
+    metrics: MetricsOpt = None,
+    warmup: WarmupOpt = 20,
+    eval_every: EvalOpt = 50,
+    eval_batches: EvalBatchesOpt = 4,
+    threads: ThreadsOpt = None,
+    single_process: Annotated[bool, typer.Option("--single-process", help="Plain PyTorch in this process (the reference).")] = False,
+    cluster: Annotated[str | None, typer.Option(help="local:N (N workers on loopback) or CLUSTER.toml (an emulated testbed).")] = None,
+    schedule: ScheduleOpt = "1f1b",
+    micro_batches: MicroOpt = 4,
+    replicas: ReplicasOpt = None,
+    checkpoint_dir: CkptDirOpt = None,
+    checkpoint_every: CkptEveryOpt = 0,
+    resume: ResumeOpt = False,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Token file and worker logs of a local cluster.")] = Path("runs/local"),
+    device: Annotated[str, typer.Option(help="Device of every local worker: cpu or cuda:N.")] = "cpu",
+    scheduler: SchedulerOpt = None,
+    probe_links: Annotated[bool, typer.Option("--probe-links", help="On a cluster file: plan with probed links and device speeds, not the file's.")] = False,
+    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
+    hardware: Annotated[Path | None, typer.Option(help="With --cluster local:N and --scheduler: plan with this cluster file's rates (N devices) instead of probing the workers.")] = None,
+    compress: CompressOpt = "none",
+    backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    dead_after: DeadAfterOpt = 10.0,
+    replan_factor: ReplanOpt = 2.0,
+    dashboard: DashboardOpt = None,
+) -> None:
+    """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
+    from fusionllm.runtime.single import TrainConfig, train_single
+
+    config = TrainConfig(
+        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
+        eval_batches=eval_batches,
+    )
+    if single_process == bool(cluster):
+        raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
+    if cluster:
+        from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
+
+        args = [
+            "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
+            "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
+            "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
+            "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
+            "--eval-batches", str(eval_batches), "--dead-after", str(dead_after), "--replan-factor", str(replan_factor),
+            *(["--dashboard", dashboard] if dashboard else []),
+        ]
+        args += ["--data", data] if data else []
+        args += ["--metrics", str(metrics)] if metrics else []
+        args += ["--replicas", replicas] if replicas else []
+        args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
+        args += ["--resume"] if resume else []
+        tls = _tls_args(tls_cert, tls_key, tls_ca)
+        args += tls
+        if cluster.endswith(".toml"):
+            args += [] if replicas and not scheduler else ["--scheduler", scheduler or "opfence"]  # --replicas: a plan by hand
+            args += [] if probe_links else ["--hardware", cluster]
+            raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
+        args += ["--scheduler", scheduler] if scheduler else []
+        args += ["--hardware", str(hardware)] if hardware else []
+        n = parse_cluster(cluster)
+        worker_args = [
+            ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
+        ]
+        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
+    if backends:
+        raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")
+    bar, on_step, first = progress_bar(steps, "train")
+    with bar:
+        result = train_single(config, on_step)
+    summary(model, result, first, steps)
+
+
+def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]:
+    """The TLS flags for the processes of a local cluster (checked here first: one clear error)."""
+    from fusionllm.transport.tls import TlsFiles
+
+    if TlsFiles.load(cert, key, ca) is None:
+        return []
+    return ["--tls-cert", str(Path(str(cert)).resolve()), "--tls-key", str(Path(str(key)).resolve()), "--tls-ca", str(Path(str(ca)).resolve())]
+
+
+def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, backends: str | None = None, tls: list[str] | None = None) -> int:
+    from fusionllm.cluster.spec import load_cluster
+    from fusionllm.control.local_cluster import run_local_cluster
+    from fusionllm.testbed.testbed import Testbed
+
+    spec = load_cluster(path)
+    with Testbed(spec) as tb:
+        if tb.emulated:
+            console.print(f"testbed {spec.name}: {spec.num_devices} workers in network namespaces, links shaped with tc", highlight=False)
+        else:
+            console.print(f"[yellow]warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits[/yellow]")
+        worker_args, prefixes = tb.worker_launch(device)
+        worker_args = [[*a, "--backend", b, *(tls or [])] for a, b in zip(worker_args, _backends(backends, len(worker_args)), strict=True)]
+        return run_local_cluster(args, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
+
