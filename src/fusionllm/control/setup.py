@@ -32,6 +32,7 @@ from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
 from .config import Run
+from .limits import check_message_sizes
 
 
 class SetupMixin:
@@ -65,6 +66,7 @@ class SetupMixin:
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
         await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
+        await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         if codec.kind == "adatopk":
             from fusionllm.control.adatopk import adatopk_policy
             from fusionllm.schedule.plan import Request
