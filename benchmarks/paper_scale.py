@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from fusionllm.control.planning import offline  # noqa: E402
+from fusionllm.planner import offline  # noqa: E402
 from fusionllm.schedule.plan import Request  # noqa: E402
 from fusionllm.schedule.schedulers import SCHEDULERS, make_schedule  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402

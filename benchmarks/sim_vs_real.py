@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
-from fusionllm.control.planning import offline  # noqa: E402
+from fusionllm.planner import offline  # noqa: E402
 from fusionllm.schedule.plan import Plan, Request, StagePlan  # noqa: E402
 from fusionllm.schedule.schedulers import SCHEDULERS  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402

@@ -137,7 +137,8 @@ def test_plan_policy_covers_every_link_and_direction(rate: str, tmp_path: Path) 
     """A three-stage pipeline across the slow link, tied embeddings all-reduced between the first and
     last stage: both directions and the all-reduce are decided; fast links stay raw."""
     from fusionllm.control.adatopk import adatopk_policy
-    from fusionllm.control.planning import offline, predict
+    from fusionllm.control.planning import predict
+    from fusionllm.planner import offline
     from fusionllm.schedule.plan import Request
 
     path = tmp_path / "c.toml"

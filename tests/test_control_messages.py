@@ -13,7 +13,6 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fusionllm.core.errors import ConfigError, WireError
-from fusionllm.runtime.shards import read_selected, shard_keys, stage_keep, write_shard
 from fusionllm.transport.control import (
     VERSION,
     Assign,
@@ -26,6 +25,7 @@ from fusionllm.transport.control import (
     StepDone,
 )
 from fusionllm.transport.messages import pack, unpack
+from fusionllm.transport.shards import read_selected, shard_keys, stage_keep, write_shard
 
 
 def test_messages_round_trip_through_msgpack() -> None:

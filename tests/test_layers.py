@@ -19,8 +19,10 @@ ALLOWED = {
     "sim": {"core", "graph", "cluster", "cost", "compress", "schedule"},
     "transport": {"core", "compress"},
     "runtime": {"core", "graph", "cluster", "cost", "compress", "schedule", "transport", "data", "models", "npexec"},
-    # the coordinator drives the runtime (it traces, feeds data, checkpoints): it sits above it
-    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport", "runtime", "data", "models", "npexec"},
+    # DESIGN.md's table (schedule, cost, cluster, transport, core), with what planning needs beside them:
+    # the OpGraph and codec types that schedule already uses, and the simulator that predicts a plan's step;
+    # models, data, tracing and op timing come in through a RunTask (control/task.py, fusionllm/task.py)
+    "control": {"core", "graph", "cluster", "cost", "compress", "schedule", "sim", "transport"},
     "testbed": {"core", "cluster", "transport"},  # the probe measures through our own transport
     "npexec": {"core", "graph"},  # the NumPy backend: no torch, so only torch-free graph modules (ir)
 }

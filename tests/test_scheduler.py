@@ -148,7 +148,7 @@ def test_faster_links_never_slow_the_simulation(micro_cost: CostModel) -> None:
 
 
 def test_forty_eight_gpus_plan() -> None:
-    from fusionllm.control.planning import offline
+    from fusionllm.planner import offline
 
     _, hw_, _, plan = offline("gpt2", str(ROOT / "examples" / "clusters" / "paper-3x16.toml"), "opfence", Request(32, 256, 8), vocab_size=50257)
     assert len(hw_) == 48 and plan.workers and set(plan.workers) <= set(range(48))

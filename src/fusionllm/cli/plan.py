@@ -34,7 +34,8 @@ def plan_cmd(
     """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck."""
     import json
 
-    from fusionllm.control.planning import describe, offline
+    from fusionllm.control.planning import describe
+    from fusionllm.planner import offline
     from fusionllm.schedule.plan import Request
 
     req = Request(batch_size, seq_len, micro_batches)
@@ -72,7 +73,8 @@ def simulate(
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
     import json
 
-    from fusionllm.control.planning import compression_aware, offline, with_compression
+    from fusionllm.control.planning import compression_aware, with_compression
+    from fusionllm.planner import offline
     from fusionllm.schedule.plan import Request
     from fusionllm.sim.gantt import plot_gantt
     from fusionllm.sim.simulator import simulate as run_sim

@@ -87,6 +87,7 @@ def coordinator(
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
     from fusionllm.runtime.single import TrainConfig
+    from fusionllm.task import LMTask
     from fusionllm.transport.auth import load_token
     from fusionllm.transport.tls import TlsFiles
 
@@ -107,7 +108,7 @@ def coordinator(
         console.print(msg, highlight=False, markup=False)
 
     with bar:
-        result = run_coordinator(train_cfg, cluster_cfg, say=say, on_step=on_step)
+        result = run_coordinator(train_cfg, cluster_cfg, LMTask(train_cfg), say=say, on_step=on_step)
     summary(model, result, first, steps)
 
 

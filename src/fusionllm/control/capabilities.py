@@ -2,7 +2,8 @@
 
 A worker's Register message names its ``backend`` and the op ``kinds`` it runs (``"all"`` for
 torch; the op keys of ``npexec.supported_kinds()`` for NumPy). A NumPy worker also refuses some
-settings of a kind it knows (dropout with p > 0), so for it the coordinator asks ``npexec.can_run``,
+settings of a kind it knows (dropout with p > 0), so for it the coordinator asks the task (``refuses``:
+``npexec.can_run`` for the LM task),
 the same check the worker makes when it builds its stage. ``place`` keeps a plan whose every stage
 runs on workers that support it; otherwise it moves workers between stages (a bipartite matching),
 and if no assignment works it refuses with the op kinds that are missing.
@@ -15,9 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from fusionllm.core.errors import FusionError
-from fusionllm.graph.ir import OpGraph
-from fusionllm.npexec.base import op_key
-from fusionllm.npexec.executor import can_run
+from fusionllm.graph.ir import OpGraph, op_key
 from fusionllm.schedule.plan import Plan, StagePlan
 
 ALL = "all"
@@ -27,19 +26,25 @@ def backend_of(info: Mapping[str, Any]) -> str:
     return str(info.get("backend", "torch"))
 
 
-def missing_kinds(graph: OpGraph, node_ids: list[str], info: Mapping[str, Any]) -> list[str]:
+Refuses = Callable[[str, OpGraph, list[str]], list[str]]  # (backend, graph, node ids) -> op keys it refuses
+
+
+def _accepts_all(backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]:
+    return []
+
+
+def missing_kinds(graph: OpGraph, node_ids: list[str], info: Mapping[str, Any], refuses: Refuses = _accepts_all) -> list[str]:
     """The op keys among ``node_ids`` that the worker described by ``info`` cannot run."""
     kinds = info.get("kinds", ALL)
     if kinds == ALL:
         return []
     known = set(kinds)
     missing = {op_key(graph.node(n)) for n in node_ids if graph.node(n).kind != "input"} - known
-    if backend_of(info) == "numpy":
-        missing |= set(can_run(graph, node_ids))
+    missing |= set(refuses(backend_of(info), graph, node_ids))
     return sorted(missing)
 
 
-def place(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], say: Callable[[str], None] = print) -> Plan:
+def place(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], say: Callable[[str], None] = print, refuses: Refuses = _accepts_all) -> Plan:
     """``plan`` with its workers assigned to stages they can run; ``FusionError`` if none can be."""
     workers = plan.workers
     cache: dict[tuple[int, str], list[str]] = {}
@@ -48,7 +53,7 @@ def place(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], sa
         info = infos[w]
         key = (s.index, f"{backend_of(info)}:{info.get('kinds', ALL)}")
         if key not in cache:
-            cache[key] = missing_kinds(graph, s.nodes, info)
+            cache[key] = missing_kinds(graph, s.nodes, info, refuses)
         return cache[key]
 
     if all(not lacks(w, s) for s in plan.stages for w in s.workers):
@@ -56,7 +61,7 @@ def place(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], sa
     slots = [(s, j) for s in plan.stages for j in range(len(s.workers))]
     owner = _match(workers, slots, lambda w, slot: not lacks(w, slot[0]), prefer=lambda w, slot: w in slot[0].workers)
     if owner is None:
-        raise FusionError(_refusal(graph, plan, infos, lacks))
+        raise FusionError(_refusal(graph, plan, infos, lacks, refuses))
     stages = [StagePlan(s.index, s.nodes, [owner[i] for i, (t, _) in enumerate(slots) if t is s]) for s in plan.stages]
     moved = ", ".join(f"stage {s.index} -> worker{'s' if len(s.workers) > 1 else ''} {','.join(map(str, s.workers))}" for s in stages)
     say(f"backends: moved stages to workers that can run their ops: {moved}")
@@ -85,10 +90,10 @@ def _match(workers: list[int], slots: list[Any], ok: Callable[[int, Any], bool],
     return owner if all(o is not None for o in owner) else None  # type: ignore[return-value]
 
 
-def _refusal(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], lacks: Callable[[int, StagePlan], list[str]]) -> str:
+def _refusal(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], lacks: Callable[[int, StagePlan], list[str]], refuses: Refuses) -> str:
     """One line: the op kinds that no worker runs, or else what keeps each limited worker out."""
     every = [n.id for n in graph.compute_nodes]
-    nobody = set.intersection(*(set(missing_kinds(graph, every, infos[w])) for w in plan.workers))
+    nobody = set.intersection(*(set(missing_kinds(graph, every, infos[w], refuses)) for w in plan.workers))
     backends = ", ".join(f"worker {w} {backend_of(infos[w])}" for w in plan.workers)
     if nobody:
         return f"no worker can run op kinds {sorted(nobody)} of this model ({backends}); start a torch worker (--backend torch) for the stages that hold them"

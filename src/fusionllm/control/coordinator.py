@@ -14,14 +14,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from fusionllm.core.config import TrainConfig, TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.data import Batcher, load_corpus
-from fusionllm.runtime.peers import WORKER_SERVICE
-from fusionllm.runtime.single import TrainConfig, TrainResult
-from fusionllm.runtime.worker import COORDINATOR_SERVICE
-from fusionllm.runtime.worker_data import corpus_digest
-from fusionllm.transport.control import DataSpec
+from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
 from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
@@ -31,14 +27,14 @@ from .recovery import RecoveryMixin
 from .setup import SetupMixin
 from .state import StateMixin
 from .status import RunStatus
+from .task import RunTask
 from .training import TrainingMixin
-
-VAL_FRACTION = 0.1
 
 
 class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
-    def __init__(self, train: TrainConfig, cluster: ClusterConfig, *, say: Say = print, on_step: OnStep = lambda _: None, on_ready: Callable[[int], None] = lambda _: None) -> None:
-        self.train, self.cluster = train, cluster
+    def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
+                 on_ready: Callable[[int], None] = lambda _: None) -> None:
+        self.train, self.cluster, self.task = train, cluster, task
         self.say, self.on_step, self.on_ready = say, on_step, on_ready
         if train.batch_size % cluster.micro_batches:
             raise ConfigError(f"--batch-size {train.batch_size} must be a multiple of --micro-batches {cluster.micro_batches}")
@@ -60,13 +56,8 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
         self._graph_json = self._plan_json = ""
 
     def _load_data(self) -> None:
-        """The corpus, for its digest (workers check their copy against it) and for workers fed from here."""
-        t = self.train
-        train_tokens, val_tokens = load_corpus(t.data).split(VAL_FRACTION)
-        self.train_batches = Batcher(train_tokens, t.batch_size, t.seq_len, t.seed)
-        self.val_batches = Batcher(val_tokens, t.batch_size, t.seq_len, t.seed)
-        self.data_spec = DataSpec(source=t.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len, val_fraction=VAL_FRACTION,
-                                  digest=corpus_digest(train_tokens), eval_batches=self.cluster.eval_batches)
+        """The corpus's digest (workers check their copy against it)."""
+        self.data_spec = self.task.data_spec(self.cluster.eval_batches)
 
     async def run(self) -> TrainResult:
         self.port = await self.server.start(self.cluster.listen)
@@ -116,8 +107,8 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
             await client.close()
 
 
-def run_coordinator(train: TrainConfig, cluster: ClusterConfig, **kwargs: Any) -> TrainResult:
-    return asyncio.run(Coordinator(train, cluster, **kwargs).run())
+def run_coordinator(train: TrainConfig, cluster: ClusterConfig, task: RunTask, **kwargs: Any) -> TrainResult:
+    return asyncio.run(Coordinator(train, cluster, task, **kwargs).run())
 
 
 __all__ = ["ClusterConfig", "Coordinator", "Replan", "WorkerLost", "run_coordinator"]

@@ -20,11 +20,10 @@ from fusionllm.control.adatopk import (  # noqa: F401 (AdaTopK in planning; re-e
 )
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
+from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
-from fusionllm.graph.registry import SourceProvider
-from fusionllm.runtime.profile import estimate, matmul_flops
 from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import DEFAULT_CANDIDATES, make_schedule
+from fusionllm.schedule.schedulers import make_schedule
 from fusionllm.sim.simulator import simulate
 from fusionllm.transport.rpc import RpcClient
 
@@ -41,9 +40,11 @@ def hardware_from_file(path: str, workers: int) -> Hardware:
     return hw
 
 
-async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient], *, seconds: float, say: Callable[[str], None]) -> Hardware:
-    """Device speeds from the workers' own matmul probes; every link measured through our transport."""
-    ref = matmul_flops("cpu", threads=1, seconds=0.5)
+async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient], *, seconds: float, say: Callable[[str], None],
+                         reference_flops: float) -> Hardware:
+    """Device speeds from the workers' own matmul probes (in cores of ``reference_flops``); every link
+    measured through our transport."""
+    ref = reference_flops
     devices = []
     for w in sorted(members):
         info = members[w].info
@@ -66,12 +67,11 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
     return Hardware(tuple(devices), tuple(tuple(r) for r in bw), tuple(tuple(0.0 for _ in range(n)) for _ in range(n)), "probed")
 
 
-def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, source: SourceProvider | None, say: Callable[[str], None],
+def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork], say: Callable[[str], None],
                 compress: str = "none") -> tuple[Plan, CostModel]:
     """The scheduler's plan; with ``compress=adatopk``, OP-Fence also weighs plans that use slow links
     compressed. Returns the plan and the cost model without compression (AdaTopK's policy starts there)."""
     started = time.perf_counter()
-    work = estimate(graph, source=source, calibrate=True)
     cost = CostModel(graph, work, hw)
     plan = make_schedule(scheduler, cost, req, evaluate=predict)
     judged = cost
@@ -85,27 +85,6 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, s
         f"{plan.micro_batches} micro-batches, predicted {predicted.step_time_s:.3f} s/step "
         f"({predicted.tokens_per_s:.0f} tokens/s) [{time.perf_counter() - started:.1f} s to plan]")
     return plan, cost
-
-
-def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256,
-            candidates: int = DEFAULT_CANDIDATES) -> tuple[OpGraph, Hardware, CostModel, Plan]:
-    """Plan a model for a cluster file without any worker (what `fusionllm plan` / `simulate` do).
-
-    The model is traced on the meta device. Ops are timed on this machine when the cluster has CPU
-    devices (their speed is a quota of this machine's cores); accelerators use counted FLOPs.
-    """
-    from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import spec_source, trace_lm
-
-    hw = Hardware.from_spec(load_cluster(cluster_file))
-    net = build_model(model, vocab_size, device="meta")
-    if req.batch_size % req.micro_batches:
-        raise ConfigError(f"--batch-size {req.batch_size} must be a multiple of --micro-batches {req.micro_batches}")
-    graph = trace_lm(net, req.batch_size // req.micro_batches, req.seq_len, vocab_size=vocab_size, spec=model)
-    calibrate = any(d.cpus for d in hw.devices)
-    work = estimate(graph, source=spec_source(model, vocab_size), calibrate=calibrate)
-    cost = CostModel(graph, work, hw)
-    return graph, hw, cost, make_schedule(scheduler, cost, req, evaluate=predict, candidates=candidates)
 
 
 def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:

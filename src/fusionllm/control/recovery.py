@@ -8,7 +8,6 @@ from typing import Any
 
 from fusionllm.core.errors import FusionError, TransportError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.runtime.checkpoint import unpack_tensors
 from fusionllm.transport.control import Aborted
 
 from .config import Replan, Run, WorkerLost
@@ -22,13 +21,11 @@ class RecoveryMixin:
         began = time.perf_counter()
         self.replans += 1
         self.say(f"re-planning: {again.why}")
-        tensors: dict[str, Any] = {}
-        for blob in (await self._guard(run, self._stage_states(run))).values():
-            tensors.update(unpack_tensors(blob))
+        states = list((await self._guard(run, self._stage_states(run))).values())
         self._measured = self._measured_links()
         await self._leave(run, set())
         old = run.plan.meta.get("predicted_step_s")
-        run = await self._setup(carry=(tensors, again.next_step))
+        run = await self._setup(carry=(states, again.next_step))
         event = {"event": "replan", "why": again.why, "at_step": again.next_step, "seconds": round(time.perf_counter() - began, 3),
                  "old_predicted_step_s": old, "predicted_step_s": run.plan.meta.get("predicted_step_s"),
                  "stages": len(run.plan.stages), "workers": sorted(run.plan.workers)}

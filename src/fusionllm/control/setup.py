@@ -12,23 +12,17 @@ import asyncio
 import math
 from typing import Any
 
-import torch
-
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import ConfigError, FusionError
-from fusionllm.data import ByteTokenizer
 from fusionllm.graph.ir import OpGraph
-from fusionllm.models.spec import build_model
-from fusionllm.runtime.checkpoint import pack_tensors
-from fusionllm.runtime.model_graph import model_tensors, trace_lm
-from fusionllm.runtime.peers import WORKER_SERVICE
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, make_plan
 from fusionllm.schedule.validate import validate_plan
-from fusionllm.transport.control import Assign, Assigned, Hyper
+from fusionllm.transport.control import WORKER_SERVICE, Assign, Assigned, Hyper
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import pack
 from fusionllm.transport.rpc import RpcClient
+from fusionllm.transport.shards import read_selected, stage_keep
 
 from .capabilities import backend_of, place
 from .config import Run
@@ -38,33 +32,32 @@ from .limits import check_message_sizes
 class SetupMixin:
     """The coordinator's planning half (``Coordinator`` mixes it in)."""
 
-    async def _setup(self, *, recover: bool = False, carry: tuple[dict[str, Any], int] | None = None) -> Run:
+    async def _setup(self, *, recover: bool = False, carry: tuple[list[bytes], int] | None = None) -> Run:
         t, c = self.train, self.cluster
-        model, graph = await asyncio.to_thread(self._trace)  # minutes for a large model: heartbeats keep being answered
-        tensors: dict[str, torch.Tensor] = {}
+        graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
+        states: list[bytes] = []  # safetensors blobs holding every tensor; each stage gets its own by name
         load: str | None = None
         self.start_step = 0
         if carry is not None:  # a re-plan: the weights and AdamW state as they are now
-            tensors, self.start_step = carry
+            states, self.start_step = carry
         elif c.resume or recover:
             load = self._resume(graph)
         if carry is None and load is None:
-            tensors = {f"param/{k}": v for k, v in (await asyncio.to_thread(model_tensors, model)).items()}
+            states = [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
         replicas = None if recover else c.replicas  # a hand-made layout no longer fits fewer workers
         if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
-        self.model = model
         self.policy = None
         codec = parse_codec(c.compress)
         if c.scheduler:
-            graph, plan, cost = await self._schedule(model, graph, clients)
+            graph, plan, cost = await self._schedule(graph, clients)
         else:
             plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
-            cost = await self._cost(model, graph, clients) if codec.kind == "adatopk" else None
+            cost = await self._cost(graph, clients) if codec.kind == "adatopk" else None
         infos = {w: m.info for w, m in self.membership.members.items()}
-        plan = await asyncio.to_thread(place, graph, plan, infos, self.say)  # each stage on workers that run its op kinds
+        plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)  # each stage on workers that run its op kinds
         await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         if codec.kind == "adatopk":
@@ -77,20 +70,12 @@ class SetupMixin:
         self.membership.participants = set(plan.workers)
         run = Run(graph, plan, clients)
         self._print_plan(run, addresses)
-        await self._assign(run, addresses, tensors, load, codec)
+        await self._assign(run, addresses, states, load, codec)
         self.plan_record = self._plan_event(run, addresses, cost)
         self.status.event(self.plan_record)
         return run
 
-    def _trace(self) -> tuple[Any, OpGraph]:
-        t, c = self.train, self.cluster
-        model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
-        block = getattr(getattr(model, "config", None), "block_size", None)
-        if isinstance(block, int) and t.seq_len > block:
-            raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
-        return model, trace_lm(model, t.batch_size // c.micro_batches, t.seq_len, spec=t.model)
-
-    async def _assign(self, run: Run, addresses: dict[int, str], tensors: dict[str, Any], load: str | None, codec: Any) -> None:
+    async def _assign(self, run: Run, addresses: dict[int, str], states: list[bytes], load: str | None, codec: Any) -> None:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
@@ -103,8 +88,7 @@ class SetupMixin:
         async def assign(w: int) -> None:
             stage = plan.stage_of_worker(w)
             names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
-            mine = {k: v for k, v in tensors.items() if k.split("/")[-1] in names and (k.startswith("param/") or k.startswith("adam/"))}
-            blob = await asyncio.to_thread(pack_tensors, mine) if mine else b""
+            blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
                           nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load)
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
@@ -154,31 +138,28 @@ class SetupMixin:
         if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
             hw = hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
             return with_measured_links(hw, self._measured)
-        return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say)
+        ref = await asyncio.to_thread(self.task.reference_flops)
+        return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say, reference_flops=ref)
 
-    async def _cost(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
+    async def _cost(self, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.cost.model import CostModel
-        from fusionllm.runtime.model_graph import graph_source, root_source
-        from fusionllm.runtime.profile import estimate
 
         hw = await self._hardware(clients)
-        work = await asyncio.to_thread(estimate, graph, source=graph_source(graph) or root_source(model), calibrate=True)
-        return CostModel(graph, work, hw)
+        return CostModel(graph, await asyncio.to_thread(self.task.estimate, graph), hw)
 
-    async def _schedule(self, model: Any, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
+    async def _schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
         from fusionllm.control.planning import choose_plan
-        from fusionllm.runtime.model_graph import graph_source, root_source
         from fusionllm.schedule.plan import Request
 
         t, c = self.train, self.cluster
         hw = await self._hardware(clients)
         req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
-        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, source=graph_source(graph) or root_source(model), say=self.say,
-                                             compress=str(parse_codec(c.compress)))
+        work = await asyncio.to_thread(self.task.estimate, graph)
+        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)))
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")
-            again = await asyncio.to_thread(trace_lm, model, t.batch_size // plan.micro_batches, t.seq_len, spec=t.model)
+            again = await asyncio.to_thread(self.task.trace, t.batch_size // plan.micro_batches)
             if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
                 raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and a plan by hand")
             graph = again

@@ -18,10 +18,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from fusionllm.core.checkpoints import PREFIX, latest_checkpoint
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.checkpoint import PREFIX, latest_checkpoint
-from fusionllm.runtime.shards import shard_keys, write_shard
 from fusionllm.transport.control import (
     Evaluate,
     Evaluated,
@@ -30,6 +29,7 @@ from fusionllm.transport.control import (
     ShardSaved,
     StatePage,
 )
+from fusionllm.transport.shards import shard_keys, write_shard
 
 from .config import Run
 
@@ -64,7 +64,7 @@ class StateMixin:
         async def ask(w: int) -> Evaluated:
             inputs = None
             if w in run.fed:
-                inputs = {str(j): self._inputs_for(run, w, *self.val_batches.eval_arrays(j, c.eval_batches)) for j in range(batches)}
+                inputs = {str(j): self._inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
             return Evaluated.from_wire(await run.clients[w].call("Evaluate", Evaluate(at_step, batches, inputs).to_wire(), timeout=c.step_timeout))
 
         replies = await self._step_calls(run, {w: ask(w) for w in run.plan.workers})

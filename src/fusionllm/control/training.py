@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 
 from fusionllm.compress.wire import encode_array
+from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import FusionError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.runtime.optim import lr_at
-from fusionllm.runtime.single import TrainResult
 from fusionllm.schedule.actions import format_grid
 from fusionllm.schedule.plan import routes
 from fusionllm.transport.control import Step, StepDone
@@ -44,7 +43,7 @@ class TrainingMixin:
 
     async def _train(self, run: Run, metrics: JsonlWriter) -> TrainResult:
         t, c = self.train, self.cluster
-        eval_n = len(self.val_batches.eval_starts(c.eval_batches)) if c.eval_every else 0
+        eval_n = self.task.eval_count(c.eval_batches) if c.eval_every else 0
         if c.eval_every and eval_n == 0:
             raise FusionError(f"the validation split holds no whole batch of {t.batch_size} x {t.seq_len} tokens: use --eval-every 0 or more data")
         result = TrainResult(num_params=run.graph.num_params())
@@ -53,7 +52,7 @@ class TrainingMixin:
         self._links: dict[tuple[int, int], tuple[int, float]] = {}
         for step in range(self.start_step, t.steps):
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
-            batch = self.train_batches.arrays(step) if run.fed else None
+            batch = self.task.batch(step) if run.fed else None
             calls = {}
             for w in run.plan.workers:
                 ratios = {str(b): r for (a, b), r in self.policy.ratios().items() if a == w} if self.policy is not None else None

@@ -228,3 +228,14 @@ class OpGraph:
 
     def topological_ids(self) -> list[str]:
         return [n.id for n in self.nodes]
+
+
+def op_key(node: Node) -> str:
+    """The name of a node's op as backends advertise the kinds they run: ``module:torch.nn.Linear``, ``method:view``, ..."""
+    if node.kind in ("function",):
+        return f"function:{node.config.get('target')}"
+    if node.kind in ("method", "property"):
+        return f"{node.kind}:{node.config.get('name')}"
+    if node.kind == "submodule":
+        return f"submodule:{node.config.get('class')}"
+    return node.kind

@@ -17,7 +17,7 @@ import numpy as np
 
 from fusionllm.core.errors import GraphError
 from fusionllm.core.meta import TensorMeta
-from fusionllm.graph.ir import Node
+from fusionllm.graph.ir import Node, op_key  # noqa: F401 (op_key lives with the IR; re-exported)
 from fusionllm.npexec.args import Ref, bind
 
 Arrays = Sequence[np.ndarray]
@@ -69,17 +69,6 @@ class Op:
         ``gys[k]`` is None when output ``k`` got no gradient; at least one is not None.
         """
         raise NotImplementedError
-
-
-def op_key(node: Node) -> str:
-    """The name of a node's op in this backend: ``module:torch.nn.Linear``, ``method:view``, ..."""
-    if node.kind in ("function",):
-        return f"function:{node.config.get('target')}"
-    if node.kind in ("method", "property"):
-        return f"{node.kind}:{node.config.get('name')}"
-    if node.kind == "submodule":
-        return f"submodule:{node.config.get('class')}"
-    return node.kind
 
 
 def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

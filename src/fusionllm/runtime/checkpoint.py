@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fusionllm.core.checkpoints import PREFIX, latest_checkpoint  # noqa: F401 (the layout lives in core; re-exported)
 from fusionllm.core.errors import ConfigError
-
-PREFIX = "step-"
 
 
 def write_checkpoint(root: str | Path, step: int, stage_states: dict[int, bytes], files: dict[str, str], state: dict[str, Any]) -> Path:
@@ -57,14 +56,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
-    return done[-1] if done else None
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:

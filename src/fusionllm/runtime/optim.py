@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-
-def lr_at(step: int, *, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup for `warmup` steps, then cosine decay to `min_ratio * lr` at `steps`."""
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+from fusionllm.core.config import lr_at  # noqa: F401 (the schedule lives in core; re-exported)
 
 
 def make_adamw(named: Iterable[tuple[str, nn.Parameter]], lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from fusionllm.core.errors import WireError
+from fusionllm.transport.control import WORKER_SERVICE
 from fusionllm.transport.frames import read_tensor, tensor_frames
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.stream import DataClient
 from fusionllm.transport.tls import TlsFiles
 
 Key = tuple  # (kind, step, mb, edge or bucket, src)
-WORKER_SERVICE = "fusionllm.Worker"
 
 
 def _key(header: dict[str, Any]) -> Key:

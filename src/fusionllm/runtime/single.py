@@ -4,53 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from fusionllm.core.config import TrainConfig, TrainResult, lr_at
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
-from fusionllm.runtime.optim import lr_at, make_adamw
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: str = "gpt-micro"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    seed: int = 0
-    data: str | None = None
-    metrics: str | None = None
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if self.warmup < 0 or self.eval_every < 0 or self.grad_clip < 0:
-            raise ConfigError("--warmup, --eval-every and --grad-clip must be >= 0")
-
-
-@dataclass
-class TrainResult:
-    losses: list[float] = field(default_factory=list)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)
-    tokens: int = 0
-    elapsed_s: float = 0.0
-    num_params: int = 0
-
+from fusionllm.runtime.optim import make_adamw
 
 StepCallback = Callable[[dict], None]
 

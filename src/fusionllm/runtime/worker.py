@@ -31,12 +31,12 @@ from fusionllm.core.errors import AuthError, FusionError, RemoteError, Transport
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.shards import read_selected, stage_keep, write_shard
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.control import (
+    COORDINATOR_SERVICE,
     Aborted,
     Assign,
     Assigned,
@@ -56,10 +56,10 @@ from fusionllm.transport.control import (
 )
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
+from fusionllm.transport.shards import read_selected, stage_keep, write_shard
 from fusionllm.transport.stream import DataServer
 from fusionllm.transport.tls import TlsFiles
 
-COORDINATOR_SERVICE = "fusionllm.Coordinator"
 MAX_WEIGHTS = 1 << 40
 PAGE = 64 << 20  # the largest page of state one GetState answers (well under the transport's message limit)
 

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar, get_args, get_origin
 from fusionllm.core.errors import WireError
 
 VERSION = 1
+WORKER_SERVICE = "fusionllm.Worker"
+COORDINATOR_SERVICE = "fusionllm.Coordinator"
 M = TypeVar("M", bound="Message")
 
 

@@ -1,23 +1,25 @@
-"""Checkpoint shards on the worker's side: write its stage's file, read back only the tensors it needs.
+"""Safetensors at the byte level: checkpoint shards written atomically, tensors picked by name.
 
 A shard is a safetensors file (``stage-<k>.safetensors``). Writing goes through a temporary name,
 ``fsync`` and a rename, so a shard is either whole or absent. Reading parses the safetensors header
 (size-checked before anything is allocated) and copies only the byte ranges of the tensors asked
 for, so a worker that holds one stage of a re-planned model reads its part of every old shard, not
 every shard whole. What it reads is handed to the backend as a safetensors blob (the backend's own
-``unpack``), so NumPy and torch workers load the same files.
+``unpack``), so NumPy and torch workers load the same files. The coordinator uses the same code to
+split a re-plan's stage states by name, without any framework.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fusionllm.core.errors import ConfigError
+from fusionllm.core.errors import ConfigError, WireError
 
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
@@ -58,14 +60,16 @@ def shard_keys(path: Path) -> list[str]:
     return [k for k in head if k != "__metadata__"]
 
 
-def read_selected(paths: Iterable[Path], keep: Callable[[str], bool]) -> bytes:
-    """The tensors whose names ``keep`` accepts, from all ``paths``, as one safetensors blob."""
+def read_selected(paths: Iterable[Path | bytes], keep: Callable[[str], bool]) -> bytes:
+    """The tensors whose names ``keep`` accepts, from all ``paths`` (files, or safetensors blobs in
+    memory), as one safetensors blob."""
     entries: dict[str, dict] = {}
     chunks: list[bytes] = []
     offset = 0
     for path in paths:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        with (io.BytesIO(path) if isinstance(path, bytes) else open(path, "rb")) as fh:
+            size = len(path) if isinstance(path, bytes) else os.fstat(fh.fileno()).st_size
+            path = Path("<memory>") if isinstance(path, bytes) else path
             head, base = _header(fh, path, size)
             for name, info in head.items():
                 if name == "__metadata__" or not keep(name) or name in entries:
@@ -85,6 +89,16 @@ def read_selected(paths: Iterable[Path], keep: Callable[[str], bool]) -> bytes:
     head_bytes = json.dumps(entries, separators=(",", ":")).encode()
     head_bytes += b" " * (-len(head_bytes) % 8)  # safetensors aligns the data to 8 bytes
     return struct.pack("<Q", len(head_bytes)) + head_bytes + b"".join(chunks)
+
+
+def blob_keys(blob: bytes) -> list[str]:
+    """The tensor names of a safetensors blob in memory."""
+    with io.BytesIO(blob) as fh:
+        try:
+            head, _ = _header(fh, Path("<memory>"), len(blob))
+        except ConfigError as exc:
+            raise WireError(str(exc)) from None
+    return [k for k in head if k != "__metadata__"]
 
 
 def stage_keep(param_names: set[str]) -> Callable[[str], bool]:

@@ -1,0 +1,53 @@
+"""A training run's settings and result, and its learning-rate schedule: plain values every layer shares."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fusionllm.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "gpt-micro"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    seed: int = 0
+    data: str | None = None
+    metrics: str | None = None
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.warmup < 0 or self.eval_every < 0 or self.grad_clip < 0:
+            raise ConfigError("--warmup, --eval-every and --grad-clip must be >= 0")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    num_params: int = 0
+
+
+def lr_at(step: int, *, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup for `warmup` steps, then cosine decay to `min_ratio * lr` at `steps`."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
