@@ -83,6 +83,7 @@ def coordinator(
     dashboard: DashboardOpt = None,
     replan_factor: ReplanOpt = 2.0,
     dead_after: DeadAfterOpt = 10.0,
+    config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
@@ -102,14 +103,19 @@ def coordinator(
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
     )
-    bar, on_step, first = progress_bar(steps, "train")
+    if config is not None:
+        from fusionllm.control.config import RunConfig
+
+        run = RunConfig.from_json(config.read_text(), listen=listen, token=cluster_cfg.token, workers=workers)
+        train_cfg, cluster_cfg = run.train, run.cluster
+    bar, on_step, first = progress_bar(train_cfg.steps, "train")
 
     def say(msg: str) -> None:
         console.print(msg, highlight=False, markup=False)
 
     with bar:
         result = run_coordinator(train_cfg, cluster_cfg, LMTask(train_cfg), say=say, on_step=on_step)
-    summary(model, result, first, steps)
+    summary(train_cfg.model, result, first, train_cfg.steps)
 
 
 @user_errors

@@ -88,6 +88,7 @@ def train(
     dead_after: DeadAfterOpt = 10.0,
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
+    compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -100,29 +101,30 @@ def train(
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
     if cluster:
+        from fusionllm.cli.run import _replicas
+        from fusionllm.control.config import ClusterConfig, RunConfig
         from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
+        from fusionllm.transport.tls import TlsFiles
 
-        args = [
-            "--model", model, "--steps", str(steps), "--batch-size", str(batch_size), "--seq-len", str(seq_len),
-            "--lr", str(lr), "--seed", str(seed), "--warmup", str(warmup), "--schedule", schedule,
-            "--micro-batches", str(micro_batches), "--checkpoint-every", str(checkpoint_every),
-            "--probe-seconds", str(probe_seconds), "--compress", compress, "--eval-every", str(eval_every),
-            "--eval-batches", str(eval_batches), "--dead-after", str(dead_after), "--replan-factor", str(replan_factor),
-            *(["--dashboard", dashboard] if dashboard else []),
-        ]
-        args += ["--data", data] if data else []
-        args += ["--metrics", str(metrics)] if metrics else []
-        args += ["--replicas", replicas] if replicas else []
-        args += ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
-        args += ["--resume"] if resume else []
+        toml = cluster.endswith(".toml")
+        if toml:
+            plan_scheduler = None if replicas and not scheduler else (scheduler or "opfence")  # --replicas: a plan by hand
+            plan_hardware = None if probe_links else cluster
+        else:
+            plan_scheduler, plan_hardware = scheduler, str(hardware) if hardware else None
+        run = RunConfig(config, ClusterConfig(
+            listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=_replicas(replicas),
+            checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every, resume=resume,
+            scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
+            eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
+            dashboard=dashboard, compress_roles=compress_roles,
+        ))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.json").write_text(run.to_json())
+        args = ["--config", str((run_dir / "run.json").resolve())]
         tls = _tls_args(tls_cert, tls_key, tls_ca)
-        args += tls
-        if cluster.endswith(".toml"):
-            args += [] if replicas and not scheduler else ["--scheduler", scheduler or "opfence"]  # --replicas: a plan by hand
-            args += [] if probe_links else ["--hardware", cluster]
+        if toml:
             raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
-        args += ["--scheduler", scheduler] if scheduler else []
-        args += ["--hardware", str(hardware)] if hardware else []
         n = parse_cluster(cluster)
         worker_args = [
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)

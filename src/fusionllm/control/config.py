@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import Action
@@ -83,3 +85,31 @@ class Run:
     actions: dict[int, list[Action]] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
     fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run, built once by the CLI: what to train and how. ``train`` starts a local cluster by writing
+    it to the run directory (``run.json``, no token in it) for ``fusionllm coordinator --config``;
+    the workers get their part of it in typed messages (``Hyper``, ``DataSpec``)."""
+
+    train: TrainConfig
+    cluster: ClusterConfig
+
+    def to_json(self) -> str:
+        cluster = {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls", "listen", "workers")}
+        tls = list(self.cluster.tls.paths) if self.cluster.tls is not None else None
+        return json.dumps({"version": 1, "train": asdict(self.train), "cluster": cluster, "tls": tls}, indent=1)
+
+    @staticmethod
+    def from_json(text: str, *, listen: str, token: str, workers: int) -> RunConfig:
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != 1:
+                raise ConfigError(f"run configuration version {raw.get('version')!r}: this fusionllm reads version 1")
+            train = TrainConfig(**raw["train"])
+            tls = TlsFiles.load(*raw["tls"]) if raw.get("tls") else None
+            cluster = ClusterConfig(listen=listen, token=token, workers=workers, tls=tls, **raw["cluster"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"the run configuration is malformed ({type(exc).__name__}: {exc}); write it with `fusionllm train`") from None
+        return RunConfig(train, cluster)
