@@ -18,12 +18,13 @@ from fusionllm.control.adatopk import (  # noqa: F401 (AdaTopK in planning; re-e
     link_policy,
     with_compression,
 )
-from fusionllm.core.errors import ConfigError
+from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.cost.model import CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.plan import Plan, Request
 from fusionllm.schedule.schedulers import make_schedule
+from fusionllm.schedule.validate import InvalidPlan
 from fusionllm.sim.simulator import simulate
 from fusionllm.transport.rpc import RpcClient
 
@@ -68,12 +69,27 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
 
 
 def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork], say: Callable[[str], None],
-                compress: str = "none") -> tuple[Plan, CostModel]:
+                compress: str = "none", place: Callable[[Plan], Plan] | None = None) -> tuple[Plan, CostModel]:
     """The scheduler's plan; with ``compress=adatopk``, OP-Fence also weighs plans that use slow links
-    compressed. Returns the plan and the cost model without compression (AdaTopK's policy starts there)."""
+    compressed. Returns the plan and the cost model without compression (AdaTopK's policy starts there).
+
+    ``place`` puts a plan's stages on workers that run their op kinds (``capabilities.place``): a
+    constraint of the search, so OP-Fence judges every candidate as it will run, drops those no
+    placement fits, and the prediction is the placed plan's."""
     started = time.perf_counter()
     cost = CostModel(graph, work, hw)
-    plan = make_schedule(scheduler, cost, req, evaluate=predict)
+
+    def judge(plan: Plan, cost: CostModel, req: Request) -> float:
+        if place is not None:
+            try:
+                plan = place(plan)
+            except FusionError as exc:
+                raise InvalidPlan("capability", str(exc)) from None
+        return predict(plan, cost, req)
+
+    plan = make_schedule(scheduler, cost, req, evaluate=judge)
+    if place is not None:
+        plan = place(plan)
     judged = cost
     if compress == "adatopk" and scheduler == "opfence":
         plan, judged = compression_aware(plan, cost, req)

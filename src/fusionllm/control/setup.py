@@ -155,7 +155,13 @@ class SetupMixin:
         hw = await self._hardware(clients)
         req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
         work = await asyncio.to_thread(self.task.estimate, graph)
-        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)))
+        infos = {w: m.info for w, m in self.membership.members.items()}
+
+        def placed(p: Plan) -> Plan:  # capability placement inside the search: candidates are judged as they will run
+            return place(graph, p, infos, lambda _: None, self.task.refused_ops)
+
+        plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, work=work, say=self.say,
+                                             compress=str(parse_codec(c.compress)), place=placed)
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")
