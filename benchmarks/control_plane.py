@@ -1,0 +1,462 @@
+#!/usr/bin/env python
+"""Bytes through the coordinator: per step, per evaluation, per checkpoint, and for setting up.
+
+How it measures. The coordinator (`fusionllm coordinator`) runs alone in a network namespace of its
+own, joined to the root namespace by one veth pair; the four workers (`fusionllm worker`) run in
+the root namespace and listen on the root end's address. Every byte the coordinator sends or
+receives therefore crosses that veth, and nothing else does: worker-to-worker tensors go to
+addresses of the root namespace and stay there. The kernel's counters of the root end
+(/sys/class/net/<if>/statistics/{rx,tx}_bytes) are read before and after each run, once every
+process has exited; rx is coordinator -> workers ("down"), tx is workers -> coordinator ("up").
+They count whole frames: payload, gRPC, HTTP/2, TCP/IP and Ethernet headers, ACKs, heartbeats.
+IPv6 is off on both ends so that no neighbour discovery adds to them.
+
+Attribution, from four runs of the same model, batch and seed (k = --steps):
+  a1: 1 step                 ak: k steps
+  ek: k steps, --eval-every 1   ck: k steps, --checkpoint-every 1
+  per step       = (ak - a1) / (k - 1)
+  setup          = a1 - per step   (joining, planning, shipping stages, shutting down)
+  per evaluation = (ek - ak) / evaluations done in ek   (counted from the metrics JSONL)
+  per checkpoint = (ck - ak) / k   (one checkpoint per step, the last included)
+
+Why it is fair to old and new code alike. Nothing here knows how the coordinator talks to the
+workers: it starts the two public commands with the same flags and counts what the kernel
+carried, so moving the data, evaluation or checkpoints out of the coordinator shows up as bytes
+that no longer cross the veth, whatever the messages look like. Both codes run the same model,
+data, seed and flags on the same machine, one run at a time. Heartbeats (every 2 s from each
+worker) are driven by time, not by steps: they are counted in whichever phase they fall, so a
+phase's bytes include about `heartbeat B/s x its seconds`. The heartbeat rate is measured on its
+own (four workers joined to a coordinator that waits for a fifth: nothing else moves), and the
+table also gives the bytes per step without the heartbeats of the step's seconds (per step net).
+
+    flock /tmp/fusionllm-bench.lock .venv/bin/python benchmarks/control_plane.py --code before --models gpt-micro,gpt2
+    flock /tmp/fusionllm-bench.lock .venv/bin/python benchmarks/control_plane.py --code after   # when the new code is in
+    .venv/bin/python benchmarks/control_plane.py --report-only   # table and plot again from the JSON
+
+Needs root (network namespaces, veth). "before" is commit 731f1e9, checked out as a git worktree
+at /tmp/fcp-before (made if absent) and run with that tree's src first on PYTHONPATH; "after" is
+this working tree. Results merge into control_plane.json by (model, code), so codes and models can
+be run separately. Writes control_plane.json, control_plane.md and control_plane.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BEFORE_COMMIT = "731f1e9"
+BEFORE_TREE = Path("/tmp/fcp-before")
+PREFIX = "fcp-"  # namespaces and links of this benchmark (the testbed's are fusion-*)
+PORT = 7000  # the coordinator's port, inside its own namespace
+WORKERS = 4
+RUN_FLAGS = ["--batch-size", "4", "--seq-len", "64", "--micro-batches", "4", "--seed", "0", "--warmup", "1", "--eval-batches", "4"]
+RUN_TIMEOUT_S = 3600.0
+HEARTBEAT_WINDOW_S = 30.0  # 4 workers x one beat per 2 s: 60 beats, so a beat more or less is under 2 %
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _sh(*cmd: str, check: bool = True) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+class CoordinatorLink:
+    """A namespace for the coordinator and the veth pair that is its only way out.
+
+    Root end ``fcp-h<pid>`` at ``<net>.1``, namespace end ``eth0`` at ``<net>.2`` in ``fcp-c<pid>``.
+    Removed on exit, on error and on Ctrl+C (only what this object made).
+    """
+
+    def __init__(self) -> None:
+        tag = str(os.getpid())
+        self.netns, self.host_if = f"{PREFIX}c{tag}", f"{PREFIX}h{tag}"
+        self.made_ns = self.made_link = False
+        used = _sh("ip", "-4", "addr", "show") + _sh("ip", "-4", "route", "show")
+        net = next((f"10.241.{i}" for i in range(os.getpid() % 200, 250) if f"10.241.{i}." not in used), None)
+        if net is None:
+            raise RuntimeError("no free 10.241.x.0/30 subnet for the coordinator's veth")
+        self.root_addr, self.coord_addr = f"{net}.1", f"{net}.2"
+
+    def __enter__(self) -> CoordinatorLink:
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        if os.geteuid() != 0:
+            raise RuntimeError("needs root: the coordinator runs in a network namespace of its own")
+        ns, host = self.netns, self.host_if
+        _sh("ip", "netns", "add", ns)
+        self.made_ns = True
+        _sh("ip", "link", "add", host, "type", "veth", "peer", "name", f"{PREFIX}p{os.getpid()}")
+        self.made_link = True
+        _sh("ip", "link", "set", f"{PREFIX}p{os.getpid()}", "netns", ns)
+        in_ns = ["ip", "netns", "exec", ns]
+        _sh(*in_ns, "ip", "link", "set", f"{PREFIX}p{os.getpid()}", "name", "eth0")
+        _sh("sysctl", "-qw", f"net.ipv6.conf.{host}.disable_ipv6=1")  # no neighbour discovery on the counters
+        _sh(*in_ns, "sysctl", "-qw", "net.ipv6.conf.eth0.disable_ipv6=1")
+        _sh("ip", "addr", "add", f"{self.root_addr}/30", "dev", host)
+        _sh("ip", "link", "set", host, "up")
+        _sh(*in_ns, "ip", "addr", "add", f"{self.coord_addr}/30", "dev", "eth0")
+        _sh(*in_ns, "ip", "link", "set", "eth0", "up")
+        _sh(*in_ns, "ip", "link", "set", "lo", "up")
+
+    def down(self) -> None:
+        if self.made_ns:
+            for pid in _sh("ip", "netns", "pids", self.netns, check=False).split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)  # only our coordinator lives there
+            _sh("ip", "netns", "delete", self.netns, check=False)  # takes the veth pair with it
+            self.made_ns = False
+        if self.made_link and Path(f"/sys/class/net/{self.host_if}").exists():
+            _sh("ip", "link", "delete", self.host_if, check=False)
+        self.made_link = False
+
+    def counters(self) -> tuple[int, int]:
+        """(coordinator -> workers, workers -> coordinator) bytes so far, as the root end counts them."""
+        stats = Path(f"/sys/class/net/{self.host_if}/statistics")
+        return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str  # a1, ak, ek, ck
+    steps: int
+    flags: tuple[str, ...] = ()
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "step" in r and "event" not in r]
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+class Sampler(threading.Thread):
+    """Counters and the number of step records, every 0.1 s: the run as a time series."""
+
+    def __init__(self, link: CoordinatorLink, metrics: Path) -> None:
+        super().__init__(daemon=True)
+        self.link, self.metrics = link, metrics
+        self.series: list[tuple[float, int, int, int]] = []  # (s since start, down, up, step records)
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        began = time.monotonic()
+        while not self.halt.is_set():
+            down, up = self.link.counters()
+            n = len(_steps(_records(self.metrics)))
+            self.series.append((time.monotonic() - began, down, up, n))
+            self.halt.wait(0.1)
+
+
+def code_env(code: str) -> dict[str, str]:
+    """The environment that makes `python -m fusionllm` run that code (checked by importing it)."""
+    tree = ROOT if code == "after" else BEFORE_TREE
+    if code == "before" and not (BEFORE_TREE / "src" / "fusionllm").exists():
+        _sh("git", "-C", str(ROOT), "worktree", "add", "--detach", str(BEFORE_TREE), BEFORE_COMMIT)
+    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "FUSIONLLM_TESTBED": "off"}
+    env.pop("FUSIONLLM_LOGLEVEL", None)
+    where = subprocess.run([sys.executable, "-c", "import fusionllm; print(fusionllm.__file__)"], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if not where.startswith(str(tree / "src")):
+        raise RuntimeError(f"--code {code}: python imports fusionllm from {where}, not from {tree / 'src'}")
+    return env
+
+
+def run_once(link: CoordinatorLink, env: dict[str, str], model: str, sc: Scenario, tmp: Path, *, idle_s: float = 0.0) -> dict[str, Any]:
+    """One coordinator and four workers; the veth's bytes from before the first process to after the last.
+
+    With ``idle_s``: the coordinator waits for a fifth worker that never comes, so the four send
+    nothing but their heartbeats; everything is stopped after ``idle_s`` seconds.
+    """
+    run_dir = tmp / f"{model}-{sc.name}"
+    run_dir.mkdir(parents=True)
+    token = run_dir / "token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    metrics, ckpt = run_dir / "metrics.jsonl", run_dir / "ckpt"
+    base = [sys.executable, "-m", "fusionllm"]
+    coord_cmd = ["ip", "netns", "exec", link.netns, *base, "coordinator", "--listen", f"{link.coord_addr}:{PORT}", "--token-file", str(token),
+                 "--workers", str(WORKERS + 1 if idle_s else WORKERS), "--model", model, "--steps", str(sc.steps), *RUN_FLAGS, "--metrics", str(metrics),
+                 "--checkpoint-dir", str(ckpt), *sc.flags]
+    procs: list[subprocess.Popen] = []
+    logs = []
+    sampler = Sampler(link, metrics)
+    before = link.counters()
+    began = time.monotonic()
+    try:
+        log = open(run_dir / "coordinator.log", "wb")  # noqa: SIM115 - closed in finally
+        logs.append(log)
+        procs.append(subprocess.Popen(coord_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=run_dir))
+        sampler.start()
+        for i in range(WORKERS):
+            log = open(run_dir / f"worker-{i}.log", "wb")  # noqa: SIM115
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [*base, "worker", "--join", f"{link.coord_addr}:{PORT}", "--token-file", str(token), "--rank", str(i),
+                 "--listen", f"{link.root_addr}:0", "--threads", "1"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=run_dir,
+            ))
+        if idle_s:
+            time.sleep(idle_s)
+            return {"series": list(sampler.series)}
+        rc = procs[0].wait(RUN_TIMEOUT_S)
+        deadline = time.monotonic() + 15  # workers hear "finished" within a heartbeat or two
+        for p in procs[1:]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        sampler.halt.set()
+        if sampler.is_alive():
+            sampler.join()
+        for log in logs:
+            log.close()
+    wall = time.monotonic() - began
+    time.sleep(0.5)  # the last FIN/ACKs
+    after = link.counters()
+    if rc != 0:
+        tail = (run_dir / "coordinator.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{model} {sc.name}: coordinator exited {rc}; logs in {run_dir}\n{tail}")
+    records = _records(metrics)
+    steps = _steps(records)
+    if len(steps) != sc.steps:
+        raise RuntimeError(f"{model} {sc.name}: {len(steps)} step records in {metrics}, expected {sc.steps}")
+    ckpt_dirs = [d for d in ckpt.iterdir() if d.is_dir() and not d.name.startswith(".")] if ckpt.exists() else []
+    row = {"scenario": sc.name, "steps": sc.steps, "flags": list(sc.flags), "wall_s": round(wall, 2),
+           "down": after[0] - before[0], "up": after[1] - before[1],
+           "evaluations": sum(1 for r in records if any(k.startswith("val") for k in r)),
+           "checkpoint_dirs": len(ckpt_dirs), "checkpoint_bytes_on_disk": _du(ckpt),
+           "params": None,
+           "series": [(round(t, 2), d - before[0], u - before[1], n) for t, d, u, n in sampler.series]}
+    first = next((p for p in records if p.get("event") == "plan"), None)
+    if first is not None:  # one plan's parameters (a re-plan would repeat them)
+        row["params"] = sum(s.get("params", 0) for s in first.get("stages", [])) or None
+    shutil.rmtree(ckpt, ignore_errors=True)  # gpt2's checkpoints are GBs
+    return row
+
+
+def heartbeat_rate(link: CoordinatorLink, env: dict[str, str], tmp: Path, seconds: float = 54.0, last: float = 0.0) -> float:
+    """Bytes/s through the coordinator while four joined workers wait: their heartbeats (and replies).
+
+    The rate over the last ``last`` seconds of ``seconds`` (the workers start, load torch and join first).
+    """
+    last = last or HEARTBEAT_WINDOW_S
+    series = run_once(link, env, "gpt-micro", Scenario("idle", 1), tmp, idle_s=seconds)["series"]
+    t1, d1, u1, _ = series[-1]
+    t0, d0, u0, _ = next(s for s in series if s[0] >= t1 - last)
+    return ((d1 - d0) + (u1 - u0)) / (t1 - t0)
+
+
+def _step_seconds(series: list[tuple[float, int, int, int]], steps: int) -> float | None:
+    """Seconds from the first step record to the last, per step (when the records appeared)."""
+    first = next((s[0] for s in series if s[3] >= 1), None)
+    last = next((s[0] for s in series if s[3] >= steps), None)
+    return None if first is None or last is None else (last - first) / (steps - 1)
+
+
+def model_bytes(env: dict[str, str], model: str, runs: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """(parameters, bytes of the float32 weights): from the plan record, else by building the model."""
+    params = runs["ak"].get("params")
+    if not params:
+        code = ("import sys; from fusionllm.models.spec import build_model; from fusionllm.data import ByteTokenizer; "
+                "m = build_model(sys.argv[1], ByteTokenizer().vocab_size, seed=0); print(sum(p.numel() for p in m.parameters()))")
+        params = int(subprocess.run([sys.executable, "-c", code, model], env=env, capture_output=True, text=True, check=True).stdout.split()[-1])
+    return params, params * 4
+
+
+def measure(link: CoordinatorLink, code: str, model: str, k: int, tmp: Path, heartbeat: float) -> dict[str, Any]:
+    env = code_env(code)
+    scenarios = [Scenario("a1", 1), Scenario("ak", k), Scenario("ek", k, ("--eval-every", "1")), Scenario("ck", k, ("--checkpoint-every", "1"))]
+    runs = {}
+    for sc in scenarios:
+        runs[sc.name] = run_once(link, env, model, sc, tmp)
+        r = runs[sc.name]
+        print(f"  {model} {code} {sc.name}: {r['wall_s']:.1f} s, down {r['down']:,} B, up {r['up']:,} B, "
+              f"{r['evaluations']} evaluations, {r['checkpoint_dirs']} checkpoints", flush=True)
+    evals = runs["ek"]["evaluations"] or k
+    ckpts = k  # --checkpoint-every 1 means one per step, however the code lays them out on disk (runs.ck.checkpoint_dirs: a check)
+    out: dict[str, Any] = {"model": model, "code": code, "commit": BEFORE_COMMIT if code == "before" else _sh("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD").strip() + "+working tree",
+                           "steps_k": k, "evaluations": evals, "checkpoints": ckpts}
+    for d in ("down", "up"):
+        per_step = (runs["ak"][d] - runs["a1"][d]) / (k - 1)
+        out[f"setup_{d}"] = round(runs["a1"][d] - per_step)
+        out[f"per_step_{d}"] = round(per_step)
+        out[f"per_eval_{d}"] = round((runs["ek"][d] - runs["ak"][d]) / evals)
+        out[f"per_checkpoint_{d}"] = round((runs["ck"][d] - runs["ak"][d]) / ckpts)
+    for what in ("setup", "per_step", "per_eval", "per_checkpoint"):
+        out[what] = out[f"{what}_down"] + out[f"{what}_up"]
+    out["params"], out["model_bytes"] = model_bytes(env, model, runs)
+    out["checkpoint_bytes_on_disk"] = runs["ck"]["checkpoint_bytes_on_disk"] // ckpts if runs["ck"]["checkpoint_bytes_on_disk"] else None
+    step_s = _step_seconds(runs["ak"]["series"], k)
+    out["step_s"] = None if step_s is None else round(step_s, 2)
+    out["heartbeat_Bps"], out["heartbeat_window_s"] = round(heartbeat), HEARTBEAT_WINDOW_S
+    if step_s is not None:  # what a step costs beyond the heartbeats that fall in its seconds
+        out["per_step_net"] = round(out["per_step"] - out["heartbeat_Bps"] * step_s)
+    out["runs"] = {name: {key: v for key, v in r.items() if key != "series"} for name, r in runs.items()}
+    out["series_ak"] = runs["ak"]["series"]
+    return out
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{WORKERS} workers (local, one process each, --threads 1), the coordinator in its own network namespace; batch 4 x 64 tokens, "
+             "4 micro-batches, seed 0. Bytes are Ethernet frames on the coordinator's veth, both directions "
+             "(down: coordinator to workers, up: workers to coordinator); heartbeats included, except in per step net.", "",
+             "| model | code | k | setup | per step | per step net | per evaluation | per checkpoint | model size (float32) | checkpoint on disk | step (s) | heartbeats (B/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def cell(what: str, r: dict[str, Any] = r) -> str:
+            return f"{_fmt(r[what])} ({_fmt(r[what + '_down'])} down, {_fmt(r[what + '_up'])} up)"
+        lines.append(f"| {r['model']} | {r['code']} | {r['steps_k']} | {cell('setup')} | {cell('per_step')} | {_fmt(r.get('per_step_net'))} | {cell('per_eval')} | "
+                     f"{cell('per_checkpoint')} | {_fmt(r['model_bytes'])} ({r['params'] / 1e6:.1f} M params) | {_fmt(r['checkpoint_bytes_on_disk'])} | "
+                     f"{r['step_s']} | {r['heartbeat_Bps']} |")
+    lines += ["", "setup = a1 - per step; per step = (ak - a1)/(k-1); per evaluation = (ek - ak)/evaluations; per checkpoint = (ck - ak)/checkpoints, "
+              "where a1, ak are runs of 1 and k steps, ek the k-step run with --eval-every 1, ck with --checkpoint-every 1. "
+              "Differences of whole runs: a phase that takes longer also carries its seconds of heartbeats, and small values carry run-to-run noise "
+              "of a few KB (TCP ACK timing). per step net = per step - heartbeats x step seconds (from when the step records appeared); "
+              "heartbeats: four joined workers, a coordinator waiting for a fifth, bytes/s over the last "
+              "heartbeat_window_s seconds of the idle run (in the JSON). Step seconds are read every 0.1 s. "
+              "The models use the byte tokenizer (256 token ids), so gpt2 has 86 M parameters here, not 124 M."]
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    kinds = [("setup", "setup"), ("per_step", "per step"), ("per_eval", "per evaluation"), ("per_checkpoint", "per checkpoint"), ("model_bytes", "model size")]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        width = 0.8 / len(mine)
+        for i, r in enumerate(mine):
+            values = [max(1, r[key]) for key, _ in kinds]
+            xs = [x + (i - (len(mine) - 1) / 2) * width for x in range(len(kinds))]
+            bars = ax.bar(xs, values, width, label=f"{r['code']} ({r['commit']})")
+            for bar, v in zip(bars, values, strict=True):
+                ax.text(bar.get_x() + bar.get_width() / 2, v * 1.3, _fmt(v), ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.set_yscale("log")
+        ax.set_ylim(1e2, max(r["per_eval"] for r in mine + [{"per_eval": r["model_bytes"]} for r in mine]) * 300)
+        ax.set_xticks(range(len(kinds)), [label for _, label in kinds], rotation=15)
+        ax.set_ylabel("bytes through the coordinator")
+        ax.set_title(f"{model}, local:{WORKERS}")
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--code", choices=["before", "after", "both"], default="both")
+    ap.add_argument("--models", default="gpt-micro,gpt2")
+    ap.add_argument("--steps", default="gpt-micro:10,3", help="k, steps of the longer runs (>= 2): N, or MODEL:N,...,N (the last for the rest)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from control_plane.json; run nothing")
+    args = ap.parse_args()
+    steps: dict[str, int] = {}
+    for part in args.steps.split(","):
+        name, _, n = part.rpartition(":")
+        if not n.isdigit() or int(n) < 2:
+            ap.error(f"--steps {part!r}: expected N or MODEL:N with N >= 2 (per step is a difference of a 1-step and an N-step run)")
+        steps[name] = int(n)
+    codes = ["before", "after"] if args.code == "both" else [args.code]
+    path = args.out / "control_plane.json"
+    if args.report_only:  # the table and the plot again, from the JSON
+        doc = json.loads(path.read_text())
+        write(args.out, "control_plane", doc["results"], table(doc["results"]), {k: doc[k] for k in ("date", "workers", "run_flags", "before_commit")})
+        plot(doc["results"], args.out / "control_plane.png")
+        return 0
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    new = []
+    with tempfile.TemporaryDirectory(prefix="fcp-") as tmp, CoordinatorLink() as link:
+        idle0 = link.counters()
+        time.sleep(2)
+        idle = sum(link.counters()) - sum(idle0)
+        print(f"coordinator namespace {link.netns} at {link.coord_addr}, veth {link.host_if} at {link.root_addr}; idle bytes in 2 s: {idle}", flush=True)
+        heartbeat = {}
+        for code in codes:
+            heartbeat[code] = heartbeat_rate(link, code_env(code), Path(tmp) / code)
+            print(f"  {code}: heartbeats of {WORKERS} idle workers {heartbeat[code]:.0f} B/s", flush=True)
+        for model in args.models.split(","):
+            for code in codes:
+                new.append(measure(link, code, model, steps.get(model, steps.get("", 3)), Path(tmp) / code, heartbeat[code]))
+    old = []
+    if path.exists():
+        old = json.loads(path.read_text()).get("results", [])
+    keys = {(r["model"], r["code"]) for r in new}
+    rows = [r for r in old if (r["model"], r["code"]) not in keys] + new
+    rows.sort(key=lambda r: (r["model"] != "gpt-micro", r["model"], r["code"] != "before"))
+    write(args.out, "control_plane", rows, table(rows), {"workers": WORKERS, "run_flags": RUN_FLAGS, "before_commit": BEFORE_COMMIT})
+    plot(rows, args.out / "control_plane.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
