@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEMO_STEPS ?= 300
 
-.PHONY: demo test test-slow lint install install-dev clean
+.PHONY: demo test test-fast test-soak lint install install-dev clean
 
 # Reuse a torch the system Python already has (venv with system site-packages); otherwise pin 2.13.0,
 # which on the development machines installs the CPU build that lies on disk.
@@ -35,13 +35,20 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 
+# Three tiers (markers in pyproject.toml). `make test` (CI): every test but the soak tier, processes,
+# testbed (as root) and browser included.
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest
 
-# The slow tier: real worker processes on small random clusters, against one process (a few minutes).
-test-slow: $(VENV)/.installed-dev
-	$(PY) -m pytest -m slow
+# In-process tests only (no `slow`: no subprocesses, root or browser): under 2 minutes on 2 cores.
+test-fast: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -m "not slow and not soak"
+
+# The soak tier: real worker processes on small random clusters, against one process (a few minutes).
+test-soak: $(VENV)/.installed-dev
+	$(PY) -m pytest -m soak
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

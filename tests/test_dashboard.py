@@ -39,6 +39,7 @@ def _chromium(url: str, profile: Path, *what: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # real processes and a browser
 @pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian chromium package (apt-get install chromium)")
 def test_the_dashboard_shows_every_worker_and_updates(tmp_path: Path) -> None:
     port = _free_port()

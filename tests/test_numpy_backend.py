@@ -417,6 +417,7 @@ def test_dropout_above_zero_is_refused() -> None:
     assert can_run(graph, [n.id for n in graph.compute_nodes]) == ["module:torch.nn.Dropout"]
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_package_imports_no_torch() -> None:
     code = (
         "import fusionllm.npexec.executor, fusionllm.npexec.optim, sys; "

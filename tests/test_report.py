@@ -38,6 +38,7 @@ def test_report_writes_markdown_and_plots(tmp_path: Path) -> None:
         assert (tmp_path / "out" / name).stat().st_size > 5000 and f"]({name})" in text
 
 
+@pytest.mark.slow  # the `fusionllm` command
 def test_report_cli_and_bad_input(tmp_path: Path) -> None:
     metrics = _metrics(tmp_path / "run" / "m.jsonl")
     proc = subprocess.run([sys.executable, "-m", "fusionllm", "report", str(metrics.parent)], capture_output=True, text=True, timeout=120)

@@ -100,6 +100,7 @@ def test_tls_files_are_checked_up_front(pki: dict, tmp_path: Path) -> None:
     assert TlsFiles.load(None, None, None) is None
 
 
+@pytest.mark.slow  # real processes
 def test_a_local_cluster_trains_over_mutual_tls(pki: dict, tmp_path: Path) -> None:
     import json
     import sys
