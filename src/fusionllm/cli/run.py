@@ -75,7 +75,7 @@ def coordinator(
     hardware: HardwareOpt = None,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
-    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (at the coordinator) every N steps and at the end; 0: never.")] = 0,
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (computed by the workers in the pipeline) every N steps and at the end; 0: never.")] = 0,
     eval_batches: EvalBatchesOpt = 4,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
