@@ -60,17 +60,17 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
         self.data_spec = self.task.data_spec(self.cluster.eval_batches)
 
     async def run(self) -> TrainResult:
-        self.port = await self.server.start(self.cluster.listen)
-        host = self.cluster.listen.rpartition(":")[0]
-        self.on_ready(self.port)
-        self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
-        dashboard = Dashboard(self.status) if self.cluster.dashboard else None
-        if dashboard is not None and self.cluster.dashboard:
-            dash_port = await dashboard.start(self.cluster.dashboard)
-            self.say(f"dashboard on http://{self.cluster.dashboard.rpartition(':')[0]}:{dash_port}/")
         run: Run | None = None
-        await asyncio.to_thread(self._load_data)
-        try:
+        dashboard = Dashboard(self.status) if self.cluster.dashboard else None
+        try:  # everything started is stopped in `finally`, also when cancelled while starting
+            self.port = await self.server.start(self.cluster.listen)
+            host = self.cluster.listen.rpartition(":")[0]
+            self.on_ready(self.port)
+            self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
+            if dashboard is not None and self.cluster.dashboard:
+                dash_port = await dashboard.start(self.cluster.dashboard)
+                self.say(f"dashboard on http://{self.cluster.dashboard.rpartition(':')[0]}:{dash_port}/")
+            await asyncio.to_thread(self._load_data)
             try:
                 await asyncio.wait_for(self.membership.full.wait(), self.cluster.join_timeout)
             except asyncio.TimeoutError:

@@ -111,26 +111,29 @@ class Worker:
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
-        if self.config.threads:
-            self.backend.set_threads(self.config.threads)
-        info = self.backend.device_info(self.config.device)
-        port = await self.server.start(self.config.listen)
-        address = f"{self._advertise_host()}:{port}"
-        self.address = address
-        data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
-        self.data_address = f"{self._advertise_host()}:{data_port}"
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM) if self.config.handle_signals else ():
-            loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
-        try:
+        beat: asyncio.Task | None = None
+        try:  # everything started is stopped in `finally`, also when cancelled while starting
+            if self.config.threads:
+                self.backend.set_threads(self.config.threads)
+            info = self.backend.device_info(self.config.device)
+            port = await self.server.start(self.config.listen)
+            address = f"{self._advertise_host()}:{port}"
+            self.address = address
+            data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
+            self.data_address = f"{self._advertise_host()}:{data_port}"
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM) if self.config.handle_signals else ():
+                loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
             await self._register(address, info)
             beat = asyncio.create_task(self._heartbeat())
             await self.done.wait()
-            beat.cancel()
         except FusionError as exc:
             print(f"error: {exc}", file=sys.stderr)
             self.exit_code = 2
         finally:
+            if beat is not None:
+                beat.cancel()
+            await self._abort_step()
             if self.peers:
                 await self.peers.close()
             await self.coordinator.close()
