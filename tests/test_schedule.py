@@ -5,7 +5,16 @@ import pytest
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.models import build_model
 from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.schedule.actions import KINDS, Action, format_grid, gpipe, lower, one_f_one_b
+from fusionllm.schedule.actions import (
+    COMM,
+    KINDS,
+    Action,
+    Peer,
+    format_grid,
+    gpipe,
+    lower,
+    one_f_one_b,
+)
 from fusionllm.schedule.plan import Plan, balanced_partition, make_plan, routes, worker_actions
 
 
@@ -14,9 +23,20 @@ def test_text_form_round_trips() -> None:
         a = Action(3, kind, None if kind in ("REDUCE", "STEP") else 12)
         assert Action.parse(str(a)) == a
     assert str(Action(2, "F", 5)) == "2F5" and str(Action(2, "SEND_F", 5)) == "2SEND_F5"
-    for bad in ("F5", "2X5", "2STEP3", "2F", ""):
+    for kind in COMM:  # resolved: the peers and their edges, in order, one worker possibly twice
+        a = Action(3, kind, 12, (Peer(4, ("n7.0",)), Peer(5, ("n7.0", "n9.1")), Peer(4, ("n12.0",))))
+        assert Action.parse(str(a)) == a
+    send = Action(1, "SEND_F", 3, (Peer(4, ("n7.0", "n8.0")),))
+    assert str(send) == "1SEND_F3>w4:n7.0+n8.0" and send.label == "1SEND_F3>w4" and send.name == "1SEND_F3"
+    assert str(Action(2, "RECV_B", 0, (Peer(1, ("n9.0",)), Peer(3, ("n9.0",))))) == "2RECV_B0<w1:n9.0,w3:n9.0"
+    for bad in ("F5", "2X5", "2STEP3", "2F", "", "2F5>w1:n1.0", "2SEND_F5<w1:n1.0", "2RECV_F5>w1:n1.0", "2SEND_F5>w1", "2SEND_F5>1:n1.0",
+                "2SEND_F5>w1:", "2SEND_F5>w1:a+", "2STEP>w1:n1.0"):
         with pytest.raises(ValueError):
             Action.parse(bad)
+    with pytest.raises(ValueError, match="needs edges"):
+        Action(1, "SEND_F", 0, (Peer(2, ()),))
+    with pytest.raises(ValueError, match="has no peers"):
+        Action(1, "F", 0, (Peer(2, ("n1.0",)),))
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
@@ -40,10 +60,13 @@ def test_one_f_one_b_keeps_few_micro_batches_in_flight() -> None:
     assert [str(a) for a in one_f_one_b(3, 4, [0, 1, 2])] == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2"]
 
 
-def test_lower_inserts_communication() -> None:
-    out = lower(1, gpipe(1, 3, [0]), recv_f=True, send_f=True, recv_b=True, send_b=True, reduce=True)
-    assert [str(a) for a in out] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_B0", "1B0", "1SEND_B0", "1REDUCE", "1STEP"]
-    assert [str(a) for a in lower(0, [], recv_f=False, send_f=True, recv_b=True, send_b=False, reduce=False)] == ["0STEP"]
+def test_lower_inserts_resolved_communication() -> None:
+    def route(kind: str, mb: int) -> tuple[Peer, ...]:
+        return (Peer(0 if kind in ("RECV_F", "SEND_B") else 2, ("x",)),)
+
+    out = lower(1, gpipe(1, 3, [0]), route, reduce=True)
+    assert [str(a) for a in out] == ["1RECV_F0<w0:x", "1F0", "1SEND_F0>w2:x", "1RECV_B0<w2:x", "1B0", "1SEND_B0>w0:x", "1REDUCE", "1STEP"]
+    assert [str(a) for a in lower(0, gpipe(0, 1, [0]), lambda kind, mb: (), reduce=False)] == ["0F0", "0B0", "0STEP"]
 
 
 def test_balanced_partition_and_plan() -> None:
@@ -58,8 +81,8 @@ def test_balanced_partition_and_plan() -> None:
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
     r = routes(graph, plan)
     assert all(r.producer[e] < min(cs) for e, cs in r.consumers.items())
-    acts = [str(a) for a in worker_actions(graph, plan, 3, shared_grads=True)]
-    assert acts[:2] == ["2RECV_F0", "2F0"] and acts[-2:] == ["2REDUCE", "2STEP"]
+    acts = [a.label for a in worker_actions(graph, plan, 3, shared_grads=True)]
+    assert acts[:2] == ["2RECV_F0<w1", "2F0"] and acts[-2:] == ["2REDUCE", "2STEP"]
     with pytest.raises(ConfigError, match="add up"):
         make_plan(graph, 4, replicas=[1, 1])
     with pytest.raises(ConfigError, match="unknown schedule"):

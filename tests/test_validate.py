@@ -19,7 +19,7 @@ from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule import plan as plan_mod
 from fusionllm.schedule import validate as validate_mod
-from fusionllm.schedule.actions import Action, lower, one_f_one_b, peak_in_flight
+from fusionllm.schedule.actions import Action, Peer, lower, one_f_one_b, peak_in_flight
 from fusionllm.schedule.plan import Plan, Request, StagePlan, make_plan
 from fusionllm.schedule.schedulers import make_schedule
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
@@ -44,12 +44,9 @@ def micro() -> tuple:
 
 def _replica_local_1f1b(graph, plan, worker, *, shared_grads, r=None):  # noqa: ANN001, ANN202 - the lowering of round one
     r = r or plan_mod.routes(graph, plan)
-    edges = graph.edges()
     stage = plan.stage_of_worker(worker).index
     compute = one_f_one_b(stage, len(plan.stages), plan.mbs_of(worker))  # the replica's own micro-batches only
-    entering = [e for e in r.entering[stage] if r.producer[e] >= 0]
-    return lower(stage, compute, recv_f=bool(entering), send_f=bool(r.leaving[stage]), recv_b=any(edges[e].requires_grad for e in r.leaving[stage]),
-                 send_b=any(edges[e].requires_grad for e in entering), reduce=shared_grads)
+    return lower(stage, compute, plan_mod.resolve(graph, plan, r, stage), reduce=shared_grads)
 
 
 @pytest.mark.parametrize("replicas", [[1, 3, 1], [1, 2, 1, 1], [1, 1, 3, 1], [2, 3, 1]])
@@ -107,8 +104,7 @@ def _broken(graph, plan, change):  # noqa: ANN001, ANN202
 def test_a_missing_receive_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     graph, _ = micro
     plan = make_plan(graph, 3, micro_batches=4)
-    drop = Action(1, "RECV_F", 2)
-    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, lambda w, acts: [a for a in acts if a != drop]))
+    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, lambda w, acts: [a for a in acts if a.name != "1RECV_F2"]))
     with pytest.raises(InvalidPlan, match=r"\(messages\): worker 0 action \d+: sends act .* of micro-batch 2 to worker 1 \(stage 1\), which never receives it"):
         validate_plan(graph, plan)
 
@@ -116,9 +112,8 @@ def test_a_missing_receive_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatc
 def test_a_missing_send_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     graph, _ = micro
     plan = make_plan(graph, 3, micro_batches=4)
-    drop = Action(2, "SEND_B", 3)
-    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, lambda w, acts: [a for a in acts if a != drop]))
-    with pytest.raises(InvalidPlan, match=r"\(messages\): worker 1 action \d+: has no sender \(grad .* of micro-batch 3 from stage 2\)"):
+    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, lambda w, acts: [a for a in acts if a.name != "2SEND_B3"]))
+    with pytest.raises(InvalidPlan, match=r"\(messages\): worker 1 action \d+: has no sender \(grad .* of micro-batch 3 from worker 2 \(stage 2\)\)"):
         validate_plan(graph, plan)
 
 
@@ -133,12 +128,12 @@ def test_a_micro_batch_run_twice_is_named(micro: tuple, monkeypatch: pytest.Monk
 def test_backward_before_forward_is_a_cycle(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     graph, _ = micro
     plan = make_plan(graph, 2, micro_batches=3)
-    late = {Action(1, "RECV_F", 2), Action(1, "F", 2)}
+    late = {"1RECV_F2", "1F2"}
 
     def swap(w: int, acts: list[Action]) -> list[Action]:
         # stage 1 waits for micro-batch 2's activations before it sends micro-batch 0's gradient,
         # while stage 0 (1F1B: F0 F1 B0 F2 ...) waits for that gradient before it sends micro-batch 2
-        return [a for a in acts if a in late] + [a for a in acts if a not in late] if w == 1 else acts
+        return [a for a in acts if a.name in late] + [a for a in acts if a.name not in late] if w == 1 else acts
 
     monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, swap))
     with pytest.raises(InvalidPlan, match=r"\(order\).*1RECV_F2 on worker 1 waits for 0SEND_F2 on worker 0"):
@@ -178,3 +173,69 @@ def test_a_baseline_that_does_not_fit_says_so(micro: tuple) -> None:
         make_schedule("uniform", CostModel(graph, work, cluster(2, memory=1 << 20)), Request(16, 64, 4))
     with pytest.raises(ConfigError, match=r"no plan fits the devices' memory"):
         make_schedule("opfence", CostModel(graph, work, cluster(2, memory=1 << 20)), Request(16, 64, 4))
+
+
+def _repeer(a: Action, worker: int) -> Action:
+    """The action addressed to (or expecting) another worker, same edges."""
+    return Action(a.stage, a.kind, a.mb, tuple(Peer(worker, p.edges) for p in a.peers))
+
+
+def test_a_send_to_the_wrong_replica_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas 1 and 2 share stage 1: micro-batch 1 belongs to worker 2, which waits for it (the
+    earliest broken action; worker 1 never receiving it comes later in its program)."""
+    graph, _ = micro
+    plan = make_plan(graph, 4, replicas=[1, 2, 1], micro_batches=4)
+    change = _broken(graph, plan, lambda w, acts: [_repeer(a, 1) if a.name == "0SEND_F1" else a for a in acts])
+    monkeypatch.setattr(validate_mod, "worker_actions", change)
+    with pytest.raises(InvalidPlan, match=r"\(messages\): worker 2 action 0: has no sender \(act \S+ of micro-batch 1 from worker 0 \(stage 0\)\)"):
+        validate_plan(graph, plan)
+
+
+def test_a_matching_pair_with_a_wrong_route_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Send and receive agree with each other, but the tensor comes from the wrong stage: the forward
+    of stage 2 would run without its input."""
+    graph, _ = micro
+    plan = make_plan(graph, 4, micro_batches=2)
+
+    sent = next(a for a in plan_mod.worker_actions(graph, plan, 1, shared_grads=False) if a.name == "1SEND_F0")
+
+    def change(w: int, acts: list[Action]) -> list[Action]:
+        if w == 1:  # stage 1 sends its output to worker 3 instead of 2 ...
+            return [_repeer(a, 3) if a == sent else a for a in acts]
+        if w == 2:
+            return [a for a in acts if a.name != "2RECV_F0"]
+        if w == 3:  # ... and stage 3 takes it in
+            return [Action(3, "RECV_F", 0, (*a.peers, Peer(1, sent.peers[0].edges))) if a.name == "3RECV_F0" else a for a in acts]
+        return acts
+
+    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, change))
+    with pytest.raises(InvalidPlan, match=r"\(messages\): worker 2 action \d+: 2F0 runs without the tensors it needs from other stages: missing \S+ of stage 1"):
+        validate_plan(graph, plan)
+
+
+def test_a_send_before_its_compute_is_named(micro: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    graph, _ = micro
+    plan = make_plan(graph, 2, micro_batches=2)
+
+    def early(w: int, acts: list[Action]) -> list[Action]:
+        if w != 0:
+            return acts
+        send = next(a for a in acts if a.name == "0SEND_F1")
+        return [send] + [a for a in acts if a != send]
+
+    monkeypatch.setattr(validate_mod, "worker_actions", _broken(graph, plan, early))
+    with pytest.raises(InvalidPlan, match=r"\(messages\): worker 0 action 0: 0SEND_F1>w1:\S+ sends before 0F1 made its tensors"):
+        validate_plan(graph, plan)
+
+
+def test_programs_are_resolved_and_their_text_parses_back(micro: tuple) -> None:
+    """Every SEND/RECV names its peers: the worker that runs the other stage for that micro-batch."""
+    graph, _ = micro
+    plan = make_plan(graph, 5, replicas=[1, 3, 1], schedule="1f1b", micro_batches=6)
+    for w, prog in validate_mod.programs(graph, plan).items():
+        for a in prog:
+            assert Action.parse(str(a)) == a
+            if a.kind.endswith("_F") and a.kind != "F" or a.kind.endswith("_B") and a.kind != "B":
+                assert a.peers, a
+                other = a.stage + (1 if a.kind in ("SEND_F", "RECV_B") else -1)
+                assert [p.worker for p in a.peers] == [plan.worker_for(other, a.mb)], (w, str(a))

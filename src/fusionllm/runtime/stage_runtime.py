@@ -2,9 +2,11 @@
 
 The loop runs the worker's lowered action list for each step and makes no decisions of its own:
 ``F``/``B`` run the executor (in a thread, so tensors keep arriving meanwhile), ``SEND_*`` push
-tensors to the workers that run the consuming stage for that micro-batch, ``RECV_*`` wait for
-them, ``REDUCE`` ring-all-reduces gradients shared with other workers, ``STEP`` clips by the global
-gradient norm (its shares gathered from every worker over the data plane) and applies AdamW.
+the edges each peer of the action names to that peer, ``RECV_*`` wait for the edges each of its
+peers sends (a tensor is filed by kind, step, micro-batch, edge and sending worker), ``REDUCE``
+ring-all-reduces gradients shared with other workers, ``STEP`` clips by the global gradient norm
+(its shares gathered from every worker over the data plane) and applies AdamW. Where a tensor
+goes is the action's own data (``schedule.plan.resolve``); nothing here recomputes it.
 
 The loop knows no framework: the stage's ``StageBackend`` (``runtime/backend.py``) runs the
 executor and the optimizer in torch or in NumPy, and tensors cross the network as NumPy arrays.
@@ -30,7 +32,7 @@ from fusionllm.runtime.backend import Backend, StageBackend
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
-from fusionllm.schedule.plan import Plan, owners, routes, shared_groups, worker_actions
+from fusionllm.schedule.plan import Plan, owners, shared_groups, worker_actions
 from fusionllm.transport.control import Failure, Hyper, StepDone
 
 log = get_logger("runtime", "stage")
@@ -77,7 +79,6 @@ class StageRuntime:
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
         self.peers, self.inbox = peers, inbox
         self.stage = plan.stage_of_worker(worker)
-        self.routes = routes(graph, plan)
         self.edges = graph.edges()
         self.backend: StageBackend = backend.stage(
             graph, self.stage.nodes, tensors, lr=hyper.lr, weight_decay=hyper.weight_decay, device=device, name=f"w{worker}/stage{self.stage.index}",
@@ -86,8 +87,9 @@ class StageRuntime:
         self._groups = self._shared_groups()
         self.actions = worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
         self.eval_actions = [a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]  # the forward-only program
+        self._sent = {a.mb: a.edges() for a in self.actions if a.kind == "SEND_F"}  # per micro-batch, the outputs a SEND_F takes
         tok, tgt = (n.outputs[0].id for n in graph.input_nodes)
-        self._batch_edges = [(e, i) for i, e in enumerate((tok, tgt)) if self.stage.index in self.routes.consumers.get(e, [])]
+        self._batch_edges = [(e, i) for i, e in enumerate((tok, tgt)) if e in self.executor.entering]
         if optimizer_state:
             self.backend.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
@@ -95,7 +97,6 @@ class StageRuntime:
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
         self.feedback = ErrorFeedback()
         self.roles = set(hyper.compress_roles.split(","))
-        self._entering_from_stages = [e for e in self.routes.entering[self.stage.index] if self.routes.producer[e] >= 0]
         self._grad_leaving = [e for e in self.executor.leaving if self.edges[e].requires_grad]
 
     # ---- parameters shared with other workers (replicas, tied weights) -------------------------
@@ -210,7 +211,7 @@ class StageRuntime:
         out = await asyncio.to_thread(self.executor.forward, a.mb, feeds)
         if self.graph.loss in out:
             st.losses[a.mb] = self.backend.scalar(out[self.graph.loss])
-        st.outputs[a.mb] = {e: out[e] for e in self.routes.leaving[self.stage.index] if e in out}
+        st.outputs[a.mb] = {e: out[e] for e in self._sent.get(a.mb, ()) if e in out}
 
     async def _backward(self, a: Action, st: _StepState) -> None:
         grads: dict[str, Any] = dict(st.received_grads.pop(a.mb, {}))
@@ -222,55 +223,54 @@ class StageRuntime:
         st.entering_grads[a.mb] = await asyncio.to_thread(self.executor.backward, a.mb, grads)
 
     async def _send_f(self, a: Action, st: _StepState) -> None:
-        for e, t in st.outputs.pop(a.mb).items():
-            x = self._host(t)
-            for c in self.routes.consumers[e]:
-                header = {"kind": "act", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
-                st.sends.append(asyncio.create_task(self._push(st, self.plan.worker_for(c, a.mb), header, x, self.edges[e].meta.dtype)))
+        outputs = st.outputs.pop(a.mb)
+        host: dict[str, np.ndarray | None] = {}
+        for p in a.peers:
+            for e in p.edges:
+                if e not in host:
+                    host[e] = self._host(outputs[e])
+                header = {"kind": "act", "step": st.step, "mb": a.mb, "edge": e, "src": self.worker}
+                st.sends.append(asyncio.create_task(self._push(st, p.worker, header, host[e], self.edges[e].meta.dtype)))
 
     async def _recv_f(self, a: Action, st: _StepState) -> None:
         got = {}
-        for e in self._entering_from_stages:
-            key = ("act", st.step, a.mb, e, self.routes.producer[e])
-            got[e] = self._local(await self.inbox.get(key, self.hyper.recv_timeout), e)
+        for p in a.peers:
+            for e in p.edges:
+                got[e] = self._local(await self.inbox.get(("act", st.step, a.mb, e, p.worker), self.hyper.recv_timeout), e)
         st.received[a.mb] = got
 
     async def _send_b(self, a: Action, st: _StepState) -> None:
         grads = st.entering_grads.pop(a.mb)
-        for e in self._entering_from_stages:
-            if not self.edges[e].requires_grad:
-                continue
-            header = {"kind": "grad", "step": st.step, "mb": a.mb, "edge": e, "src": self.stage.index}
-            target = self.plan.worker_for(self.routes.producer[e], a.mb)
-            g = self._host(grads.get(e))
-            st.sends.append(asyncio.create_task(self._push(st, target, header, g, self.edges[e].meta.dtype, feedback_key=(e, target, a.mb))))
+        for p in a.peers:
+            for e in p.edges:
+                header = {"kind": "grad", "step": st.step, "mb": a.mb, "edge": e, "src": self.worker}
+                g = self._host(grads.get(e))
+                st.sends.append(asyncio.create_task(self._push(st, p.worker, header, g, self.edges[e].meta.dtype, feedback_key=(e, p.worker, a.mb))))
 
     async def _recv_b(self, a: Action, st: _StepState) -> None:
+        """The gradient of each edge the stage sent, summed over its peers in the action's order."""
         got: dict[str, Any] = {}
-        for e in self.routes.leaving[self.stage.index]:
-            if not self.edges[e].requires_grad:
-                continue
-            total = None
-            for c in self.routes.consumers[e]:
-                g = self._local(await self.inbox.get(("grad", st.step, a.mb, e, c), self.hyper.recv_timeout), e)
-                if g is not None:
-                    total = g if total is None else total + g
-            got[e] = total
+        for p in a.peers:
+            for e in p.edges:
+                g = self._local(await self.inbox.get(("grad", st.step, a.mb, e, p.worker), self.hyper.recv_timeout), e)
+                total = got.get(e)
+                got[e] = g if total is None else (total if g is None else total + g)
         st.received_grads[a.mb] = got
 
     async def _reduce(self, a: Action, st: _StepState) -> None:
-        for gi, (group, names) in enumerate(self._groups.items()):
+        for group, names in self._groups.items():
             ring = list(group)
+            gid = "g" + "-".join(map(str, group))  # the same on every member (an index in each worker's own list is not)
             # a chunk completed by one member must reach all members identically: on a ring of two
             # the all-gather is one hop and may be compressed; longer rings forward it raw
             allgather_ok = len(ring) == 2
 
-            async def send(worker: int, header: dict, x: np.ndarray, phase: str, gi: int = gi, allgather_ok: bool = allgather_ok) -> np.ndarray:
+            async def send(worker: int, header: dict, x: np.ndarray, phase: str, gid: str = gid, allgather_ok: bool = allgather_ok) -> np.ndarray:
                 header = {**header, "src": self.worker}
                 if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(x, "float32", worker, "reduce"):
                     await self.peers.push(worker, header, x, self.hyper.recv_timeout)
                     return x
-                seen = await self._push(st, worker, header, x, feedback_key=("reduce", gi, header["edge"]), keep_decoded=True)
+                seen = await self._push(st, worker, header, x, feedback_key=("reduce", gid, header["edge"]), keep_decoded=True)
                 return seen if seen is not None else x
 
             async def recv(header: dict) -> np.ndarray | None:
@@ -278,7 +278,7 @@ class StageRuntime:
                 return await self.inbox.get(key, self.hyper.recv_timeout)
 
             flat = self.backend.flat_grads(names)
-            tag = {"kind": "reduce", "step": st.step, "edge": f"g{gi}"}
+            tag = {"kind": "reduce", "step": st.step, "edge": gid}
             self.backend.set_flat_grads(names, await ring_allreduce(flat, ring, self.worker, tag, send, recv))
 
     async def _step(self, a: Action, st: _StepState) -> None:

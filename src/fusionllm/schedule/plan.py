@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fusionllm.core.errors import ConfigError, GraphError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.actions import SCHEDULES, Action, lower
+from fusionllm.schedule.actions import SCHEDULES, Action, Peer, Route, lower
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,50 @@ def make_plan(graph: OpGraph, num_workers: int, *, replicas: list[int] | None = 
     return plan
 
 
-def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: bool, r: Routes | None = None) -> list[Action]:
-    """The lowered action list one worker runs every step (``r``: the plan's routes, if known)."""
-    r = r or routes(graph, plan)
+def stage_peers(graph: OpGraph, r: Routes, stage: int) -> dict[str, list[tuple[int, list[str]]]]:
+    """Per communication kind, the stages a stage exchanges tensors with, and the edges.
+
+    SEND_F: every edge it makes that another stage reads, to each of those stages; RECV_F: every
+    edge it reads from an earlier stage (graph inputs are fed, not received); SEND_B and RECV_B: the
+    same edges the other way, those that carry a gradient. In the routes' order, edge by edge and
+    for each edge its stages in order (the order a tensor's gradients from several consumers are
+    summed in); consecutive edges of one stage form one run ``(stage, edges)``, so a stage may
+    appear twice when edges to others come between."""
     edges = graph.edges()
+    from_stages = [e for e in r.entering[stage] if r.producer[e] >= 0]
+    pairs = {
+        "SEND_F": [(c, e) for e in r.leaving[stage] for c in r.consumers[e]],
+        "RECV_F": [(r.producer[e], e) for e in from_stages],
+        "SEND_B": [(r.producer[e], e) for e in from_stages if edges[e].requires_grad],
+        "RECV_B": [(c, e) for e in r.leaving[stage] if edges[e].requires_grad for c in r.consumers[e]],
+    }
+    out: dict[str, list[tuple[int, list[str]]]] = {}
+    for kind, ps in pairs.items():
+        runs: list[tuple[int, list[str]]] = []
+        for s, e in ps:
+            if runs and runs[-1][0] == s:
+                runs[-1][1].append(e)
+            else:
+                runs.append((s, [e]))
+        out[kind] = runs
+    return out
+
+
+def resolve(graph: OpGraph, plan: Plan, r: Routes, stage: int) -> Route:
+    """Where a stage's SEND/RECV of a micro-batch goes: the peer workers (the worker of each peer
+    stage that runs the micro-batch) and the edges. The one place routing is computed; the runtime,
+    the simulator and the validator read the resolved actions."""
+    by_kind = stage_peers(graph, r, stage)
+
+    def route(kind: str, mb: int) -> tuple[Peer, ...]:
+        return tuple(Peer(plan.worker_for(s, mb), tuple(es)) for s, es in by_kind[kind])
+
+    return route
+
+
+def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: bool, r: Routes | None = None) -> list[Action]:
+    """The lowered, resolved action list one worker runs every step (``r``: the plan's routes, if known)."""
+    r = r or routes(graph, plan)
     stage = plan.stage_of_worker(worker).index
     # The stage's order over all micro-batches, then this replica's share of it. Ordering a
     # replica's own micro-batches alone (as if it were the whole stage) deadlocks 1F1B: a replica
@@ -198,16 +238,7 @@ def worker_actions(graph: OpGraph, plan: Plan, worker: int, *, shared_grads: boo
     # which waits for a backward first (a 1-3-1 pipeline with 8 micro-batches hangs that way).
     mine = set(plan.mbs_of(worker))
     compute = [a for a in SCHEDULES[plan.schedule](stage, len(plan.stages), range(plan.micro_batches)) if a.mb in mine]
-    from_stages = [e for e in r.entering[stage] if r.producer[e] >= 0]
-    return lower(
-        stage,
-        compute,
-        recv_f=bool(from_stages),
-        send_f=bool(r.leaving[stage]),
-        recv_b=any(edges[e].requires_grad for e in r.leaving[stage]),
-        send_b=any(edges[e].requires_grad for e in from_stages),
-        reduce=shared_grads,
-    )
+    return lower(stage, compute, resolve(graph, plan, r, stage), reduce=shared_grads)
 
 
 def shared_groups(graph: OpGraph, plan: Plan) -> dict[int, list[tuple[tuple[int, ...], list[str], int]]]:

@@ -8,8 +8,12 @@ action, e.g. ``16RECV_F6 on worker 18 has no sender``):
    by a graph input, by an earlier stage, or earlier in the same stage;
 2. **micro-batches**: every stage runs the forward and the backward of every micro-batch exactly
    once, on one of its workers (so replicas share the batch exactly);
-3. **messages**: every SEND has exactly one matching RECV (same tensor, micro-batch, stages,
-   epoch), on the worker the sender addresses, and every RECV has exactly one sender;
+3. **messages**: the programs are resolved (every SEND/RECV names its peer workers and the edges),
+   every SEND has exactly one matching RECV (same tensor, micro-batch, workers, epoch) on the peer
+   it names, and every RECV has exactly one sender; each stage receives every tensor it reads from
+   another stage from the worker that runs the producing stage for that micro-batch, and every
+   gradient of a tensor it sends from each consuming stage, before the compute that needs them,
+   and sends only after the compute that makes them;
 4. **order**: the happens-before graph of all programs (program order, send -> receive, the
    all-reduce of each replica group, the global STEP) has no cycle: run abstractly, without
    clocks, every program finishes. A cycle is printed as the chain of waits that closes it;
@@ -26,7 +30,7 @@ from typing import NamedTuple
 from fusionllm.core.errors import ConfigError, GraphError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.actions import SCHEDULES, Action, peak_in_flight
+from fusionllm.schedule.actions import COMM, SCHEDULES, Action, peak_in_flight
 from fusionllm.schedule.plan import (
     Plan,
     Request,
@@ -52,8 +56,7 @@ class Message(NamedTuple):
     kind: str
     mb: int
     edge: str
-    src_stage: int
-    dst_stage: int
+    src_worker: int
     dst_worker: int
     epoch: int
 
@@ -76,8 +79,9 @@ def validate_plan(graph: OpGraph, plan: Plan, cost: CostModel | None = None, req
     _check_stages(graph, plan)
     progs = programs(graph, plan, r)
     _check_micro_batches(plan, progs)
-    sends, recvs = _messages(graph, plan, r, progs)
-    _check_messages(sends, recvs)
+    sends, recvs = _messages(plan, progs)
+    _check_messages(plan, sends, recvs)
+    _check_routes(graph, plan, r, progs)
     _check_order(plan, progs, sends, recvs, graph)
     return progs
 
@@ -134,52 +138,79 @@ def _check_micro_batches(plan: Plan, progs: dict[int, list[Action]]) -> None:
 Endpoint = tuple[int, int]  # (worker, index of the action in its program)
 
 
-def _messages(graph: OpGraph, plan: Plan, r: Routes, progs: dict[int, list[Action]]) -> tuple[dict[Message, list[Endpoint]], dict[Message, list[Endpoint]]]:
-    """Who sends and who receives each message, derived from the programs as the runtime reads them."""
-    edges = graph.edges()
+def _messages(plan: Plan, progs: dict[int, list[Action]]) -> tuple[dict[Message, list[Endpoint]], dict[Message, list[Endpoint]]]:
+    """Who sends and who receives each message, read from the actions' own peers (as the runtime reads them)."""
     epoch = int(plan.meta.get("epoch", 0) or 0)
-    entering = {s.index: [e for e in r.entering[s.index] if r.producer[e] >= 0] for s in plan.stages}
     sends: dict[Message, list[Endpoint]] = {}
     recvs: dict[Message, list[Endpoint]] = {}
     for w, prog in progs.items():
         for i, a in enumerate(prog):
-            s, mb = a.stage, a.mb
-            if a.kind == "SEND_F":
-                for e in r.leaving[s]:
-                    for c in r.consumers[e]:
-                        sends.setdefault(Message("act", mb, e, s, c, plan.worker_for(c, mb), epoch), []).append((w, i))
-            elif a.kind == "RECV_F":
-                for e in entering[s]:
-                    recvs.setdefault(Message("act", mb, e, r.producer[e], s, w, epoch), []).append((w, i))
-            elif a.kind == "SEND_B":
-                for e in entering[s]:
-                    if edges[e].requires_grad:
-                        p = r.producer[e]
-                        sends.setdefault(Message("grad", mb, e, s, p, plan.worker_for(p, mb), epoch), []).append((w, i))
-            elif a.kind == "RECV_B":
-                for e in r.leaving[s]:
-                    if edges[e].requires_grad:
-                        for c in r.consumers[e]:
-                            recvs.setdefault(Message("grad", mb, e, c, s, w, epoch), []).append((w, i))
+            if a.kind not in COMM or a.mb is None:
+                continue
+            kind = "act" if a.kind.endswith("_F") else "grad"
+            for p in a.peers:
+                for e in p.edges:
+                    if a.kind.startswith("SEND"):
+                        sends.setdefault(Message(kind, a.mb, e, w, p.worker, epoch), []).append((w, i))
+                    else:
+                        recvs.setdefault(Message(kind, a.mb, e, p.worker, w, epoch), []).append((w, i))
     return sends, recvs
 
 
-def _check_messages(sends: dict[Message, list[Endpoint]], recvs: dict[Message, list[Endpoint]]) -> None:
+def _stage_name(plan: Plan, worker: int) -> str:
+    return next((f"stage {s.index}" for s in plan.stages if worker in s.workers), "no stage")
+
+
+def _check_messages(plan: Plan, sends: dict[Message, list[Endpoint]], recvs: dict[Message, list[Endpoint]]) -> None:
     # the first problem in program order, so the message names the earliest broken action
     problems: list[tuple[Endpoint, str]] = []
     for m, ends in recvs.items():
         if m not in sends:
-            problems.append((ends[0], f"has no sender ({m.kind} {m.edge} of micro-batch {m.mb} from stage {m.src_stage})"))
+            problems.append((ends[0], f"has no sender ({m.kind} {m.edge} of micro-batch {m.mb} from worker {m.src_worker} ({_stage_name(plan, m.src_worker)}))"))
         elif len(sends[m]) > 1:
             problems.append((sends[m][1], f"sends {m.kind} {m.edge} of micro-batch {m.mb} to worker {m.dst_worker} a second time"))
         if len(ends) > 1:
             problems.append((ends[1], f"receives {m.kind} {m.edge} of micro-batch {m.mb} a second time"))
     for m, ends in sends.items():
         if m not in recvs:
-            problems.append((ends[0], f"sends {m.kind} {m.edge} of micro-batch {m.mb} to worker {m.dst_worker} (stage {m.dst_stage}), which never receives it"))
+            problems.append((ends[0], f"sends {m.kind} {m.edge} of micro-batch {m.mb} to worker {m.dst_worker} ({_stage_name(plan, m.dst_worker)}), which never receives it"))
     if problems:
         (w, i), text = min(problems, key=lambda p: (p[0][1], p[0][0]))
         raise InvalidPlan("messages", f"worker {w} action {i}: {text}")
+
+
+def _check_routes(graph: OpGraph, plan: Plan, r: Routes, progs: dict[int, list[Action]]) -> None:
+    """Each compute action has what it needs: a forward every tensor its stage reads from other
+    stages, each from the stage that makes it; a backward the gradient of every tensor its stage
+    sends, from every stage that reads it; a SEND comes after the compute that made its tensors."""
+    edges = graph.edges()
+    stage_of = {w: s.index for s in plan.stages for w in s.workers}
+    for w, prog in progs.items():
+        s = stage_of[w]
+        need = {
+            "F": {(e, r.producer[e]) for e in r.entering[s] if r.producer[e] >= 0},
+            "B": {(e, c) for e in r.leaving[s] if edges[e].requires_grad for c in r.consumers[e]},
+        }
+        got: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        done: set[tuple[str, int | None]] = set()
+        for i, a in enumerate(prog):
+            where = f"worker {w} action {i}: {a}"
+            if a.kind in COMM and a.mb is not None:
+                if a.kind.startswith("SEND") and (a.kind[-1], a.mb) not in done:
+                    raise InvalidPlan("messages", f"{where} sends before {s}{a.kind[-1]}{a.mb} made its tensors")
+                if a.kind.startswith("RECV"):
+                    got.setdefault((a.kind[-1], a.mb), set()).update((e, stage_of.get(p.worker, -1)) for p in a.peers for e in p.edges)
+            elif a.kind in ("F", "B"):
+                have = got.get((a.kind, a.mb), set())
+                if have != need[a.kind]:
+                    missing = sorted(need[a.kind] - have)
+                    wrong = sorted(have - need[a.kind])
+                    what = "tensors" if a.kind == "F" else "gradients"
+                    raise InvalidPlan("messages", f"{where} runs without the {what} it needs from other stages: "
+                                      + (f"missing {', '.join(f'{e} of stage {x}' for e, x in missing)}" if missing else "")
+                                      + ("; " if missing and wrong else "")
+                                      + (f"received {', '.join(f'{e} from stage {x}' for e, x in wrong)} instead" if wrong else ""))
+                done.add((a.kind, a.mb))
 
 
 # ---- 4. order ---------------------------------------------------------------------------------------
@@ -244,7 +275,7 @@ def _describe_cycle(plan: Plan, progs: dict[int, list[Action]], pos: dict[int, i
         if a.kind.startswith("RECV"):
             for sw, si in needs.get((w, pos[w]), []):
                 if pos[sw] <= si:
-                    return sw, f"{progs[sw][si]} on worker {sw}"
+                    return sw, f"{progs[sw][si].name} on worker {sw}"
         if a.kind == "REDUCE":
             group = groups[w][sub[w]]
             for m in group:
@@ -263,11 +294,11 @@ def _describe_cycle(plan: Plan, progs: dict[int, list[Action]], pos: dict[int, i
         if got is None:
             break
         nxt, what = got
-        chain.append(f"{progs[w][pos[w]]} on worker {w} waits for {what}")
+        chain.append(f"{progs[w][pos[w]].name} on worker {w} waits for {what}")
         w = nxt
     if w in seen:
         chain = chain[seen[w]:]
-    where = ", ".join(f"w{x}: {progs[x][pos[x]]}" for x in stuck[:12]) + (" ..." if len(stuck) > 12 else "")
+    where = ", ".join(f"w{x}: {progs[x][pos[x]].label}" for x in stuck[:12]) + (" ..." if len(stuck) > 12 else "")
     return f"the programs deadlock: {'; '.join(chain) or 'no progress'} (workers wait at {where})"
 
 

@@ -1,7 +1,8 @@
 """Run a Plan's action lists in simulated time, with the cost model: the runtime, with a clock instead of work.
 
 Each worker walks its lowered action list (``fusionllm.schedule.plan.worker_actions``, the same
-function the runtime uses). ``F``/``B`` take the cost model's compute time; on a CPU-quota device
+function the runtime uses), resolved: a SEND or RECV names its peers and edges, and nothing here
+recomputes where a tensor goes. ``F``/``B`` take the cost model's compute time; on a CPU-quota device
 they run at full speed until the cgroup's quota of the current 100 ms period is spent, then wait for
 the next period, as the kernel's CFS bandwidth control does. ``SEND_*`` queue each tensor on the
 directed link (one transfer at a time per link); ``RECV_*`` wait for arrival; ``REDUCE`` is a ring
@@ -19,13 +20,7 @@ from typing import Any
 from fusionllm.cluster.hardware import Device
 from fusionllm.cost.model import CostModel
 from fusionllm.schedule.actions import Action
-from fusionllm.schedule.plan import (
-    Plan,
-    Request,
-    micro_batch_scale,
-    routes,
-    shared_groups,
-)
+from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, shared_groups
 from fusionllm.schedule.validate import validate_plan
 
 CFS_PERIOD = 0.1
@@ -94,7 +89,6 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     tokens_per_step = req.tokens
     graph = cost.graph
     lists: dict[int, list[Action]] = validate_plan(graph, plan, cost, req)  # raises InvalidPlan naming the first broken rule
-    r = routes(graph, plan)
     edges = graph.edges()
     groups = shared_groups(graph, plan)
     workers = plan.workers
@@ -122,7 +116,6 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
 
     stage_nodes = {s.index: s.nodes for s in plan.stages}
     compute_s: dict[tuple[int, str], float] = {}
-    entering_from = {s: [e for e in r.entering[s] if r.producer[e] >= 0] for s in stage_nodes}
 
     def send(w: int, dst: int, key: tuple, nbytes: int) -> None:
         start = max(clock[w], link_free[(w, dst)])
@@ -149,25 +142,15 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             full = compute_s[key]
             clock[w] = cpu[w].run(t0, full)
             busy[w] += clock[w] - t0
-        elif a.kind == "RECV_F":
-            keys = [("act", a.mb, e, s) for e in entering_from[s]]
+        elif a.kind in ("RECV_F", "RECV_B"):
+            keys = [(a.kind[-1], a.mb, e, p.worker, w) for p in a.peers for e in p.edges]
             if any(k not in arrival for k in keys):
                 return False
             receive(w, keys)
-        elif a.kind == "SEND_F":
-            for e in r.leaving[s]:
-                for c in r.consumers[e]:
-                    send(w, plan.worker_for(c, a.mb), ("act", a.mb, e, c), cost.edge_bytes(edges[e].meta.nbytes))
-        elif a.kind == "RECV_B":
-            keys = [("grad", a.mb, e, c) for e in r.leaving[s] if edges[e].requires_grad for c in r.consumers[e]]
-            if any(k not in arrival for k in keys):
-                return False
-            receive(w, keys)
-        elif a.kind == "SEND_B":
-            for e in entering_from[s]:
-                if edges[e].requires_grad:
-                    p = r.producer[e]
-                    send(w, plan.worker_for(p, a.mb), ("grad", a.mb, e, s), cost.edge_bytes(edges[e].meta.nbytes))
+        elif a.kind in ("SEND_F", "SEND_B"):
+            for p in a.peers:
+                for e in p.edges:
+                    send(w, p.worker, (a.kind[-1], a.mb, e, w, p.worker), cost.edge_bytes(edges[e].meta.nbytes))
         elif a.kind == "REDUCE":
             mine = groups.get(w, [])
             while reduce_idx[w] < len(mine):
