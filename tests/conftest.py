@@ -1,9 +1,14 @@
 import atexit
+import contextlib
 import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,9 +19,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("FUSIONLLM_ALLOW_IMPORTS", "tests.")
-# calibrated op times go to a temporary directory of this test run, never to the user's cache
-os.environ["FUSIONLLM_CACHE"] = tempfile.mkdtemp(prefix="fusionllm-test-cache-")
-atexit.register(shutil.rmtree, os.environ["FUSIONLLM_CACHE"], True)
+# caches go to a temporary directory of this test run (shared with the CLI subprocesses), never to the
+# user's ~/.cache: calibrated op times, matplotlib's font list, anything else that honours XDG_CACHE_HOME
+CACHE = tempfile.mkdtemp(prefix="fusionllm-test-cache-")
+atexit.register(shutil.rmtree, CACHE, True)
+os.environ["FUSIONLLM_CACHE"] = CACHE
+os.environ["MPLCONFIGDIR"] = os.path.join(CACHE, "matplotlib")
+os.environ["XDG_CACHE_HOME"] = CACHE
 
 torch.set_num_threads(2)
 
@@ -24,3 +33,45 @@ torch.set_num_threads(2)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+# ---- processes a test started: stopped by handle, and by its own run directory (never by name) -----
+class Started(list):
+    """The processes a test started (``subprocess.run`` and ``Popen`` alike), by handle."""
+
+    def stop(self, root: Path) -> list[str]:
+        """Kill what the test left running: its own processes by handle (with their group if they
+        lead one), then fusionllm processes whose command line names ``root``, the test's own
+        directory (the coordinator and workers its ``train`` started). Returns what was running."""
+        left = []
+        for p in self:
+            if p.poll() is None:
+                left.append(f"{p.pid} {' '.join(map(str, p.args)) if isinstance(p.args, list) else p.args}")
+                with contextlib.suppress(ProcessLookupError):
+                    if p.own_group:
+                        os.killpg(p.pid, signal.SIGKILL)  # and the workers it started
+                    else:
+                        p.kill()
+                p.wait()
+        pattern = f"fusionllm (train|worker|coordinator) .*{re.escape(str(root))}"
+        for line in subprocess.run(["pgrep", "-fa", pattern], capture_output=True, text=True).stdout.splitlines():
+            if line.strip():
+                left.append(line)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+        return left
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """Records every process the test starts; ``started.stop(run_dir)`` at teardown ends the leftovers."""
+    handles = Started()
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.own_group = bool(kwargs.get("start_new_session") or kwargs.get("process_group") == 0)
+            handles.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    return handles

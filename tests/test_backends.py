@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from fusionllm.models.spec import build_model
 from fusionllm.npexec.executor import supported_kinds
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.schedule.plan import make_plan
+from tests.conftest import Started
 
 BASE = [sys.executable, "-m", "fusionllm"]
 TORCH = {"backend": "torch", "kinds": "all"}
@@ -63,6 +63,7 @@ def test_unrunnable_model_is_refused_with_the_missing_kinds() -> None:
         place(graph, make_plan(graph, 2), {0: NUMPY, 1: NUMPY})
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_worker_path_of_the_numpy_backend_imports_no_torch() -> None:
     code = (
         "import sys, fusionllm.cli.main, fusionllm.runtime.worker\n"
@@ -95,19 +96,11 @@ def test_both_backends_pack_the_same_safetensors_bytes() -> None:
 COMMON = ["--batch-size", "8", "--seed", "1", "--eval-every", "0"]
 
 
-def _leftovers(root: Path) -> list[str]:
-    """fusionllm workers and coordinators started under ``root`` (this test's run directory) only."""
-    out = subprocess.run(["pgrep", "-fa", f"fusionllm (worker|coordinator) .*{re.escape(str(root))}"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.strip()]
-
-
 @pytest.fixture(autouse=True)
-def no_leftover_processes(tmp_path: Path):
+def no_leftover_processes(tmp_path: Path, started: Started):
     yield
-    left = _leftovers(tmp_path)  # only this test's (the machine is shared)
-    for line in left:
-        os.kill(int(line.split()[0]), signal.SIGKILL)
-    assert not left, f"fusionllm processes left running: {left}"
+    left = started.stop(tmp_path)  # the test's own by handle, then its run directory only (the machine is shared)
+    assert not left, f"processes left running: {left}"
 
 
 def _train(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
@@ -134,6 +127,7 @@ def _imported_torch(log: Path) -> bool:
     return re.search(r"^import time:.*\|\s+torch(\.|$)", log.read_text(), re.MULTILINE) is not None
 
 
+@pytest.mark.slow
 def test_numpy_worker_in_a_gpt_pipeline_matches_all_torch(tmp_path: Path) -> None:
     """gpt-micro, 10 steps: the middle stage in NumPy (no torch in its process) gives torch's losses."""
     ref, ref_out = _train(tmp_path, "torch", "--model", "gpt-micro", "--steps", "10")
@@ -149,6 +143,7 @@ def test_numpy_worker_in_a_gpt_pipeline_matches_all_torch(tmp_path: Path) -> Non
     assert _imported_torch(tmp_path / "mixed" / "worker-0.log")  # the check sees torch where it is
 
 
+@pytest.mark.slow
 def test_numpy_worker_moves_to_a_stage_it_runs_and_shares_a_tied_weight(tmp_path: Path) -> None:
     """tests.zoo:skip_tied: the NumPy worker takes the tied head (the plan had it elsewhere), and
     the head's gradient is all-reduced between a torch and a NumPy worker."""
@@ -163,6 +158,7 @@ def test_numpy_worker_moves_to_a_stage_it_runs_and_shares_a_tied_weight(tmp_path
     assert json.loads(out.read_text().splitlines()[-1])["bytes"].get("w1->w0", 0) > 0  # the tied weight's reduce
 
 
+@pytest.mark.slow
 def test_model_a_numpy_worker_cannot_run_is_refused_before_training(tmp_path: Path) -> None:
     proc, out = _train(tmp_path, "dense", "--model", "tests.zoo:dense", "--steps", "2", "--seq-len", "16", "--backends", "torch,numpy,torch")
     assert proc.returncode == 2
@@ -173,6 +169,7 @@ def test_model_a_numpy_worker_cannot_run_is_refused_before_training(tmp_path: Pa
     assert not out.exists() or not out.read_text().strip()
 
 
+@pytest.mark.slow
 def test_backends_must_name_one_framework_per_worker() -> None:
     proc = subprocess.run([*BASE, "train", "--cluster", "local:3", "--backends", "torch,numpy"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import Started
+
+pytestmark = pytest.mark.slow  # real processes
+
 BASE = [sys.executable, "-m", "fusionllm"]
 COMMON = ["--steps", "6", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
 
@@ -23,12 +27,10 @@ def _leftovers(root: Path) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes(tmp: Path):
+def no_leftover_processes(tmp: Path, started: Started):
     yield
-    left = _leftovers(tmp)  # only this module's run directory (the machine is shared)
-    for line in left:
-        os.kill(int(line.split()[0]), signal.SIGKILL)
-    assert not left, f"fusionllm processes left running: {left}"
+    left = started.stop(tmp)  # the test's own by handle, then this module's run directory only (the machine is shared)
+    assert not left, f"processes left running: {left}"
 
 
 def _losses(path: Path) -> list[float]:

@@ -15,8 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import Started
+
+pytestmark = pytest.mark.slow  # real processes
+
 BASE = [sys.executable, "-m", "fusionllm"]
 RUN = ["--model", "gpt-micro", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--seed", "3"]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(tmp_path: Path, started: Started):
+    yield
+    left = started.stop(tmp_path)  # the test's own by handle, then its run directory only (the machine is shared)
+    assert not left, f"processes left running: {left}"
 
 
 def _records(path: Path) -> list[dict]:

@@ -24,20 +24,23 @@ def create(name: str, cpus: float) -> Path:
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpus * PERIOD_US))))
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()  # not half made: the testbed records a cgroup once it is whole
         raise TestbedError(f"cannot create CPU cgroup {path}: {exc}") from None
     return path
 
 
-def remove_all() -> list[str]:
-    """Remove every fusion cgroup (moving stray processes to the root group first)."""
+def remove(names: list[str]) -> list[str]:
+    """Remove these cgroups (moving processes still in them to the root group first); returns those removed."""
     removed = []
-    if not ROOT.is_dir():
-        return removed
-    for path in sorted(ROOT.glob(f"{PREFIX}-*")):
+    for name in names:
+        path = ROOT / name
+        if not name.startswith(f"{PREFIX}-") or "/" in name or not path.is_dir():
+            continue
         with contextlib.suppress(OSError):
             for pid in (path / "cgroup.procs").read_text().split():
                 (ROOT / "cgroup.procs").write_text(pid)
         with contextlib.suppress(OSError):
             os.rmdir(path)
-            removed.append(path.name)
+            removed.append(name)
     return removed

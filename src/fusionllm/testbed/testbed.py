@@ -1,6 +1,6 @@
 """The testbed: one network namespace per worker on a bridge, tc htb rate limits, CPU quotas.
 
-Layout (everything named ``fusion-*``, removed by ``down`` whatever state it is in):
+Layout (everything named ``fusion-*``):
 
 - bridge ``fusion-br`` in the root namespace, address ``<subnet>.1`` (the coordinator listens there);
 - worker i: namespace ``fusion-w<i>``, a veth pair ``fusion-v<i>`` (bridge side) / ``eth0`` (inside),
@@ -8,6 +8,11 @@ Layout (everything named ``fusion-*``, removed by ``down`` whatever state it is 
 - on each worker's ``eth0``, an htb qdisc with one class per other worker (rate: the link between
   their sites, or the site's own bandwidth) selected by destination address, and an unlimited
   default class for the coordinator. Each direction is shaped by its sender.
+
+``up`` records each namespace, link and cgroup it makes in a state file next to its lock file
+(``/run/fusionllm-testbed.json``), as soon as it exists; ``down`` removes what that file lists and
+nothing else, so it cleans up after a crashed run (the file outlives it) but leaves alone anything
+named ``fusion-*`` that another program, or a person, made.
 
 Latency is not emulated: ``netem`` is not available in this kernel, and delaying inside our own
 transport would not delay TCP's acknowledgements, so it would not behave like a real long link.
@@ -17,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from fusionllm.cluster.spec import ClusterSpec
 from fusionllm.core.logging import get_logger
@@ -31,6 +38,8 @@ BRIDGE = f"{PREFIX}-br"
 UNLIMITED = "10gbit"
 MAX_WORKERS = 240
 LOCK = "/run/fusionllm-testbed.lock"
+STATE = Path("/run/fusionllm-testbed.json")  # what up() made (and its pid): the only things down() removes
+KINDS = ("netns", "links", "cgroups")
 log = get_logger("testbed", "testbed")
 
 
@@ -118,10 +127,13 @@ class Testbed:
             log.warning("testbed not emulated (%s): workers run on loopback with no limits", self.why_not)
             return
         self._lock()
-        self._check_subnet()
-        down()  # leftovers of a crashed run (the lock says no live testbed owns them)
+        self._made: dict[str, list[str]] = {k: [] for k in KINDS}
         try:
+            self._check_subnet()
+            down()  # leftovers of a crashed run (the lock says no live testbed owns them)
+            self._check_free()
             run("ip", "link", "add", BRIDGE, "type", "bridge")
+            self._record("links", BRIDGE)
             run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", BRIDGE)
             run("ip", "link", "set", BRIDGE, "up")
             for slot in self.slots:
@@ -130,9 +142,28 @@ class Testbed:
                 self._shape(slot)
                 if slot.cgroup:
                     cgroups.create(slot.cgroup, slot.cpus or 1.0)
+                    self._record("cgroups", slot.cgroup)
         except BaseException:
-            down()
+            self.down()  # what it made so far, and the lock
             raise
+
+    def _record(self, kind: str, name: str) -> None:
+        """Note in the state file that ``name`` exists now (written at once: a crash must not lose it)."""
+        self._made[kind].append(name)
+        _write_state({"owner": os.getpid(), **self._made})
+
+    def _check_free(self) -> None:
+        """Refuse to take over a ``fusion-*`` name that no state file lists: someone else made it."""
+        taken = leftovers()
+        ours = {"netns": {s.netns for s in self.slots}, "links": {BRIDGE, *(f"{PREFIX}-v{s.index}" for s in self.slots)},
+                "cgroups": {s.cgroup for s in self.slots if s.cgroup}}
+        clash = {k: sorted(set(taken[k]) & ours[k]) for k in KINDS}
+        if any(clash.values()):
+            fix = [*(f"ip netns delete {n}" for n in clash["netns"]), *(f"ip link delete {n}" for n in clash["links"]),
+                   *(f"rmdir {cgroups.ROOT / n}" for n in clash["cgroups"])]
+            names = ", ".join(f"{n} ({k})" for k in KINDS for n in clash[k])
+            raise TestbedError(f"{names} already exist and no testbed state file ({STATE}) lists them: another program made them, "
+                               f"or a testbed from before state files crashed; if they are leftovers, remove them with: {'; '.join(fix)}")
 
     def _lock(self) -> None:
         """One testbed per machine: a second would tear down the first's namespaces."""
@@ -164,7 +195,9 @@ class Testbed:
     def _add_worker(self, slot: Slot) -> None:
         ns, host, peer = slot.netns, f"{PREFIX}-v{slot.index}", f"{PREFIX}-p{slot.index}"
         run("ip", "netns", "add", ns)
+        self._record("netns", ns)
         run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+        self._record("links", host)  # the peer goes with it (and with the namespace, once moved there)
         run("ip", "link", "set", peer, "netns", ns)
         run("ip", "link", "set", host, "master", BRIDGE)
         run("ip", "link", "set", host, "up")
@@ -194,10 +227,13 @@ class Testbed:
         set_link_rate(i, j, bps)
 
     def down(self) -> None:
-        if self.emulated:
-            down()
         lock = getattr(self, "_lockfile", None)
-        if lock is not None:
+        if lock is None:
+            return  # never up (or down already): what the state file lists is another testbed's
+        try:
+            if self.emulated:
+                down()
+        finally:
             lock.close()  # releases the flock
             self._lockfile = None
 
@@ -210,24 +246,55 @@ def set_link_rate(i: int, j: int, bps: int) -> None:
 
 
 def down() -> dict[str, list[str]]:
-    """Remove every namespace, link and cgroup named fusion-* (works after a crash too)."""
-    removed: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
+    """Remove the namespaces, links and cgroups the state file lists (what an ``up`` made, also one
+    that crashed), killing the processes inside those namespaces; never anything else named fusion-*.
+    Returns what was removed; the state file stays, listing what could not be, until a later ``down``."""
+    removed: dict[str, list[str]] = {k: [] for k in KINDS}
     ok, _ = can_emulate()
-    if not ok:
+    state = _read_state() if ok else None
+    if state is None:
         return removed
-    for line in run("ip", "netns", "list", check=False).splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if name.startswith(f"{PREFIX}-"):
+    present = leftovers()
+    for name in state["netns"]:
+        if name in present["netns"]:
             _kill_in_netns(name)
             run("ip", "netns", "delete", name, check=False)
             removed["netns"].append(name)
-    for line in run("ip", "-o", "link", "show", check=False).splitlines():
-        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(f"{PREFIX}-"):
+    present = leftovers()  # a veth goes away with its peer's namespace
+    for name in state["links"]:
+        if name in present["links"]:
             run("ip", "link", "delete", name, check=False)
             removed["links"].append(name)
-    removed["cgroups"] = cgroups.remove_all()
+    removed["cgroups"] = cgroups.remove(state["cgroups"])
+    present = leftovers()
+    left = {k: [n for n in state[k] if n in present[k]] for k in KINDS}
+    if any(left.values()):
+        _write_state({"owner": state["owner"], **left})
+        log.warning("testbed down: could not remove %s (still listed in %s)", left, STATE)
+    else:
+        STATE.unlink(missing_ok=True)
     return removed
+
+
+def _read_state() -> dict | None:
+    """The state file's contents, or None without one."""
+    try:
+        state = json.loads(STATE.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise TestbedError(f"cannot read the testbed state file {STATE} ({exc}); remove the fusion-* namespaces, links and cgroups "
+                           f"it listed by hand (`ip netns list`, `ip link show`, {cgroups.ROOT}), then delete it") from None
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), list) for k in KINDS):
+        raise TestbedError(f"the testbed state file {STATE} is not a testbed's (expected lists {', '.join(KINDS)}); "
+                           f"remove what it names by hand, then delete it")
+    return state
+
+
+def _write_state(state: dict) -> None:
+    tmp = STATE.with_name(f".{STATE.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, STATE)  # whole or not at all, even if we die here
 
 
 def _kill_in_netns(name: str) -> None:
@@ -238,7 +305,7 @@ def _kill_in_netns(name: str) -> None:
 
 
 def leftovers() -> dict[str, list[str]]:
-    """What of a testbed still exists (for tests and `testbed down`)."""
+    """Every namespace, link and cgroup named fusion-* on this machine, whoever made it (for ``down`` and tests)."""
     out: dict[str, list[str]] = {"netns": [], "links": [], "cgroups": []}
     out["netns"] = [ln.split()[0] for ln in run("ip", "netns", "list", check=False).splitlines() if ln.strip().startswith(f"{PREFIX}-")]
     out["links"] = [ln.split(":")[1].strip().split("@")[0] for ln in run("ip", "-o", "link", "show", check=False).splitlines()
