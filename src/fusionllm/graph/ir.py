@@ -132,6 +132,18 @@ class OpGraph:
                 out.setdefault(e, []).append(n.id)
         return out
 
+    def boundary(self, node_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """What a set of nodes (a stage) receives and hands out: the edges entering it (read there,
+        made by other nodes or graph inputs; in order of first reading) and those leaving it (made
+        there, read by other nodes or a graph output; in node order)."""
+        wanted = set(node_ids)
+        inside = [n for n in self.nodes if n.id in wanted]
+        produced = {e.id for n in inside for e in n.outputs}
+        read_outside = {e for n in self.nodes if n.id not in wanted for e in n.inputs}
+        entering = list(dict.fromkeys(e for n in inside for e in n.inputs if e not in produced))
+        leaving = [e.id for n in inside for e in n.outputs if e.id in read_outside or e.id in self.outputs]
+        return entering, leaving
+
     def num_params(self, trainable_only: bool = True) -> int:
         return sum(p.meta.numel for p in self.params.values() if p.trainable or not trainable_only)
 

@@ -66,16 +66,11 @@ class NumpyStageExecutor:
             if n.kind == "input":
                 raise GraphError(f"{name}: node {n.id!r} is a graph input; inputs are fed, not owned")
         self.edge_meta: dict[str, Edge] = graph.edges()
-        produced = {e.id for n in self.nodes for e in n.outputs}
-        read_outside = {e for n in graph.nodes if n.id not in wanted for e in n.inputs}
-        self.entering: list[str] = list(dict.fromkeys(e for n in self.nodes for e in n.inputs if e not in produced))
-        self.leaving: list[str] = [
-            e.id for n in self.nodes for e in n.outputs if e.id in read_outside or e.id in graph.outputs
-        ]
+        self.entering, self.leaving = graph.boundary(wanted)  # what the stage receives and hands out
         self._grad_leaving = {e for e in self.leaving if self.edge_meta[e].requires_grad}
         self._grad_entering = [e for e in self.entering if self.edge_meta[e].requires_grad]
         self._waits_on = self._dependencies()
-        self._consumers = {e: [n.id for n in self.nodes if e in n.inputs] for e in produced}
+        self._consumers = {e.id: [n.id for n in self.nodes if e.id in n.inputs] for m in self.nodes for e in m.outputs}
         self.ops: dict[str, Op] = self._build_ops()
         self._load(tensors)
         self._differentiable = {n.id for n in self.nodes if self._needs_backward(n)}

@@ -60,12 +60,7 @@ class StageExecutor:
             if n.kind == "input":
                 raise GraphError(f"{name}: node {n.id!r} is a graph input; inputs are fed, not owned")
         self.edge_meta: dict[str, Edge] = graph.edges()
-        produced = {e.id for n in self.nodes for e in n.outputs}
-        read_outside = {e for n in graph.nodes if n.id not in wanted for e in n.inputs}
-        self.entering: list[str] = list(dict.fromkeys(e for n in self.nodes for e in n.inputs if e not in produced))
-        self.leaving: list[str] = [
-            e.id for n in self.nodes for e in n.outputs if e.id in read_outside or e.id in graph.outputs
-        ]
+        self.entering, self.leaving = graph.boundary(wanted)  # what the stage receives and hands out
         self._grad_leaving = {e for e in self.leaving if self.edge_meta[e].requires_grad}
         self._grad_entering = [e for e in self.entering if self.edge_meta[e].requires_grad]
         self._waits_on = self._dependencies()
