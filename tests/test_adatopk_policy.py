@@ -179,3 +179,17 @@ def test_a_shaper_burst_does_not_send_a_slowed_link_back_to_a_light_codec() -> N
         targets.append(policy.byte_target(link))
     assert targets[-1] < 0.5
     assert len(set(targets[-30:])) == 1, targets  # settled, not oscillating
+
+
+def test_host_delays_on_a_busy_machine_do_not_compress_a_fast_link() -> None:
+    """Why it can fail: on a loaded machine most steps' sends wait for a core; judged by a typical step
+    rather than the fastest, a 1 Gbit/s link inside a site looked slow and was compressed (a policy that
+    took the upper quartile of recent rates did so in the testbed under load)."""
+    link = (1, 2)
+    policy = _policy(1e9)
+    assert policy.byte_target(link) == 1.0
+    for step in range(60):
+        wire = policy.byte_target(link) * RAW
+        delay = 0.0 if step % 8 == 0 else 0.2  # seven steps of eight wait 200 ms for a busy core
+        policy.observe(link, wire, MESSAGES * 2e-4 + wire * 8 / 1e9 + delay, MESSAGES)
+    assert policy.byte_target(link) == 1.0

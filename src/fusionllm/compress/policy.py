@@ -102,8 +102,11 @@ class LinkPolicy:
         return sorted(rates)[len(rates) // 2] if rates else None
 
     def judged_step(self, link: tuple[int, int], target: float) -> float:
-        """``predicted_step`` at the rate the link showed for messages of this codec's size."""
+        """``predicted_step``; a codec lighter than the link's current one at the rate the link showed
+        for messages of that size (the current codec and harder ones at the link's fitted rate)."""
         general = self.bps.get(link, float("inf"))
+        if target <= self.byte_target(link):
+            return self.predicted_step(link, target, general)
         return self.predicted_step(link, target, min(general, self.rate_at(link, target) or general))
 
     def choose(self, link: tuple[int, int]) -> float:
@@ -158,13 +161,11 @@ class LinkPolicy:
         Host delays (a busy event loop, a worker computing) only ever add time, so both parts are
         read from the fastest measurements: the fixed part from the lower envelope of time per
         message against bytes per message (when the window holds sizes ``SPREAD`` apart; else the
-        last one fitted, or ``overhead_s``), the rate as the upper quartile of the last ``RECENT``
-        steps' rates with the fixed part taken off, at most the planned (probed or declared) rate.
-        Not the best single step: a shaper lets a burst through faster than its rate and makes the
-        next messages pay for it (an HTB bucket runs into debt on a large segment), so one step of
-        compressed traffic can look 10x faster than the link (a 2 Mbit/s link measured 58 Mbit/s
-        for one step and its codec was dropped); the upper quartile ignores two such steps of eight
-        and still reads past six steps slowed by host delays."""
+        last one fitted, or ``overhead_s``), the rate as the best of the last ``RECENT`` steps' rates
+        with the fixed part taken off, at most the planned (probed or declared) rate. Small messages
+        can pass a shaper faster than its rate (its bucket refills between them): that is why a
+        codec lighter than the current one is judged by ``rate_at``, the rate messages of its own
+        size showed, not by this one."""
         window = self.samples.get(link)
         if not window or len(window) < 3:
             return None
@@ -180,6 +181,5 @@ class LinkPolicy:
             if c > 0 and o >= 0:
                 fixed = o
         self.fixed_s[link] = fixed
-        rates = sorted(w * 8 / max(y - n * fixed, 0.05 * y) for n, w, y in list(window)[-RECENT:])
-        upper = rates[(3 * (len(rates) - 1)) // 4]
-        return min(upper, self.planned_bps.setdefault(link, self.bps.get(link, float("inf"))))
+        best = max(w * 8 / max(y - n * fixed, 0.05 * y) for n, w, y in list(window)[-RECENT:])
+        return min(best, self.planned_bps.setdefault(link, self.bps.get(link, float("inf"))))
