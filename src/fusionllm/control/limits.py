@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fusionllm.core.errors import ConfigError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.plan import Plan, routes, shared_groups
+from fusionllm.schedule.validate import programs
 from fusionllm.transport.control import Assign, Hyper, StatePage, StepDone
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import MAX_MESSAGE, pack
@@ -29,7 +30,7 @@ DATA_PLANE_MAX = 8 << 30  # WorkerConfig.max_payload's default
 
 @dataclass(frozen=True)
 class MessageSizes:
-    assign_head: int  # graph + plan JSON + addresses: the largest control message at setup
+    assign_head: int  # graph + plan JSON + addresses + the longest program: the largest control message at setup
     weight_frame: int
     state_page: int
     step_reply: int  # a Step's reply with every link reported
@@ -42,8 +43,11 @@ class MessageSizes:
 
 def message_sizes(graph: OpGraph, plan: Plan, *, addresses: int | None = None) -> MessageSizes:
     n = addresses if addresses is not None else max(plan.workers) + 1
+    progs = programs(graph, plan)
+    longest = max(progs.values(), key=lambda p: sum(len(str(a)) for a in p)) if progs else []
     head = Assign(worker=n - 1, graph=graph.to_json(), plan=plan.to_json(), addresses={str(w): f"255.255.255.255:{65535}" for w in range(n)},
-                  hyper=Hyper(lr=1.0), nbytes=1 << 40, epoch=1 << 30, data_addresses={str(w): "255.255.255.255:65535" for w in range(n)})
+                  hyper=Hyper(lr=1.0), nbytes=1 << 40, epoch=1 << 30, data_addresses={str(w): "255.255.255.255:65535" for w in range(n)},
+                  program=[str(a) for a in longest])
     reply = StepDone(losses={str(mb): 1.0 for mb in range(plan.micro_batches)}, bytes_to={str(w): 1 << 50 for w in range(n)},
                      link_stats={str(w): [float(1 << 50), 1e9, 1e9] for w in range(n)})
     r = routes(graph, plan)

@@ -58,7 +58,7 @@ class SetupMixin:
             cost = await self._cost(graph, clients) if codec.kind == "adatopk" else None
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)  # each stage on workers that run its op kinds
-        await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
+        programs = await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         if codec.kind == "adatopk":
             from fusionllm.control.adatopk import adatopk_policy
@@ -68,7 +68,7 @@ class SetupMixin:
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         self.membership.participants = set(plan.workers)
-        run = Run(graph, plan, clients)
+        run = Run(graph, plan, clients, actions=programs)
         self._print_plan(run, addresses)
         await self._assign(run, addresses, states, load, codec)
         self.plan_record = self._plan_event(run, addresses, cost)
@@ -90,10 +90,12 @@ class SetupMixin:
             names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
-                          nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load)
+                          nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load,
+                          program=[str(a) for a in run.actions[w]])  # what the validator checked is what the worker runs
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
-            run.actions[w] = [Action.parse(a) for a in replies[w].actions]
+            if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:
+                raise FusionError(f"worker {w} runs another program than the one it was sent")
 
         await asyncio.gather(*(assign(w) for w in plan.workers))
         run.fed = {w for w, r in replies.items() if r.data != "own"}

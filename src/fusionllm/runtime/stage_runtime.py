@@ -75,7 +75,10 @@ class StageRuntime:
         backend: Backend,
         device: str = "cpu",
         optimizer_state: Mapping[str, Any] | None = None,
+        program: list[Action] | None = None,
     ) -> None:
+        """``program``: the action list the planner validated for this worker (shipped with the
+        assignment); without it, the worker lowers the plan itself with the same function."""
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
         self.peers, self.inbox = peers, inbox
         self.stage = plan.stage_of_worker(worker)
@@ -85,7 +88,9 @@ class StageRuntime:
         )
         self.executor = self.backend.executor
         self._groups = self._shared_groups()
-        self.actions = worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
+        self.actions = program if program is not None else worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
+        if any(a.stage != self.stage.index for a in self.actions):
+            raise FusionError(f"worker {worker}: its program holds actions of another stage than {self.stage.index}")
         self.eval_actions = [a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]  # the forward-only program
         self._sent = {a.mb: a.edges() for a in self.actions if a.kind == "SEND_F"}  # per micro-batch, the outputs a SEND_F takes
         tok, tgt = (n.outputs[0].id for n in graph.input_nodes)

@@ -33,6 +33,7 @@ from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
+from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.control import (
@@ -246,6 +247,7 @@ class Worker:
             raise WireError(f"assignment truncated: {filled} of {msg.nbytes} bytes")
         graph = await asyncio.to_thread(self.backend.parse_graph, msg.graph)
         plan = Plan.from_json(msg.plan)
+        program = [Action.parse(a) for a in msg.program] if msg.program is not None else None
         blob = bytes(buf)
         del buf
         if msg.load is not None:  # resume and recovery: this stage's tensors from the checkpoint's shards
@@ -262,7 +264,7 @@ class Worker:
                              data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch)
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
-            backend=self.backend, device=self.config.device, optimizer_state=adam,
+            backend=self.backend, device=self.config.device, optimizer_state=adam, program=program,
         )
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:

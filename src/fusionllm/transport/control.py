@@ -191,6 +191,7 @@ class Assign(Message):
     data_addresses: dict[str, str] = field(default_factory=dict)
     data: DataSpec | None = None
     load: str | None = None  # a checkpoint directory whose shards hold this stage's tensors (instead of nbytes)
+    program: list[str] | None = None  # the worker's validated action list (text form); None: the worker lowers the plan
 
 
 @dataclass
