@@ -109,3 +109,17 @@ def test_a_damaged_shard_is_refused_before_anything_is_allocated(tmp_path: Path)
     with pytest.raises(ConfigError, match="truncated"):
         read_selected([cut], lambda _: True)
     assert np.isfinite(1.0)
+
+
+def test_no_message_field_is_untyped() -> None:
+    import dataclasses
+    import typing
+
+    from fusionllm.transport import control
+
+    kinds = [c for c in vars(control).values() if isinstance(c, type) and issubclass(c, control.Message) and c is not control.Message]
+    assert len(kinds) >= 20
+    for cls in kinds:
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            assert "Any" not in str(hint), f"{cls.__name__}.{f.name}: {hint}"
