@@ -6,18 +6,28 @@ own, joined to the root namespace by one veth pair; the four workers (`fusionllm
 the root namespace and listen on the root end's address. Every byte the coordinator sends or
 receives therefore crosses that veth, and nothing else does: worker-to-worker tensors go to
 addresses of the root namespace and stay there. The kernel's counters of the root end
-(/sys/class/net/<if>/statistics/{rx,tx}_bytes) are read before and after each run, once every
-process has exited; rx is coordinator -> workers ("down"), tx is workers -> coordinator ("up").
+(/sys/class/net/<if>/statistics/{rx,tx}_bytes) are read before each run and then every 0.05 s
+while it runs; rx is coordinator -> workers ("down"), tx is workers -> coordinator ("up").
 They count whole frames: payload, gRPC, HTTP/2, TCP/IP and Ethernet headers, ACKs, heartbeats.
 IPv6 is off on both ends so that no neighbour discovery adds to them.
 
-Attribution, from four runs of the same model, batch and seed (k = --steps):
-  a1: 1 step                 ak: k steps
-  ek: k steps, --eval-every 1   ck: k steps, --checkpoint-every 1
-  per step       = (ak - a1) / (k - 1)
-  setup          = a1 - per step   (joining, planning, shipping stages, shutting down)
-  per evaluation = (ek - ak) / evaluations done in ek   (counted from the metrics JSONL)
-  per checkpoint = (ck - ak) / k   (one checkpoint per step, the last included)
+Attribution, inside each run (not as differences of whole runs: shipping the initial weights at
+setup varies by a few hundred KB from run to run, which swamped a step's few KB for gpt2). Every
+0.05 s a sampler counts the step records in the metrics JSONL and then reads the counters, so
+each sample says "this many steps were done, and this many bytes had crossed". In a run of k
+steps, S1 is the first sample that saw a step record (n1 records, usually 1) and Sk the first
+that saw all k; their counter difference covers nk - n1 whole steps (the records are written
+after a step and its evaluation, before its checkpoint, so each such interval holds one next
+step, one evaluation under --eval-every 1 and one checkpoint under --checkpoint-every 1).
+Three runs of the same model, batch and seed:
+  ak: k steps      ek: k steps, --eval-every 1      ck: k steps, --checkpoint-every 1
+  per step       = (Sk - S1) / (nk - n1)                 in ak
+  per evaluation = that figure in ek - that figure in ak
+  per checkpoint = that figure in ck - that figure in ak
+  setup          = S1 of ak: from the first process to the first step record (joining, planning,
+                   shipping stages and the first step itself; the shutdown after the last
+                   record is in the JSON as "teardown", in no column)
+The step seconds are (time of Sk - time of S1) / (nk - n1), read the same way.
 
 Why it is fair to old and new code alike. Nothing here knows how the coordinator talks to the
 workers: it starts the two public commands with the same flags and counts what the kernel
@@ -27,11 +37,16 @@ data, seed and flags on the same machine, one run at a time. Heartbeats (every 2
 worker) are driven by time, not by steps: they are counted in whichever phase they fall, so a
 phase's bytes include about `heartbeat B/s x its seconds`. The heartbeat rate is measured on its
 own (four workers joined to a coordinator that waits for a fifth: nothing else moves), and the
-table also gives the bytes per step without the heartbeats of the step's seconds (per step net).
+table also gives the bytes per step without the heartbeats of the step's seconds (per step net);
+the JSON has the same for an evaluation and a checkpoint (per_eval_net, per_checkpoint_net, from
+the extra seconds per step that --eval-every 1 / --checkpoint-every 1 took).
 
-    flock /tmp/fusionllm-bench.lock .venv/bin/python benchmarks/control_plane.py --code before --models gpt-micro,gpt2
-    flock /tmp/fusionllm-bench.lock .venv/bin/python benchmarks/control_plane.py --code after   # when the new code is in
+    .venv/bin/python benchmarks/control_plane.py --code both --models gpt-micro,gpt2
+    .venv/bin/python benchmarks/control_plane.py --code after   # only the new code again
     .venv/bin/python benchmarks/control_plane.py --report-only   # table and plot again from the JSON
+
+It counts bytes, not seconds, so a busy machine changes only the step seconds (and with them the
+heartbeats in per step); it needs no bench lock, but runs one cluster at a time.
 
 Needs root (network namespaces, veth). "before" is commit 731f1e9, checked out as a git worktree
 at /tmp/fcp-before (made if absent) and run with that tree's src first on PYTHONPATH; "after" is
@@ -150,7 +165,7 @@ class CoordinatorLink:
 
 @dataclass(frozen=True)
 class Scenario:
-    name: str  # a1, ak, ek, ck
+    name: str  # ak, ek, ck (idle: the heartbeat run)
     steps: int
     flags: tuple[str, ...] = ()
 
@@ -174,21 +189,35 @@ def _du(path: Path) -> int:
 
 
 class Sampler(threading.Thread):
-    """Counters and the number of step records, every 0.1 s: the run as a time series."""
+    """The number of step records, then the counters, every 0.05 s: the run as a time series.
+
+    Records first: a sample's counters were read after its records appeared, at both ends of an
+    interval alike, so the bytes of the step that follows a record are never counted before it.
+    """
+
+    PERIOD_S = 0.05
 
     def __init__(self, link: CoordinatorLink, metrics: Path) -> None:
         super().__init__(daemon=True)
         self.link, self.metrics = link, metrics
         self.series: list[tuple[float, int, int, int]] = []  # (s since start, down, up, step records)
         self.halt = threading.Event()
+        self._size, self._n = -1, 0
+
+    def _count(self) -> int:
+        with contextlib.suppress(FileNotFoundError):
+            size = self.metrics.stat().st_size
+            if size != self._size:  # parse again only when the file grew
+                self._size, self._n = size, len(_steps(_records(self.metrics)))
+        return self._n
 
     def run(self) -> None:
         began = time.monotonic()
         while not self.halt.is_set():
+            n = self._count()
             down, up = self.link.counters()
-            n = len(_steps(_records(self.metrics)))
             self.series.append((time.monotonic() - began, down, up, n))
-            self.halt.wait(0.1)
+            self.halt.wait(self.PERIOD_S)
 
 
 def code_env(code: str) -> dict[str, str]:
@@ -298,11 +327,16 @@ def heartbeat_rate(link: CoordinatorLink, env: dict[str, str], tmp: Path, second
     return ((d1 - d0) + (u1 - u0)) / (t1 - t0)
 
 
-def _step_seconds(series: list[tuple[float, int, int, int]], steps: int) -> float | None:
-    """Seconds from the first step record to the last, per step (when the records appeared)."""
-    first = next((s[0] for s in series if s[3] >= 1), None)
-    last = next((s[0] for s in series if s[3] >= steps), None)
-    return None if first is None or last is None else (last - first) / (steps - 1)
+def in_run(series: list[tuple[float, int, int, int]], steps: int) -> dict[str, Any]:
+    """S1 (the first sample with a step record) and Sk (the first with all ``steps``), and per step between them."""
+    s1 = next((s for s in series if s[3] >= 1), None)
+    sk = next((s for s in series if s[3] >= steps), None)
+    if s1 is None or sk is None or sk[3] <= s1[3]:
+        raise RuntimeError(f"no two samples with different step counts in {len(series)} samples (steps={steps}): "
+                           "the run was too short to be sampled; more steps")
+    n = sk[3] - s1[3]
+    return {"s1": list(s1), "sk": list(sk), "intervals": n, "step_s": (sk[0] - s1[0]) / n,
+            "per_step_down": (sk[1] - s1[1]) / n, "per_step_up": (sk[2] - s1[2]) / n}
 
 
 def model_bytes(env: dict[str, str], model: str, runs: dict[str, dict[str, Any]]) -> tuple[int, int]:
@@ -315,36 +349,53 @@ def model_bytes(env: dict[str, str], model: str, runs: dict[str, dict[str, Any]]
     return params, params * 4
 
 
+def _thin(series: list[tuple[float, int, int, int]], every_s: float = 1.0) -> list[tuple[float, int, int, int]]:
+    """For the JSON: every sample where the step count changed, and one a second otherwise."""
+    out: list[tuple[float, int, int, int]] = []
+    for s in series:
+        if not out or s[3] != out[-1][3] or s[0] >= out[-1][0] + every_s or s is series[-1]:
+            out.append(s)
+    return out
+
+
 def measure(link: CoordinatorLink, code: str, model: str, k: int, tmp: Path, heartbeat: float) -> dict[str, Any]:
     env = code_env(code)
-    scenarios = [Scenario("a1", 1), Scenario("ak", k), Scenario("ek", k, ("--eval-every", "1")), Scenario("ck", k, ("--checkpoint-every", "1"))]
-    runs = {}
+    scenarios = [Scenario("ak", k), Scenario("ek", k, ("--eval-every", "1")), Scenario("ck", k, ("--checkpoint-every", "1"))]
+    runs, inside = {}, {}
     for sc in scenarios:
-        runs[sc.name] = run_once(link, env, model, sc, tmp)
-        r = runs[sc.name]
+        r = runs[sc.name] = run_once(link, env, model, sc, tmp)
+        i = inside[sc.name] = in_run(r["series"], k)
+        r["in_run"] = {**i, "teardown_down": r["down"] - i["sk"][1], "teardown_up": r["up"] - i["sk"][2]}
         print(f"  {model} {code} {sc.name}: {r['wall_s']:.1f} s, down {r['down']:,} B, up {r['up']:,} B, "
-              f"{r['evaluations']} evaluations, {r['checkpoint_dirs']} checkpoints", flush=True)
-    evals = runs["ek"]["evaluations"] or k
-    ckpts = k  # --checkpoint-every 1 means one per step, however the code lays them out on disk (runs.ck.checkpoint_dirs: a check)
+              f"{r['evaluations']} evaluations, {r['checkpoint_dirs']} checkpoints; in run: {i['intervals']} steps of {i['step_s']:.2f} s, "
+              f"{i['per_step_down']:,.0f} B down + {i['per_step_up']:,.0f} B up each", flush=True)
+    if runs["ek"]["evaluations"] != k:
+        raise RuntimeError(f"{model} {code} ek: {runs['ek']['evaluations']} evaluations, expected one per step ({k})")
     out: dict[str, Any] = {"model": model, "code": code, "commit": BEFORE_COMMIT if code == "before" else _sh("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD").strip() + "+working tree",
-                           "steps_k": k, "evaluations": evals, "checkpoints": ckpts}
+                           "steps_k": k, "evaluations": inside["ek"]["intervals"], "checkpoints": inside["ck"]["intervals"],
+                           "method": "in-run: counters sampled with the step records, S1 = first record, Sk = k-th record"}
     for d in ("down", "up"):
-        per_step = (runs["ak"][d] - runs["a1"][d]) / (k - 1)
-        out[f"setup_{d}"] = round(runs["a1"][d] - per_step)
+        per_step = inside["ak"][f"per_step_{d}"]
+        out[f"setup_{d}"] = inside["ak"]["s1"][1 if d == "down" else 2]
         out[f"per_step_{d}"] = round(per_step)
-        out[f"per_eval_{d}"] = round((runs["ek"][d] - runs["ak"][d]) / evals)
-        out[f"per_checkpoint_{d}"] = round((runs["ck"][d] - runs["ak"][d]) / ckpts)
-    for what in ("setup", "per_step", "per_eval", "per_checkpoint"):
+        out[f"per_eval_{d}"] = round(inside["ek"][f"per_step_{d}"] - per_step)
+        out[f"per_checkpoint_{d}"] = round(inside["ck"][f"per_step_{d}"] - per_step)
+        out[f"teardown_{d}"] = runs["ak"]["in_run"][f"teardown_{d}"]
+    for what in ("setup", "per_step", "per_eval", "per_checkpoint", "teardown"):
         out[what] = out[f"{what}_down"] + out[f"{what}_up"]
     out["params"], out["model_bytes"] = model_bytes(env, model, runs)
-    out["checkpoint_bytes_on_disk"] = runs["ck"]["checkpoint_bytes_on_disk"] // ckpts if runs["ck"]["checkpoint_bytes_on_disk"] else None
-    step_s = _step_seconds(runs["ak"]["series"], k)
-    out["step_s"] = None if step_s is None else round(step_s, 2)
+    out["checkpoint_bytes_on_disk"] = runs["ck"]["checkpoint_bytes_on_disk"] // k if runs["ck"]["checkpoint_bytes_on_disk"] else None
+    step_s = inside["ak"]["step_s"]
+    out["step_s"] = round(step_s, 2)
+    out["eval_s"] = round(inside["ek"]["step_s"] - step_s, 2)  # the extra seconds per step that evaluating took
+    out["checkpoint_s"] = round(inside["ck"]["step_s"] - step_s, 2)
     out["heartbeat_Bps"], out["heartbeat_window_s"] = round(heartbeat), HEARTBEAT_WINDOW_S
-    if step_s is not None:  # what a step costs beyond the heartbeats that fall in its seconds
-        out["per_step_net"] = round(out["per_step"] - out["heartbeat_Bps"] * step_s)
+    # what a step, an evaluation, a checkpoint cost beyond the heartbeats that fall in their seconds
+    out["per_step_net"] = round(out["per_step"] - heartbeat * step_s)
+    out["per_eval_net"] = round(out["per_eval"] - heartbeat * (inside["ek"]["step_s"] - step_s))
+    out["per_checkpoint_net"] = round(out["per_checkpoint"] - heartbeat * (inside["ck"]["step_s"] - step_s))
     out["runs"] = {name: {key: v for key, v in r.items() if key != "series"} for name, r in runs.items()}
-    out["series_ak"] = runs["ak"]["series"]
+    out["series"] = {name: _thin(r["series"]) for name, r in runs.items()}
     return out
 
 
@@ -369,13 +420,20 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['model']} | {r['code']} | {r['steps_k']} | {cell('setup')} | {cell('per_step')} | {_fmt(r.get('per_step_net'))} | {cell('per_eval')} | "
                      f"{cell('per_checkpoint')} | {_fmt(r['model_bytes'])} ({r['params'] / 1e6:.1f} M params) | {_fmt(r['checkpoint_bytes_on_disk'])} | "
                      f"{r['step_s']} | {r['heartbeat_Bps']} |")
-    lines += ["", "setup = a1 - per step; per step = (ak - a1)/(k-1); per evaluation = (ek - ak)/evaluations; per checkpoint = (ck - ak)/checkpoints, "
-              "where a1, ak are runs of 1 and k steps, ek the k-step run with --eval-every 1, ck with --checkpoint-every 1. "
-              "Differences of whole runs: a phase that takes longer also carries its seconds of heartbeats, and small values carry run-to-run noise "
-              "of a few KB (TCP ACK timing). per step net = per step - heartbeats x step seconds (from when the step records appeared); "
+    lines += ["", "Measured inside each run, not as differences of whole runs: every 0.05 s the number of step records in the metrics JSONL, "
+              "then the veth's counters. S1 is the first sample that saw a step record, Sk the first that saw all k (n1, nk records). "
+              "per step = (Sk - S1)/(nk - n1) in ak, a run of k steps; per evaluation = the same figure in ek (k steps, --eval-every 1) minus that of ak; "
+              "per checkpoint = the same in ck (k steps, --checkpoint-every 1) minus that of ak (a record is written after its step's evaluation "
+              "and before its checkpoint, so each of the nk - n1 intervals holds one step, one evaluation in ek, one checkpoint in ck); "
+              "setup = S1 of ak (joining, planning, shipping the stages and the first step; the shutdown after Sk is in the JSON as teardown). "
+              "Heartbeats are included in every column but per step net = per step - heartbeats x step seconds ((time of Sk - time of S1)/(nk - n1)); "
               "heartbeats: four joined workers, a coordinator waiting for a fifth, bytes/s over the last "
-              "heartbeat_window_s seconds of the idle run (in the JSON). Step seconds are read every 0.1 s. "
+              "heartbeat_window_s seconds of the idle run (in the JSON). "
               "The models use the byte tokenizer (256 token ids), so gpt2 has 86 M parameters here, not 124 M."]
+    nets = [f"{r['model']} {r['code']}: {_fmt(r['per_eval_net'])} per evaluation ({r['eval_s']} s), {_fmt(r['per_checkpoint_net'])} per checkpoint ({r['checkpoint_s']} s)"
+            for r in rows if "per_eval_net" in r]
+    if nets:
+        lines += ["", "Without the heartbeats of the seconds an evaluation / a checkpoint added to a step: " + "; ".join(nets) + "."]
     return lines
 
 
@@ -412,7 +470,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--code", choices=["before", "after", "both"], default="both")
     ap.add_argument("--models", default="gpt-micro,gpt2")
-    ap.add_argument("--steps", default="gpt-micro:10,3", help="k, steps of the longer runs (>= 2): N, or MODEL:N,...,N (the last for the rest)")
+    ap.add_argument("--steps", default="gpt-micro:30,5", help="k, steps of each run (>= 2): N, or MODEL:N,...,N (the last for the rest)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from control_plane.json; run nothing")
     args = ap.parse_args()
@@ -420,7 +478,7 @@ def main() -> int:
     for part in args.steps.split(","):
         name, _, n = part.rpartition(":")
         if not n.isdigit() or int(n) < 2:
-            ap.error(f"--steps {part!r}: expected N or MODEL:N with N >= 2 (per step is a difference of a 1-step and an N-step run)")
+            ap.error(f"--steps {part!r}: expected N or MODEL:N with N >= 2 (per step is measured between the first and the last step record)")
         steps[name] = int(n)
     codes = ["before", "after"] if args.code == "both" else [args.code]
     path = args.out / "control_plane.json"
@@ -446,7 +504,7 @@ def main() -> int:
             print(f"  {code}: heartbeats of {WORKERS} idle workers {heartbeat[code]:.0f} B/s", flush=True)
         for model in args.models.split(","):
             for code in codes:
-                new.append(measure(link, code, model, steps.get(model, steps.get("", 3)), Path(tmp) / code, heartbeat[code]))
+                new.append(measure(link, code, model, steps.get(model, steps.get("", 5)), Path(tmp) / code, heartbeat[code]))
     old = []
     if path.exists():
         old = json.loads(path.read_text()).get("results", [])
