@@ -112,7 +112,7 @@ class Register(Message):
     version: str
     protocol: int
     address: str
-    backend: str
+    backend: str = "torch"
     data_address: str = ""
     device: dict[str, str | int | float | bool | None] = field(default_factory=dict)
     software: dict[str, str] = field(default_factory=dict)
