@@ -40,7 +40,6 @@ class Membership:
         self.members: dict[int, Member] = {}
         self.state = "joining"
         self.full = asyncio.Event()
-        self.participants: set[int] = set()
         self.spares: set[int] = set()
 
     async def register(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -67,7 +67,6 @@ class SetupMixin:
             self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
-        self.membership.participants = set(plan.workers)
         run = Run(graph, plan, clients, actions=programs)
         self._print_plan(run, addresses)
         await self._assign(run, addresses, states, load, codec)

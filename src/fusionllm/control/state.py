@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 from dataclasses import asdict
-from pathlib import Path
 
-from fusionllm.core.checkpoints import PREFIX, latest_checkpoint
+from fusionllm.core.checkpoints import begin_checkpoint, finish_checkpoint, latest_checkpoint
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import (
@@ -78,13 +75,7 @@ class StateMixin:
         return sum(losses) / len(losses)
 
     async def _checkpoint(self, run: Run, done: int) -> None:
-        root = Path(self.cluster.checkpoint_dir or "").resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{PREFIX}{done:06d}"
-        tmp = root / f".tmp-{PREFIX}{done:06d}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        tmp, final = begin_checkpoint(self.cluster.checkpoint_dir or "", done)
 
         async def save(stage: int, w: int) -> ShardSaved:
             return ShardSaved.from_wire(await run.clients[w].call("SaveShard", SaveShard(str(tmp), done).to_wire(), timeout=self.cluster.step_timeout))
@@ -101,14 +92,8 @@ class StateMixin:
             shards[str(k)] = {"nbytes": shard.nbytes, "sha256": shard.sha256}
         state = {"step": done, "data_position": done, "train": asdict(self.train), "shards": shards,
                  "cluster": {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls")}}
-        for name, text in (("plan.json", self._plan_json), ("graph.json", self._graph_json), ("state.json", json.dumps(state, indent=1))):
-            with open(tmp / name, "w") as fh:  # state.json last: a directory without it is incomplete
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        files = {"plan.json": self._plan_json, "graph.json": self._graph_json, "state.json": json.dumps(state, indent=1)}
+        await asyncio.to_thread(finish_checkpoint, tmp, final, files)
         self.say(f"checkpoint {final}")
 
     def _resume(self, graph: OpGraph) -> str | None:
