@@ -1,0 +1,174 @@
+"""A hierarchical plan: replica groups that each hold the whole model, synchronised every few steps.
+
+Inside a group training is synchronous (a ``Plan`` over the group's workers: a pipeline, replicas
+inside as usual). Across groups it is DiLoCo-like: every ``inner_steps`` steps of its own a group
+sends the change of its weights since the last sync (the pseudo-gradient), per fragment of the
+parameters, and every holder of a parameter applies the same outer optimiser step to the same
+token-weighted average, so all groups keep one set of outer weights.
+
+This module is the plan's data and its pure rules (fragments, when a fragment syncs, who sends what
+to whom); the planner that chooses groups is ``control/hierarchy_planning.py``, the round simulator
+``sim/rounds.py``, the exchange itself ``runtime/outer.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fusionllm.core.errors import ConfigError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.plan import Plan, StagePlan, make_plan
+
+
+@dataclass
+class GroupPlan:
+    """One replica group: its workers (global ids), its synchronous plan, its inner steps per round."""
+
+    index: int
+    plan: Plan  # worker ids are the run's global ids
+    inner_steps: int  # H of this group: inner steps per outer round (a faster group does more)
+
+    @property
+    def workers(self) -> list[int]:
+        return self.plan.workers
+
+
+@dataclass
+class HierPlan:
+    groups: list[GroupPlan]
+    fragments: list[list[str]]  # parameter names, each fragment synced at its own offset in the round
+    codec: str = "q4"  # pseudo-gradients across groups (a codec of compress/codecs.py), with error feedback
+    link_codecs: dict[str, str] = field(default_factory=dict)  # "gA-gB" -> codec, where a pair needs another one
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = True  # a round's average is applied one round late (the inner loop never waits for it)
+    meta: dict = field(default_factory=dict)  # predictions: round_s, utilization, bytes per round, ...
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        for g in self.groups:
+            if seen & set(g.workers):
+                raise ConfigError(f"a worker is in two groups: {sorted(seen & set(g.workers))}")
+            seen.update(g.workers)
+            if g.inner_steps < 1:
+                raise ConfigError(f"group {g.index}: inner steps per round must be >= 1, got {g.inner_steps}")
+        if not self.fragments or any(not f for f in self.fragments):
+            raise ConfigError("a hierarchical plan needs at least one fragment, none empty")
+        if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer lr {self.outer_lr} (0, 10] and momentum {self.outer_momentum} [0, 1) expected")
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(w for g in self.groups for w in g.workers)
+
+    def group_of(self, worker: int) -> GroupPlan:
+        for g in self.groups:
+            if worker in g.workers:
+                return g
+        raise ConfigError(f"worker {worker} is in no group")
+
+    def codec_between(self, a: int, b: int) -> str:
+        return self.link_codecs.get(f"g{min(a, b)}-g{max(a, b)}", self.codec)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "groups": [{"index": g.index, "inner_steps": g.inner_steps, "plan": json.loads(g.plan.to_json())} for g in self.groups],
+            "fragments": self.fragments, "codec": self.codec, "link_codecs": self.link_codecs,
+            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "overlap": self.overlap, "meta": self.meta,
+        })
+
+    @staticmethod
+    def from_json(text: str) -> HierPlan:
+        obj = json.loads(text)
+        groups = [GroupPlan(int(g["index"]), Plan.from_json(json.dumps(g["plan"])), int(g["inner_steps"])) for g in obj["groups"]]
+        return HierPlan(groups, [[str(p) for p in f] for f in obj["fragments"]], str(obj["codec"]), dict(obj.get("link_codecs", {})),
+                        float(obj["outer_lr"]), float(obj["outer_momentum"]), bool(obj["overlap"]), dict(obj.get("meta", {})))
+
+
+def remap(plan: Plan, ids: list[int]) -> Plan:
+    """A plan made over workers ``0..k-1`` put on the workers ``ids`` (local ``i`` becomes ``ids[i]``)."""
+    stages = [StagePlan(s.index, list(s.nodes), [ids[w] for w in s.workers]) for s in plan.stages]
+    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta))
+
+
+def make_hier_plan(graph: OpGraph, groups: list[list[int]], *, inner_steps: list[int] | int = 4, fragments: int = 1,
+                   schedule: str = "1f1b", micro_batches: int = 4, codec: str = "q4", outer_lr: float = 0.7,
+                   outer_momentum: float = 0.9, overlap: bool = True) -> HierPlan:
+    """A hierarchical plan by hand: each group one stage per worker balanced by parameters
+    (``make_plan``), ``inner_steps`` per group (or one value for all)."""
+    hs = [inner_steps] * len(groups) if isinstance(inner_steps, int) else list(inner_steps)
+    if len(hs) != len(groups):
+        raise ConfigError(f"{len(groups)} groups but {len(hs)} inner-step counts")
+    plans = [GroupPlan(i, remap(make_plan(graph, len(ws), schedule=schedule, micro_batches=micro_batches), sorted(ws)), h)
+             for i, (ws, h) in enumerate(zip(groups, hs, strict=True))]
+    return HierPlan(plans, param_fragments(graph, fragments), codec, {}, outer_lr, outer_momentum, overlap)
+
+
+def param_fragments(graph: OpGraph, count: int) -> list[list[str]]:
+    """The trainable parameters in graph order, cut into ``count`` contiguous fragments of about
+    equal size (fewer when there are fewer parameters)."""
+    names = [n for n, p in graph.params.items() if p.trainable]
+    if not names:
+        raise ConfigError("the model has no trainable parameter to synchronise")
+    count = max(1, min(count, len(names)))
+    sizes = [graph.params[n].meta.numel for n in names]
+    total = sum(sizes)
+    out: list[list[str]] = [[] for _ in range(count)]
+    done = 0
+    for name, size in zip(names, sizes, strict=True):
+        f = min(count - 1, int(count * (done + size / 2) / total))
+        out[f].append(name)
+        done += size
+    return [f for f in out if f]
+
+
+def sync_offsets(inner_steps: int, fragments: int) -> list[int]:
+    """After which inner step of a round (1..H) each fragment syncs: staggered evenly over the round
+    (Streaming DiLoCo), the last fragment at the round's end."""
+    return [max(1, round(inner_steps * (f + 1) / fragments)) for f in range(fragments)]
+
+
+def leader(group: GroupPlan, holders: list[int]) -> int:
+    """The one worker of a group that sends a parameter's pseudo-gradient (replicas hold the same)."""
+    return min(holders)
+
+
+def holders(graph: OpGraph, plan: Plan) -> dict[str, list[int]]:
+    """Which workers of a group hold each parameter (a tied weight: several stages)."""
+    out: dict[str, list[int]] = {}
+    for s in plan.stages:
+        names = {p for nid in s.nodes for p in graph.node(nid).params.values()}
+        for n in names:
+            out.setdefault(n, []).extend(s.workers)
+    return {n: sorted(ws) for n, ws in out.items()}
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What one worker sends and receives when one fragment syncs (per peer: parameter names, in order)."""
+
+    sends: dict[int, list[str]]  # destination worker -> names this worker sends it
+    receives: dict[int, tuple[int, list[str]]]  # source worker -> (its group, names it sends here)
+    mine: list[str]  # the fragment's parameters this worker holds
+
+
+def exchange(graph: OpGraph, hier: HierPlan, worker: int, fragment: int) -> Exchange:
+    """Every holder of a parameter gets it from one leader of every other group; it computes its
+    own group's share itself (replicas have the same weights and the same error-feedback state)."""
+    frag = set(hier.fragments[fragment])
+    per_group = {g.index: holders(graph, g.plan) for g in hier.groups}
+    me = hier.group_of(worker).index
+    mine = sorted(n for n, ws in per_group[me].items() if worker in ws and n in frag)
+    sends: dict[int, list[str]] = {}
+    receives: dict[int, tuple[int, list[str]]] = {}
+    for name in mine:
+        for g in hier.groups:
+            if g.index == me or name not in per_group[g.index]:
+                continue
+            if leader(hier.group_of(worker), per_group[me][name]) == worker:
+                for dst in per_group[g.index][name]:
+                    sends.setdefault(dst, []).append(name)
+            src = leader(g, per_group[g.index][name])
+            receives.setdefault(src, (g.index, []))[1].append(name)
+    return Exchange(sends, receives, mine)
