@@ -45,6 +45,15 @@ class ClusterConfig:
     max_replans: int = 2
     dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
+    # hierarchical mode (--sync hierarchical): groups that each hold the model, synchronised every few steps
+    sync: str = "synchronous"  # synchronous | hierarchical
+    groups: list[list[int]] | None = None  # the groups by hand (worker ids); None: the planner forms them (needs --scheduler)
+    inner_steps: int | None = None  # H: inner steps per round (of the fastest group); None: the planner's
+    fragments: int | None = None  # parameter fragments synced staggered over a round; None: the planner's
+    outer_codec: str | None = None  # codec of the pseudo-gradients; None: the planner's
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = True  # apply a round's average one round late (the inner loop never waits for the network)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -57,6 +66,25 @@ class ClusterConfig:
             raise ConfigError(f"--compress-roles {self.compress_roles!r}: a comma-separated subset of act,grad,reduce")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.sync not in ("synchronous", "hierarchical"):
+            raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
+        if self.sync == "hierarchical":
+            if self.checkpoint_every or self.resume:
+                raise ConfigError("--sync hierarchical does not write or resume checkpoints yet; leave out --checkpoint-every/--resume")
+            if parse_codec(self.compress).kind == "adatopk":
+                raise ConfigError("--sync hierarchical takes a fixed --compress inside the groups (e.g. q8, topk:0.1), not adatopk yet")
+            if self.replicas:
+                raise ConfigError("--sync hierarchical forms its groups itself (or from --groups); leave out --replicas")
+            if not self.scheduler and not self.groups:
+                raise ConfigError("--sync hierarchical needs --scheduler (to form the groups) or --groups by hand, e.g. --groups 0,1/2/3")
+            if self.outer_codec is not None:
+                parse_codec(self.outer_codec)
+            if self.groups is not None:
+                flat = [w for g in self.groups for w in g]
+                if len(flat) != len(set(flat)) or any(not 0 <= w < self.workers for w in flat) or any(not g for g in self.groups):
+                    raise ConfigError(f"--groups {self.groups}: each worker 0..{self.workers - 1} at most once, no group empty")
+            if (self.inner_steps is not None and self.inner_steps < 1) or (self.fragments is not None and self.fragments < 1):
+                raise ConfigError("--inner-steps and --fragments must be >= 1")
 
 
 class Replan(FusionError):
@@ -85,6 +113,7 @@ class Run:
     actions: dict[int, list[Action]] = field(default_factory=dict)
     bytes_before: dict[str, int] = field(default_factory=dict)
     fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches
+    hier: str | None = None  # hierarchical mode: the HierPlan's JSON, sent with every assignment (``plan`` is the group's)
 
 
 @dataclass(frozen=True)

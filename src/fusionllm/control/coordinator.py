@@ -22,6 +22,7 @@ from fusionllm.transport.rpc import RpcClient, RpcServer
 
 from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
 from .dashboard import Dashboard
+from .hierarchical import HierarchicalMixin
 from .membership import Membership
 from .recovery import RecoveryMixin
 from .setup import SetupMixin
@@ -31,7 +32,7 @@ from .task import RunTask
 from .training import TrainingMixin
 
 
-class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
+class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, HierarchicalMixin):
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
                  on_ready: Callable[[int], None] = lambda _: None) -> None:
         self.train, self.cluster, self.task = train, cluster, task
@@ -80,6 +81,16 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin):
                 ) from None
             self.membership.state = "running"
             self.status.state = "planning"
+            if self.cluster.sync == "hierarchical":  # groups with their own step clocks (hierarchical.py): no re-plans
+                hier = await self._setup_hier()
+                self.status.state = "running"
+                try:
+                    with JsonlWriter(self.train.metrics) as metrics:
+                        metrics.write(self.plan_record)
+                        return await self._train_hier(hier, metrics)
+                finally:
+                    for client in next(iter(hier.runs.values())).clients.values():
+                        await client.close()
             run = await self._setup()
             self.status.state = "running"
             with JsonlWriter(self.train.metrics) as metrics:

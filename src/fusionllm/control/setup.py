@@ -90,7 +90,7 @@ class SetupMixin:
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
                           nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load,
-                          program=[str(a) for a in run.actions[w]])  # what the validator checked is what the worker runs
+                          program=[str(a) for a in run.actions[w]], hier=run.hier)  # what the validator checked is what the worker runs
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:

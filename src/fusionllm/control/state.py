@@ -54,7 +54,7 @@ class StateMixin:
             out[s.index] = b"".join(chunks)
         return out
 
-    async def _evaluate(self, run: Run, batches: int, at_step: int) -> float:
+    async def _evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False) -> float:
         """Validation loss of the current weights, computed by the workers in the pipeline."""
         c = self.cluster
 
@@ -62,7 +62,7 @@ class StateMixin:
             inputs = None
             if w in run.fed:
                 inputs = {str(j): self._inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
-            return Evaluated.from_wire(await run.clients[w].call("Evaluate", Evaluate(at_step, batches, inputs).to_wire(), timeout=c.step_timeout))
+            return Evaluated.from_wire(await run.clients[w].call("Evaluate", Evaluate(at_step, batches, inputs, outer).to_wire(), timeout=c.step_timeout))
 
         replies = await self._step_calls(run, {w: ask(w) for w in run.plan.workers})
         failed = [(w, r.failed) for w, r in replies.items() if r.failed is not None]

@@ -53,6 +53,12 @@ class StageBackend(Protocol):
     def step(self, coef: float, lr: float) -> None:
         """Scale every gradient by ``coef`` (clipping), apply AdamW at ``lr``, clear the gradients."""
 
+    def get_params(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Copies of these trainable weights as float32 host arrays."""
+
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite these trainable weights in place (the optimizer keeps its state)."""
+
     def state_tensors(self) -> dict[str, Any]:
         """Weights (``param/<name>``) and AdamW state (``adam/<field>/<name>``), for a checkpoint."""
 

@@ -68,6 +68,16 @@ class NumpyStage:
         self.optimizer.step(grads, lr=lr)
         self.executor.zero_grad()
 
+    # ---- weights as host arrays (the outer sync of hierarchical mode) ---------------------------
+    def get_params(self, names: list[str]) -> dict[str, np.ndarray]:
+        params = self.executor.trainable()
+        return {n: np.array(params[n], dtype=np.float32) for n in names}
+
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        params = self.executor.trainable()
+        for n, a in values.items():
+            params[n][...] = np.asarray(a, dtype=params[n].dtype).reshape(params[n].shape)
+
     # ---- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, np.ndarray]:
         out = {f"param/{name}": np.array(t) for name, t in self.executor.params.items()}

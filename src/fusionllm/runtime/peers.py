@@ -46,7 +46,7 @@ class Inbox:
     async def receive(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
         """The Push handler: read one tensor stream and file it."""
         header, array = await read_tensor(frames, max_payload=self.max_payload)
-        if header.get("kind") not in ("act", "grad", "reduce", "norm"):
+        if header.get("kind") not in ("act", "grad", "reduce", "norm", "outer"):
             raise WireError(f"unknown tensor kind {header.get('kind')!r}")
         if header.get("epoch", 0) != self.epoch:
             self.stale += 1  # in flight when its step was aborted: the step runs again under the new plan
@@ -71,6 +71,12 @@ class Inbox:
     def drop_step(self, step: int) -> None:
         """Forget everything of a step (after a failure, so a retry starts clean)."""
         for key in [k for k in self._slots if k[1] == step]:
+            self._slots.pop(key, None)
+
+    def drop_kind(self, kind: str, below: int, *, fragment: int | None = None) -> None:
+        """Forget tensors of ``kind`` with a step (an outer round) below ``below`` (and ``mb``, the
+        fragment, equal to ``fragment``): those nobody will ask for."""
+        for key in [k for k in self._slots if k[0] == kind and isinstance(k[1], int) and k[1] < below and fragment in (None, k[2])]:
             self._slots.pop(key, None)
 
     def reset(self, epoch: int | None) -> None:

@@ -66,6 +66,17 @@ class TorchStage:
         self.optimizer.step()
         self.executor.zero_grad()
 
+    # ---- weights as host arrays (the outer sync of hierarchical mode) ---------------------------
+    def get_params(self, names: list[str]) -> dict[str, np.ndarray]:
+        params = self.executor.trainable()
+        return {n: params[n].detach().to("cpu", torch.float32).numpy().copy() for n in names}
+
+    @torch.no_grad()
+    def set_params(self, values: Mapping[str, np.ndarray]) -> None:
+        params = self.executor.trainable()
+        for n, a in values.items():
+            params[n].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).view_as(params[n]))
+
     # ---- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -30,10 +30,12 @@ from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError, WireError
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
+from fusionllm.runtime.outer import OuterState
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.schedule.actions import Action
+from fusionllm.schedule.hierarchy import HierPlan, exchange
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import PROTOCOL_VERSION, probe
 from fusionllm.transport.control import (
@@ -47,6 +49,8 @@ from fusionllm.transport.control import (
     Heartbeat,
     HeartbeatReply,
     MeasureTo,
+    OuterSync,
+    OuterSynced,
     Register,
     Registered,
     SaveShard,
@@ -100,7 +104,8 @@ class Worker:
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
-                     "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to},
+                     "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
+                     "OuterSync": self._on_outer_sync},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
@@ -109,6 +114,7 @@ class Worker:
         self._step_task: asyncio.Task | None = None
         self.data_source: WorkerData | None = None
         self._state_blob: bytes | None = None
+        self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -256,6 +262,9 @@ class Worker:
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
         await self._abort_step()
+        if self.outer is not None:
+            self.outer.cancel()
+            self.outer = None
         if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
             await self.peers.close()
         self.inbox.reset(msg.epoch)
@@ -266,11 +275,20 @@ class Worker:
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program,
         )
+        if msg.hier is not None:
+            self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime)
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
         self._state_blob = None
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
+
+    @staticmethod
+    def _outer_state(graph: Any, text: str, worker: int, runtime: StageRuntime) -> OuterState:
+        hier = HierPlan.from_json(text)
+        exchanges = [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
+        mine = sorted({n for e in exchanges for n in e.mine})
+        return OuterState(hier, exchanges, hier.group_of(worker).index, runtime.backend.get_params(mine))
 
     def _read_shards(self, directory: str, graph: Any, plan: Plan, worker: int) -> bytes:
         paths = sorted(Path(directory).glob("stage-*.safetensors"))
@@ -318,10 +336,47 @@ class Worker:
             return StepDone(failed=exc.message()).to_wire()
         return (done if done is not None else StepDone(aborted=True)).to_wire()
 
+    async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Hierarchical mode: one fragment's pseudo-gradient out, the named rounds' averages applied."""
+        runtime = self._runtime("OuterSync")
+        if self.outer is None or self.peers is None:
+            raise FusionError("OuterSync: this worker was assigned no hierarchical plan")
+        req = OuterSync.from_wire(msg)
+        peers, outer, started = self.peers, self.outer, time.perf_counter()
+        if not 0 <= req.fragment < len(outer.fragments):
+            raise FusionError(f"OuterSync: no fragment {req.fragment} (the plan has {len(outer.fragments)})")
+
+        async def push(dst: int, header: dict, array: Any, encoded: tuple[str, bytes]) -> None:
+            try:
+                await peers.push(dst, header, array, runtime.hyper.recv_timeout, encoded=encoded, record=False)
+            except FusionError as exc:  # a group that died: the coordinator leaves it out of the average
+                self.log.warning("pseudo-gradient to worker %d not delivered: %s", dst, exc)
+
+        sent = await outer.sync(
+            req.fragment, req.round, send=req.send, apply=[(a.round, {int(g): t for g, t in a.groups.items()}) for a in req.apply],
+            weights=runtime.backend.get_params, set_weights=runtime.backend.set_params, push=push, get=self.inbox.get,
+            worker=self.id or 0, timeout=runtime.hyper.recv_timeout,
+        )
+        if req.apply:  # what came late for an applied round is never asked for
+            self.inbox.drop_kind("outer", max(a.round for a in req.apply) + 1, fragment=req.fragment)
+        return OuterSynced({str(k): v for k, v in sent.items()}, round(time.perf_counter() - started, 4)).to_wire()
+
     async def _on_evaluate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Validation loss in the pipeline: the forward-only program over each validation batch."""
+        """Validation loss in the pipeline: the forward-only program over each validation batch
+        (hierarchical mode: of the outer weights when asked, the local ones put back after)."""
         runtime = self._runtime("Evaluate")
         req = Evaluate.from_wire(msg)
+        if req.outer and self.outer is not None:
+            names = sorted(self.outer.anchor)
+            local = await asyncio.to_thread(runtime.backend.get_params, names)
+            await asyncio.to_thread(runtime.backend.set_params, self.outer.anchor_of(names))
+            try:
+                return await self._evaluate(runtime, req)
+            finally:
+                await asyncio.to_thread(runtime.backend.set_params, local)
+        return await self._evaluate(runtime, req)
+
+    async def _evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
         out = Evaluated()
         for j in range(req.batches):
             if req.inputs is not None:

@@ -192,6 +192,7 @@ class Assign(Message):
     data: DataSpec | None = None
     load: str | None = None  # a checkpoint directory whose shards hold this stage's tensors (instead of nbytes)
     program: list[str] | None = None  # the worker's validated action list (text form); None: the worker lowers the plan
+    hier: str | None = None  # hierarchical mode: the HierPlan (JSON); ``plan`` is then this worker's group's plan
 
 
 @dataclass
@@ -236,6 +237,30 @@ class Evaluate(Message):
     at_step: int
     batches: int
     inputs: dict[str, dict[str, dict[str, bytes]]] | None = None  # per batch, per micro-batch, per edge (no own data)
+    outer: bool = False  # hierarchical mode: evaluate the outer weights (the model all groups share), not the local ones
+
+
+# ---- hierarchical mode: the outer sync of one fragment -------------------------------------------
+@dataclass
+class OuterApply(Message):
+    round: int
+    groups: dict[str, float]  # the groups whose deltas of this round are averaged -> their weight (tokens)
+
+
+@dataclass
+class OuterSync(Message):
+    """Send this fragment's pseudo-gradient of ``round`` (``send``) and apply the listed rounds' averages."""
+
+    fragment: int
+    round: int
+    send: bool = True
+    apply: list[OuterApply] = field(default_factory=list)
+
+
+@dataclass
+class OuterSynced(Message):
+    bytes_to: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes pushed per destination worker
+    seconds: float = 0.0
 
 
 @dataclass

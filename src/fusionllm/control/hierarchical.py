@@ -1,0 +1,285 @@
+"""Hierarchical mode on the coordinator: one step clock per group, outer syncs between them.
+
+Each group (``schedule/hierarchy.py``) trains its own synchronous plan on its own data shard
+(group ``g`` of ``G`` reads batches ``i * G + g``) as fast as its devices allow; nothing waits for
+another group's steps. When a group reaches a fragment's sync point it sends that fragment's
+pseudo-gradient (``OuterSync`` with ``send``), and then applies the average of a round: with
+overlap the previous one (sent one round ago, so it is there), without overlap this one. Which
+groups a round's average holds is decided here, once, for all groups: those that sent it; a group
+that has not sent within a round's time (or died) is left out, and the others go on. A group whose
+worker dies leaves the run; the others finish it. Checkpoints are not written in this mode yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.config import TrainResult, lr_at
+from fusionllm.core.errors import FusionError
+from fusionllm.core.metrics import JsonlWriter
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, sync_offsets
+from fusionllm.schedule.validate import validate_plan
+from fusionllm.transport.control import (
+    WORKER_SERVICE,
+    OuterApply,
+    OuterSync,
+    OuterSynced,
+    Step,
+    StepDone,
+)
+from fusionllm.transport.rpc import RpcClient
+
+from .capabilities import backend_of, place
+from .config import Run, WorkerLost
+from .limits import check_message_sizes
+
+
+@dataclass
+class HierRun:
+    hier: HierPlan
+    graph: OpGraph
+    runs: dict[int, Run]  # group -> its synchronous run
+    rounds: int
+    alive: set[int]
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
+    decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
+    round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
+    result: TrainResult = field(default_factory=TrainResult)
+    steps: int = 0
+    started: float = 0.0
+    paused: float = 0.0  # seconds spent evaluating (not counted as training time)
+    outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started - self.paused
+
+
+class HierarchicalMixin:
+    """The coordinator's hierarchical half (``Coordinator`` mixes it in)."""
+
+    # ---- planning and assignment -----------------------------------------------------------------
+    async def _setup_hier(self) -> HierRun:
+        t, c = self.train, self.cluster
+        graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)
+        states = [await asyncio.to_thread(self.task.initial_state)]
+        addresses = {m.id: m.address for m in self.membership.members.values()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        if c.scheduler:
+            hier = await self._schedule_hier(graph, clients)
+        else:
+            hier = make_hier_plan(graph, c.groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
+                                  micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
+                                  outer_momentum=c.outer_momentum, overlap=c.overlap)
+        runs: dict[int, Run] = {}
+        for g in hier.groups:
+            g.plan = await asyncio.to_thread(place, graph, g.plan, infos, self.say, self.task.refused_ops)
+            programs = await asyncio.to_thread(validate_plan, graph, g.plan)
+            await asyncio.to_thread(check_message_sizes, graph, g.plan)
+            runs[g.index] = Run(graph, g.plan, clients, actions=programs)
+        text = hier.to_json()
+        for run in runs.values():
+            run.hier = text
+        self._print_hier(hier, graph, addresses)
+        codec = parse_codec(c.compress)
+        await asyncio.gather(*(self._assign(run, addresses, states, None, codec) for run in runs.values()))
+        steps_per_round = max(g.inner_steps for g in hier.groups)
+        rounds = max(1, math.ceil(t.steps / steps_per_round))
+        self.plan_record = {
+            "event": "plan", "sync": "hierarchical", "epoch": self.epoch, "rounds": rounds, "fragments": len(hier.fragments),
+            "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
+            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": [s.workers for s in g.plan.stages],
+                        "predicted_step_s": g.plan.meta.get("predicted_step_s")} for g in hier.groups],
+            "predicted": {k: v for k, v in hier.meta.items() if k != "candidates"},
+            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "in_plan": w in hier.workers} for w, a in addresses.items()},
+        }
+        self.status.event(self.plan_record)
+        return HierRun(hier, graph, runs, rounds, alive={g.index for g in hier.groups})
+
+    async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
+        from fusionllm.control.hierarchy_planning import choose_hier_plan
+        from fusionllm.schedule.plan import Request
+
+        t, c = self.train, self.cluster
+        hw = await self._hardware(clients)
+        work = await asyncio.to_thread(self.task.estimate, graph)
+        infos = {w: m.info for w, m in self.membership.members.items()}
+
+        def placed(p: Any) -> Any:
+            return place(graph, p, infos, lambda _: None, self.task.refused_ops)
+
+        req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
+        hier, _ = await asyncio.to_thread(
+            choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
+            inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
+            overlap=c.overlap,
+        )
+        if any(g.plan.micro_batches != c.micro_batches for g in hier.groups):
+            raise FusionError("the hierarchical planner changed the micro-batches of a group; pass --micro-batches it can keep")
+        return hier
+
+    def _print_hier(self, hier: HierPlan, graph: OpGraph, addresses: dict[int, str]) -> None:
+        self.say(f"hierarchical plan: {len(hier.groups)} groups, {len(hier.fragments)} fragments, pseudo-gradients as {hier.codec}, "
+                 f"outer Nesterov lr {hier.outer_lr} momentum {hier.outer_momentum}, {'overlapped' if hier.overlap else 'blocking'} sync")
+        for g in hier.groups:
+            stages = " | ".join(",".join(map(str, s.workers)) for s in g.plan.stages)
+            self.say(f"  group {g.index}: workers [{stages}] ({len(g.plan.stages)} stages), {g.inner_steps} inner steps per round")
+        for w in sorted(set(addresses) - set(hier.workers)):
+            self.say(f"  worker {w} ({addresses[w]}): idle (in no group)")
+
+    # ---- training --------------------------------------------------------------------------------
+    async def _train_hier(self, hr: HierRun, metrics: JsonlWriter) -> TrainResult:
+        hr.result = TrainResult(num_params=hr.graph.num_params())
+        hr.started = time.perf_counter()
+        loops = {g: asyncio.create_task(self._group_loop(hr, g, metrics)) for g in hr.runs}
+        try:
+            await asyncio.gather(*loops.values())
+        finally:
+            for task in loops.values():
+                task.cancel()
+        if not hr.alive:
+            raise FusionError("every group left the run (see the messages above)")
+        hr.result.elapsed_s = hr.elapsed()
+        metrics.write({"event": "outer_bytes", "bytes": hr.outer_bytes, "tokens": hr.result.tokens})
+        return hr.result
+
+    async def _group_loop(self, hr: HierRun, g: int, metrics: JsonlWriter) -> None:
+        try:
+            await self._group_rounds(hr, g, metrics)
+        except (WorkerLost, FusionError) as exc:
+            hr.alive.discard(g)
+            async with hr.changed:
+                hr.changed.notify_all()
+            self.say(f"group {g} left the run: {exc}")
+            metrics.write({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+            if not hr.alive:
+                raise
+            with contextlib.suppress(FusionError):
+                await asyncio.gather(*(hr.runs[g].clients[w].call("Abort", {}, timeout=5) for w in hr.runs[g].plan.workers),
+                                     return_exceptions=True)
+
+    async def _group_rounds(self, hr: HierRun, g: int, metrics: JsonlWriter) -> None:
+        t, c = self.train, self.cluster
+        gp = next(x for x in hr.hier.groups if x.index == g)
+        run = hr.runs[g]
+        n_groups, n_frags, h = len(hr.hier.groups), len(hr.hier.fragments), gp.inner_steps
+        offsets = sync_offsets(h, n_frags)
+        total = hr.rounds * h
+        tokens_per_step = t.batch_size * t.seq_len
+        eval_n = self.task.eval_count(c.eval_batches) if c.eval_every else 0
+        i = 0
+        for k in range(hr.rounds):
+            began = time.perf_counter()
+            for j in range(h):
+                await self._inner_step(hr, g, run, i, i * n_groups + g, lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps,
+                                                                               warmup=t.warmup), k, metrics)
+                i += 1
+                for f, off in enumerate(offsets):
+                    if off == j + 1:
+                        apply = [k - 1] if hr.hier.overlap and k > 0 else ([] if hr.hier.overlap else [k])
+                        await self._outer_sync(hr, g, f, k, h * tokens_per_step, apply, metrics)
+            hr.round_s[g] = time.perf_counter() - began
+            if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < hr.rounds:
+                await self._evaluate_outer(hr, run, eval_n, k, metrics)
+        for f, off in enumerate(offsets):  # the end: what the last round left unsent goes out, every average is applied
+            tail = (h - off) * tokens_per_step
+            apply = ([hr.rounds - 1] if hr.hier.overlap else []) + ([hr.rounds] if tail else [])
+            await self._outer_sync(hr, g, f, hr.rounds, tail, apply, metrics, send=tail > 0)
+        if eval_n and g == min(hr.alive):
+            await self._evaluate_outer(hr, run, eval_n, hr.rounds, metrics)
+
+    async def _inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, metrics: JsonlWriter) -> None:
+        t = self.train
+        batch = self.task.batch(data_step) if run.fed else None
+        calls = {w: self._call_step(run, w, Step(data_step, lr, self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None))
+                 for w in run.plan.workers}
+        replies: dict[int, StepDone] = await self._step_calls(run, calls)
+        if any(rep.failed is not None or rep.aborted for rep in replies.values()):
+            await self._raise_if_lost(run, "a step failed")
+        self._check_failures(run, data_step, replies)
+        losses = {int(mb): v for rep in replies.values() for mb, v in rep.losses.items()}
+        if len(losses) != run.plan.micro_batches:
+            raise FusionError(f"group {g} step {i}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
+        loss = sum(losses[m] for m in sorted(losses)) / len(losses)
+        hr.result.losses.append(loss)
+        hr.result.tokens += t.batch_size * t.seq_len
+        elapsed = hr.elapsed()
+        record: dict[str, Any] = {
+            "step": hr.steps, "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
+            "elapsed_s": round(elapsed, 4), "tokens_per_s": round(hr.result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
+            "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
+            "bytes": self._link_bytes(run, replies),
+        }
+        hr.steps += 1
+        metrics.write(record)
+        self.status.step(record)
+        self.on_step(record)
+
+    async def _outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], metrics: JsonlWriter, *,
+                          send: bool = True) -> None:
+        run = hr.runs[g]
+        began = time.perf_counter()
+        sent: dict[str, int] = {}
+
+        async def call(w: int, msg: OuterSync) -> OuterSynced:
+            return OuterSynced.from_wire(await run.clients[w].call("OuterSync", msg.to_wire(), timeout=self.cluster.step_timeout))
+
+        if send:
+            replies = await self._step_calls(run, {w: call(w, OuterSync(f, r, True)) for w in run.plan.workers})
+            for w, rep in replies.items():
+                for dst, n in rep.bytes_to.items():
+                    sent[f"w{w}->w{dst}"] = sent.get(f"w{w}->w{dst}", 0) + n
+                    hr.outer_bytes[f"w{w}->w{dst}"] = hr.outer_bytes.get(f"w{w}->w{dst}", 0) + n
+        async with hr.changed:
+            hr.sent.setdefault((f, r), {})[g] = float(tokens if send else 0)
+            hr.changed.notify_all()
+        applies = []
+        for j in apply:
+            groups = await self._decide(hr, f, j, g, metrics)
+            if groups:
+                applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}))
+        if applies:
+            await self._step_calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
+        metrics.write({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
+                       "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
+                       "elapsed_s": round(hr.elapsed(), 4)})
+
+    async def _decide(self, hr: HierRun, f: int, r: int, asking: int, metrics: JsonlWriter) -> dict[int, float]:
+        """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
+        the first group that needs it, after every live group sent it or a round's time passed."""
+        key = (f, r)
+        async with hr.changed:
+            if key not in hr.decided:
+                loop = asyncio.get_running_loop()
+                patience = max(self.cluster.dead_after_s, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
+                deadline = loop.time() + patience
+                while not hr.alive <= set(hr.sent.get(key, {})):
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(hr.changed.wait(), left)
+                got = hr.sent.get(key, {})
+                hr.decided[key] = {x: w for x, w in got.items() if x in hr.alive and w > 0}
+                late = sorted(hr.alive - set(got))
+                if late:
+                    self.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
+                    metrics.write({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})
+            return hr.decided[key]
+
+    async def _evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int, metrics: JsonlWriter) -> None:
+        paused = time.perf_counter()
+        val = await self._evaluate(run, eval_n, hr.steps, outer=True)
+        hr.paused += time.perf_counter() - paused
+        hr.result.val_losses.append((hr.steps, val))
+        record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": hr.result.tokens, "elapsed_s": round(hr.elapsed(), 4)}
+        metrics.write(record)
+        self.status.event(record)

@@ -1,0 +1,154 @@
+"""The outer loop of hierarchical mode on one worker: pseudo-gradients out, outer optimiser in.
+
+Each worker keeps, for the trainable parameters of its stage, the **outer weights** (``anchor``:
+the same on every holder of a parameter in every group) and the outer optimiser's momentum. When a
+fragment syncs (``OuterSync``):
+
+1. ``send``: the fragment's change since its last sync, ``delta = start - weights`` (DiLoCo's sign:
+   a gradient), is encoded per parameter with error feedback and pushed to the holders of that
+   parameter in the other groups (only the group's leader sends; a replica computes the same).
+2. ``apply``: for each named round, the token-weighted average of the groups' decoded deltas
+   (this worker's own group from what it encoded itself) is an outer step on the anchor:
+   Nesterov SGD as ``torch.optim.SGD(nesterov=True)``.
+3. The weights become the anchor minus the own deltas sent but not yet applied (with overlap, the
+   last round: its progress is kept and averaged one round later), and the fragment's next round
+   starts from there.
+
+Everything is NumPy float32 on the host; a worker of any backend runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.feedback import ErrorFeedback
+from fusionllm.core.errors import FusionError
+from fusionllm.schedule.hierarchy import Exchange, HierPlan
+
+Push = Callable[[int, dict, np.ndarray, tuple[str, bytes]], Awaitable[None]]
+Get = Callable[[tuple, float], Awaitable[np.ndarray | None]]
+
+
+def nesterov_step(anchor: np.ndarray, momentum: np.ndarray | None, grad: np.ndarray, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
+    """One step of SGD with Nesterov momentum, as torch computes it (dampening 0, no weight decay):
+    ``buf = mu * buf + g`` (``g`` on the first step), ``p -= lr * (g + mu * buf)``."""
+    buf = grad.copy() if momentum is None else mu * momentum + grad
+    return anchor - lr * (grad + mu * buf), buf
+
+
+@dataclass
+class _Fragment:
+    exchange: Exchange
+    start: dict[str, np.ndarray] = field(default_factory=dict)  # weights when this fragment's round began
+    sent: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # round -> own decoded deltas (what the others got)
+    true: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # round -> own exact deltas (not yet applied)
+    pushes: list[asyncio.Task] = field(default_factory=list)
+
+
+class OuterState:
+    """A worker's outer weights, momentum and error feedback, per fragment of the hierarchical plan."""
+
+    def __init__(self, hier: HierPlan, exchanges: list[Exchange], group: int, initial: dict[str, np.ndarray]) -> None:
+        self.hier, self.group = hier, group
+        self.fragments = [_Fragment(e) for e in exchanges]
+        self.anchor = {n: np.array(a, dtype=np.float32) for n, a in initial.items()}
+        self.momentum: dict[str, np.ndarray] = {}
+        self.feedback = ErrorFeedback()
+        codec = hier.link_codecs.get(f"g{group}", hier.codec)  # one codec per sending group: every receiver decodes the same
+        self.codec = parse_codec(codec)
+        for frag in self.fragments:
+            frag.start = {n: self.anchor[n].copy() for n in frag.exchange.mine}
+        self.bytes_sent = 0
+
+    def _encode(self, name: str, delta: np.ndarray) -> tuple[tuple[str, bytes], np.ndarray]:
+        out: list[tuple[str, bytes]] = []
+
+        def roundtrip(total: np.ndarray) -> np.ndarray:
+            out.append(encode(total, self.codec))
+            return decode(out[0][0], out[0][1], total.shape)
+
+        seen = self.feedback.apply(name, delta, roundtrip)
+        return out[0], seen
+
+    async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[tuple[int, dict[int, float]]],
+                   weights: Callable[[list[str]], dict[str, np.ndarray]], set_weights: Callable[[dict[str, np.ndarray]], None],
+                   push: Push, get: Get, worker: int, timeout: float) -> dict[int, int]:
+        """One fragment's sync (see the module's steps). ``apply``: (round, {group: tokens}) in order.
+        Returns the bytes pushed per destination worker."""
+        frag = self.fragments[fragment]
+        ex = frag.exchange
+        sent_bytes: dict[int, int] = {}
+        if ex.mine and (send or apply):
+            now = await asyncio.to_thread(weights, ex.mine)
+        if send and ex.mine:
+            true = {n: frag.start[n] - now[n] for n in ex.mine}
+            encoded = await asyncio.to_thread(lambda: {n: self._encode(n, d) for n, d in true.items()})
+            frag.true[round_] = true
+            frag.sent[round_] = {n: e[1] for n, e in encoded.items()}
+            for dst, names in ex.sends.items():
+                for n in names:
+                    header = {"kind": "outer", "step": round_, "mb": fragment, "edge": n, "src": worker}
+                    frag.pushes.append(asyncio.create_task(push(dst, header, true[n], encoded[n][0])))
+                    sent_bytes[dst] = sent_bytes.get(dst, 0) + len(encoded[n][0][1])
+        for r, groups in apply:
+            await self._apply(frag, fragment, r, groups, get, timeout)
+        if apply and ex.mine:
+            pending = [d for r, d in sorted(frag.true.items())]
+            new = {n: self.anchor[n] - sum((d[n] for d in pending), np.zeros_like(self.anchor[n])) for n in ex.mine}
+            await asyncio.to_thread(set_weights, new)
+            frag.start = {n: a.copy() for n, a in new.items()}
+        elif send and ex.mine:
+            frag.start = {n: a.copy() for n, a in now.items()}
+        done = [t for t in frag.pushes if t.done()]
+        for t in done:
+            frag.pushes.remove(t)
+            t.result()  # a failed push fails the sync
+        return sent_bytes
+
+    async def _apply(self, frag: _Fragment, fragment: int, round_: int, groups: dict[int, float], get: Get, timeout: float) -> None:
+        ex = frag.exchange
+        own_sent, own_true = frag.sent.pop(round_, None), frag.true.pop(round_, None)
+        if not ex.mine or not groups:
+            return
+        total = float(sum(groups.values()))
+        if total <= 0:
+            raise FusionError(f"outer round {round_}: the groups' token weights add up to {total}")
+        avg = {n: np.zeros_like(self.anchor[n]) for n in ex.mine}
+        if self.group in groups:
+            if own_sent is None:
+                raise FusionError(f"outer round {round_} of fragment {fragment}: this group's delta was never computed")
+            for n in ex.mine:
+                avg[n] += (groups[self.group] / total) * own_sent[n]
+        del own_true
+        for src, (g, names) in ex.receives.items():
+            if g not in groups:
+                continue
+            for n in names:
+                got = await get(("outer", round_, fragment, n, src), timeout)
+                if got is None or got.shape != self.anchor[n].shape:
+                    raise FusionError(f"worker {src} sent a malformed pseudo-gradient for {n} (round {round_})")
+                avg[n] += (groups[g] / total) * got.astype(np.float32, copy=False)
+        for n in ex.mine:
+            self.anchor[n], self.momentum[n] = nesterov_step(self.anchor[n], self.momentum.get(n), avg[n], self.hier.outer_lr,
+                                                              self.hier.outer_momentum)
+
+    async def drain(self) -> None:
+        """Wait for every push still in flight (the end of a run)."""
+        for frag in self.fragments:
+            pending, frag.pushes = frag.pushes, []
+            for t in pending:
+                await t
+
+    def cancel(self) -> None:
+        for frag in self.fragments:
+            for t in frag.pushes:
+                t.cancel()
+            frag.pushes.clear()
+
+    def anchor_of(self, names: list[str]) -> dict[str, np.ndarray]:
+        return {n: self.anchor[n].copy() for n in names}
