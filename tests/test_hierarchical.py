@@ -1,0 +1,285 @@
+"""Hierarchical mode: the outer step, fragments and their exchange, groups training and leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fusionllm.core.config import TrainConfig
+from fusionllm.core.errors import ConfigError
+from fusionllm.harness import InProcessCluster, cluster_config, run_in_process
+from fusionllm.models.spec import build_model
+from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.outer import OuterState, nesterov_step
+from fusionllm.schedule.hierarchy import (
+    Exchange,
+    GroupPlan,
+    HierPlan,
+    exchange,
+    make_hier_plan,
+    param_fragments,
+    sync_offsets,
+)
+from fusionllm.schedule.plan import Plan, StagePlan
+
+
+@pytest.fixture(scope="module")
+def nano_graph():
+    return trace_lm(build_model("gpt-nano", 256), 2, 16, vocab_size=256, spec="gpt-nano")
+
+
+# ---- the outer optimiser -------------------------------------------------------------------------
+def test_nesterov_step_is_torch_sgd_with_nesterov_momentum() -> None:
+    rng = np.random.default_rng(0)
+    p0 = rng.normal(size=(3, 5)).astype(np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    opt = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    ours, buf = p0.copy(), None
+    for _ in range(4):
+        g = rng.normal(size=p0.shape).astype(np.float32)
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours, buf = nesterov_step(ours, buf, g, 0.7, 0.9)
+        np.testing.assert_allclose(ours, param.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _toy_hier(codec: str = "none", overlap: bool = False, lr: float = 0.7, mu: float = 0.9) -> HierPlan:
+    groups = [GroupPlan(g, Plan([StagePlan(0, [], [g])]), 3) for g in range(2)]
+    return HierPlan(groups, [["w", "b"]], codec, {}, lr, mu, overlap)
+
+
+def _local_sgd(model: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_round_is_the_hand_computed_diloco_step_on_a_toy_model(overlap: bool) -> None:
+    """Two groups train copies of a linear model on their own data; the outer step every holder
+    applies is torch's Nesterov SGD on the token-weighted average of the two pseudo-gradients."""
+    torch.manual_seed(0)
+    init = torch.nn.Linear(4, 2)
+    start = {"w": init.weight.detach().numpy().copy(), "b": init.bias.detach().numpy().copy()}
+    hier = _toy_hier(overlap=overlap)
+    ex = [Exchange({1 - g: ["b", "w"]}, {1 - g: (1 - g, ["b", "w"])}, ["b", "w"]) for g in range(2)]
+    states = [OuterState(hier, [ex[g]], g, start) for g in range(2)]
+    models, tokens = [], {0: 300.0, 1: 100.0}  # group 0 did three times the tokens
+    for g in range(2):
+        m = torch.nn.Linear(4, 2)
+        m.load_state_dict(init.state_dict())
+        _local_sgd(m, torch.randn(8, 4), torch.randn(8, 2), 5)
+        models.append(m)
+    weights = [{"w": m.weight.detach().numpy().copy(), "b": m.bias.detach().numpy().copy()} for m in models]
+    inbox: dict[tuple, np.ndarray] = {}
+
+    async def run() -> None:
+        def pusher(g: int):
+            async def push(dst: int, header: dict, array: np.ndarray, encoded: tuple[str, bytes]) -> None:
+                inbox[(header["kind"], header["step"], header["mb"], header["edge"], header["src"])] = array
+            return push
+
+        async def get(key: tuple, timeout: float) -> np.ndarray:
+            return inbox[key]
+
+        for g in range(2):
+            await states[g].sync(0, 0, send=True, apply=[], weights=lambda names, g=g: {n: weights[g][n].copy() for n in names},
+                                 set_weights=weights[g].update, push=pusher(g), get=get, worker=g, timeout=1)
+        for g in range(2):
+            await states[g].sync(0, 0, send=False, apply=[(0, tokens)], weights=lambda names, g=g: {n: weights[g][n].copy() for n in names},
+                                 set_weights=weights[g].update, push=pusher(g), get=get, worker=g, timeout=1)
+            await states[g].drain()
+
+    local = [{k: v.copy() for k, v in w.items()} for w in weights]
+    asyncio.run(run())
+    # the same step by hand: torch's SGD on the outer weights, the gradient the weighted mean of (start - local)
+    outer = torch.nn.Linear(4, 2)
+    outer.load_state_dict(init.state_dict())
+    opt = torch.optim.SGD(outer.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for p, name in ((outer.weight, "w"), (outer.bias, "b")):
+        p.grad = torch.from_numpy(sum(tokens[g] / 400.0 * (start[name] - local[g][name]) for g in range(2)).astype(np.float32))
+    opt.step()
+    expected = {"w": outer.weight.detach().numpy(), "b": outer.bias.detach().numpy()}
+    for g in range(2):
+        for n in ("w", "b"):
+            np.testing.assert_allclose(states[g].anchor[n], expected[n], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(weights[g][n], expected[n], rtol=1e-5, atol=1e-6)  # round applied: local = outer weights
+
+
+def test_with_overlap_the_local_progress_of_the_unapplied_round_is_kept() -> None:
+    hier = _toy_hier(overlap=True, lr=1.0, mu=0.0)
+    start = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+    ex = [Exchange({1 - g: ["b", "w"]}, {1 - g: (1 - g, ["b", "w"])}, ["b", "w"]) for g in range(2)]
+    states = [OuterState(hier, [ex[g]], g, start) for g in range(2)]
+    weights = [{"w": np.full((2, 2), -1.0 - g, np.float32), "b": np.full(2, -1.0 - g, np.float32)} for g in range(2)]
+    inbox: dict[tuple, np.ndarray] = {}
+
+    async def push(dst: int, header: dict, array: np.ndarray, encoded: tuple[str, bytes]) -> None:
+        inbox[(header["kind"], header["step"], header["mb"], header["edge"], header["src"])] = array
+
+    async def get(key: tuple, timeout: float) -> np.ndarray:
+        return inbox[key]
+
+    async def sync(g: int, r: int, send: bool, apply: list) -> None:
+        await states[g].sync(0, r, send=send, apply=apply, weights=lambda names: {n: weights[g][n].copy() for n in names},
+                             set_weights=weights[g].update, push=push, get=get, worker=g, timeout=1)
+
+    async def run() -> None:
+        for g in range(2):
+            await sync(g, 0, True, [])  # round 0 sent; nothing applied yet: the weights stay
+        for g in range(2):
+            weights[g]["w"] -= 1.0  # round 1's local progress
+            weights[g]["b"] -= 1.0
+            await sync(g, 1, True, [])
+            await sync(g, 1, False, [(0, {0: 1.0, 1: 1.0})])
+
+    asyncio.run(run())
+    # outer lr 1, no momentum: the outer weights move by the mean delta of round 0 (-1.5); each group
+    # keeps its own round-1 progress (-1) on top, to be averaged one round later
+    for g in range(2):
+        np.testing.assert_allclose(states[g].anchor["w"], -1.5)
+        np.testing.assert_allclose(weights[g]["w"], -2.5)
+
+
+def test_error_feedback_carries_what_the_codec_dropped_into_the_next_round() -> None:
+    hier = _toy_hier(codec="topk:0.25")
+    start = {"w": np.zeros(8, np.float32)}
+    st = OuterState(hier, [Exchange({1: ["w"]}, {}, ["w"])], 0, start)
+    sent: list[np.ndarray] = []
+    weights = {"w": -np.arange(1, 9, dtype=np.float32)}  # delta = start - weights = 1..8
+
+    async def push(dst: int, header: dict, array: np.ndarray, encoded: tuple[str, bytes]) -> None:
+        from fusionllm.compress.codecs import decode
+
+        sent.append(decode(encoded[0], encoded[1], array.shape))
+
+    async def run() -> None:
+        for r in range(2):
+            await st.sync(0, r, send=True, apply=[], weights=lambda names: {n: weights[n].copy() for n in names}, set_weights=weights.update,
+                          push=push, get=None, worker=0, timeout=1)  # type: ignore[arg-type]
+            await st.drain()
+
+    asyncio.run(run())
+    assert np.count_nonzero(sent[0]) == 2 and sent[0][-1] == pytest.approx(8.0, rel=1e-2)
+    # round 1 sends no new progress, only the residual: the largest entries left over (6, 5)
+    assert np.count_nonzero(sent[1]) == 2 and sent[1][5] == pytest.approx(6.0, rel=1e-2)
+
+
+# ---- fragments and who sends what to whom --------------------------------------------------------
+def test_fragments_cover_every_parameter_once_in_order(nano_graph) -> None:
+    names = [n for n, p in nano_graph.params.items() if p.trainable]
+    for count in (1, 2, 3, 5, 1000):
+        frags = param_fragments(nano_graph, count)
+        assert [n for f in frags for n in f] == names
+        assert 1 <= len(frags) <= min(count, len(names))
+    sizes = [sum(nano_graph.params[n].meta.numel for n in f) for f in param_fragments(nano_graph, 3)]
+    biggest = max(nano_graph.params[n].meta.numel for n in names)
+    assert max(sizes) - min(sizes) <= 2 * biggest
+
+
+def test_sync_offsets_are_staggered_over_the_round() -> None:
+    assert sync_offsets(8, 4) == [2, 4, 6, 8]
+    assert sync_offsets(1, 3) == [1, 1, 1]
+    for h in range(1, 20):
+        for f in range(1, 6):
+            offs = sync_offsets(h, f)
+            assert offs == sorted(offs) and offs[-1] == h and all(1 <= o <= h for o in offs)
+
+
+@pytest.mark.parametrize("groups", [[[0, 1], [2]], [[0], [1, 2, 3], [4, 5]], [[0, 1, 2], [3, 4]]])
+def test_every_holder_gets_each_parameter_from_one_leader_of_every_other_group(nano_graph, groups: list[list[int]]) -> None:
+    hier = make_hier_plan(nano_graph, groups, fragments=3)
+    for f in range(len(hier.fragments)):
+        tables = {w: exchange(nano_graph, hier, w, f) for w in hier.workers}
+        for w, ex in tables.items():
+            g = hier.group_of(w).index
+            for name in ex.mine:
+                sources = [src for src, (sg, names) in ex.receives.items() if name in names]
+                assert sorted(hier.group_of(s).index for s in sources) == [x for x in range(len(groups)) if x != g]
+            for dst, names in ex.sends.items():  # what one side sends, the other expects from it
+                assert sorted(tables[dst].receives[w][1]) == sorted(names)
+        holders = {n for ex in tables.values() for n in ex.mine}
+        assert holders == set(hier.fragments[f])
+
+
+def test_the_plan_reads_back_from_json(nano_graph) -> None:
+    hier = make_hier_plan(nano_graph, [[0, 1], [2]], inner_steps=[6, 3], fragments=2, codec="q2")
+    again = HierPlan.from_json(hier.to_json())
+    assert again.to_json() == hier.to_json()
+    assert json.loads(again.to_json())["groups"][1]["inner_steps"] == 3
+
+
+def test_bad_hierarchical_settings_fail_with_one_line() -> None:
+    with pytest.raises(ConfigError, match="--scheduler .* or --groups"):
+        cluster_config(3, sync="hierarchical")
+    with pytest.raises(ConfigError, match="--groups"):
+        cluster_config(3, sync="hierarchical", groups=[[0, 1], [1, 2]])
+    with pytest.raises(ConfigError, match="checkpoints"):
+        cluster_config(2, sync="hierarchical", groups=[[0], [1]], checkpoint_every=2, checkpoint_dir="/tmp/x")
+    with pytest.raises(ConfigError, match="--sync"):
+        cluster_config(2, sync="async")
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+TRAIN = TrainConfig(model="gpt-nano", steps=8, batch_size=4, seq_len=16, eval_every=4, eval_batches=1, warmup=0)
+
+
+def test_one_group_with_a_plain_outer_step_trains_as_synchronous() -> None:
+    """Outer lr 1, no momentum, raw deltas, no overlap: the outer step puts back the local weights,
+    so hierarchical training of one group is synchronous training."""
+    train = TrainConfig(model="gpt-nano", steps=6, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    sync, _ = run_in_process(train, cluster_config(2, micro_batches=2))
+    hier, _ = run_in_process(train, cluster_config(2, micro_batches=2, sync="hierarchical", groups=[[0, 1]], inner_steps=2, fragments=2,
+                                                   outer_codec="none", outer_lr=1.0, outer_momentum=0.0, overlap=False))
+    np.testing.assert_allclose(hier.losses, sync.losses, rtol=1e-5)
+
+
+def test_two_groups_share_one_set_of_outer_weights() -> None:
+    records: list[dict] = []
+    result, workers = run_in_process(TRAIN, cluster_config(3, sync="hierarchical", groups=[[0, 1], [2]], inner_steps=2, fragments=2,
+                                                           micro_batches=2, eval_every=4, eval_batches=1), on_step=records.append)
+    by_group = {g: [r for r in records if r["group"] == g] for g in (0, 1)}
+    assert len(by_group[0]) == len(by_group[1]) == 8  # 4 rounds of 2 inner steps each
+    assert by_group[0][0]["loss"] != by_group[1][0]["loss"]  # the same weights on different data shards
+    assert result.tokens == 16 * TRAIN.batch_size * TRAIN.seq_len
+    assert len(result.val_losses) >= 2 and all(np.isfinite(v) for _, v in result.val_losses)
+    anchors = [w.outer.anchor for w in workers]
+    for name, value in anchors[2].items():  # group 1's single worker holds everything
+        holders = [a[name] for a in anchors[:2] if name in a]
+        assert holders
+        for h in holders:
+            np.testing.assert_array_equal(h, value)
+    for w in workers:  # at the end every average is applied: the local weights are the outer ones
+        local = w.runtime.backend.get_params(sorted(w.outer.anchor))
+        for name, value in local.items():
+            np.testing.assert_array_equal(value, w.outer.anchor[name])
+    initial = build_model("gpt-nano", 256)
+    assert not np.allclose(anchors[2]["wte.weight"], initial.state_dict()["wte.weight"].numpy())
+
+
+def test_a_group_that_dies_is_left_out_and_the_others_finish() -> None:
+    train = TrainConfig(model="gpt-nano", steps=12, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    cluster = cluster_config(3, sync="hierarchical", groups=[[0], [1], [2]], inner_steps=2, fragments=2, micro_batches=2, dead_after_s=4.0)
+
+    async def main() -> tuple:
+        async with InProcessCluster(train, cluster) as c:
+            def on_step(record: dict) -> None:
+                if record["group"] == 2 and record["inner_step"] == 4:
+                    c.workers[2]._stop(0)  # worker 2 goes away in its third round
+            c.on_step = on_step
+            result = await c.run()
+        return result, c
+
+    result, c = asyncio.run(main())
+    assert any("group 2 left the run" in line for line in c.lines), c.lines
+    groups = {g: [r for r in c.steps if r["group"] == g] for g in range(3)}
+    assert len(groups[0]) == len(groups[1]) == 12 and len(groups[2]) < 12
+    a, b = (w.outer.anchor for w in c.workers[:2])
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
