@@ -1,0 +1,429 @@
+"""From a cluster to a hierarchical plan: replica groups, their synchronous plans, H, fragments, codecs.
+
+The planner tries a few groupings of the devices (``candidate groupings`` below), gives every group
+the synchronous planner's plan for its own devices (``choose_plan`` on ``hw.subset``), chooses the
+inner steps and the codecs so that the traffic between groups hides behind the inner steps, runs the
+round simulator (``sim/rounds.py``) on each, and keeps the grouping with the most predicted tokens/s
+(ties within 1% to fewer groups). Everything it predicts goes into ``HierPlan.meta``; docs/scheduler.md,
+"Hierarchical mode", explains the rules.
+
+Candidate groupings (each group must hold the whole model; a group with no plan that fits is
+dropped and its devices stay idle):
+
+- ``synchronous``: one group of every device, that is today's synchronous plan; always a candidate,
+  so the hierarchical plan is never predicted slower than the synchronous one;
+- ``fences``: one group per fence (``schedule.fences.find_fences``);
+- ``fences, idle devices regrouped``: in each fence, the devices its plan leaves idle form further
+  groups (planned again, or, where they look exactly like the devices a plan used, given the same
+  plan), so a fence of eight GPUs whose best plan is one GPU becomes eight groups;
+- ``single devices``: every device that holds the model alone is a group of its own (DiLoCo's
+  usual shape); in each fence the devices that cannot are grouped as above;
+- ``merged fences``: two groups merge when their joint synchronous plan has at least the tokens/s of
+  the two apart (a merge then costs no throughput and saves traffic and DiLoCo's loss of per-token
+  efficiency), tried greedily over the fastest links between them; then regrouped as above.
+
+Not in the objective: DiLoCo's loss per token against synchronous training (it grows with the number
+of groups and with H). The tie rule prefers fewer groups; the planner says how many there are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fusionllm.cluster.hardware import Hardware
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.control.planning import choose_plan
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.cost.model import CostModel
+from fusionllm.cost.work import OpWork
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.fences import fence_link, find_fences
+from fusionllm.schedule.hierarchy import GroupPlan, HierPlan, param_fragments, remap
+from fusionllm.schedule.plan import Plan, Request
+from fusionllm.schedule.schedulers import device_speed
+from fusionllm.sim.rounds import (
+    GroupStep,
+    RoundResult,
+    Traffic,
+    codec_ratio,
+    round_traffic,
+    simulate_rounds,
+)
+from fusionllm.sim.simulator import simulate
+from fusionllm.sim.utilization import sync_utilization, useful_busy_s
+
+CODEC_LADDER = ("none", "q8", "q4", "q2", "topk:0.03", "topk:0.01")  # least lossy first
+PREFERRED_CODEC = "q4"  # the lossiest the planner takes before it raises H (Streaming DiLoCo's 4 bits lose nothing measurable)
+MIN_INNER_STEPS = 4  # the slowest group's H, unless --inner-steps says otherwise
+MAX_INNER_STEPS = 500  # no group does more inner steps per round
+HEADROOM = 0.5  # a round's traffic may keep the busiest link between groups busy this fraction of the round
+MAX_GROUPS = 64  # groups per plan: the exchange is all-to-all between groups
+MAX_PLANNINGS = 24  # synchronous plannings of distinct device sets per grouping search (cache misses)
+MAX_MERGE_TRIES = 4
+TIE = 0.01  # candidates within 1% of the best tokens/s: the one with fewer groups wins
+H_LADDER = sorted({round(4 * 1.25**k) for k in range(40) if 4 * 1.25**k <= MAX_INNER_STEPS} | {MAX_INNER_STEPS})
+
+
+@dataclass
+class _Group:
+    plan: Plan  # global worker ids
+    step: GroupStep  # global worker ids
+
+    @property
+    def workers(self) -> list[int]:
+        return self.plan.workers
+
+    @property
+    def tokens_per_step_s(self) -> float:
+        return 1.0 / self.step.step_s
+
+
+class _Planner:
+    """Synchronous plans of device sets, cached by what the devices look like (same speeds, memory,
+    links and latencies in the same order: the same plan, relabelled)."""
+
+    def __init__(self, graph: OpGraph, hw: Hardware, scheduler: str, req: Request, work: dict[str, OpWork],
+                 compress: str, place: Callable[[Plan], Plan] | None) -> None:
+        self.graph, self.hw, self.scheduler, self.req, self.work = graph, hw, scheduler, req, work
+        self.compress, self.place = compress, place
+        self.cache: dict[Any, tuple[Plan, GroupStep] | None] = {}
+        self.plannings = 0
+
+    def order(self, ids: list[int]) -> list[int]:
+        return sorted(ids, key=lambda i: (-device_speed(self.hw.devices[i]), i))
+
+    def signature(self, ids: list[int]) -> Any:
+        if self.place is not None:  # capabilities differ per worker: no sharing
+            return tuple(ids)
+        hw = self.hw
+        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory) for i in ids),
+                tuple(hw.bandwidth[i][j] for i in ids for j in ids), tuple(hw.latency[i][j] for i in ids for j in ids))
+
+    def plan(self, ids: list[int]) -> _Group | None:
+        """The synchronous planner's plan over ``ids`` (ordered), or None when none fits or the planning budget is spent."""
+        ids = self.order(ids)
+        key = self.signature(ids)
+        if key not in self.cache:
+            if self.plannings >= MAX_PLANNINGS:
+                return None
+            self.plannings += 1
+            self.cache[key] = self._plan_local(ids)
+        found = self.cache[key]
+        if found is None:
+            return None
+        local, step = found
+        return _Group(remap(local, ids), GroupStep(step.step_s, {ids[w]: b for w, b in step.busy_s.items()}))
+
+    def relabel(self, group: _Group, ids: list[int]) -> _Group:
+        """``group``'s plan on other devices that look the same (``signature``), in the same order."""
+        src = self.order(group.workers)
+        to = dict(zip(src, self.order(ids), strict=True))
+        stages = [type(s)(s.index, list(s.nodes), [to[w] for w in s.workers]) for s in group.plan.stages]
+        plan = Plan(stages, group.plan.schedule, group.plan.micro_batches, dict(group.plan.meta))
+        return _Group(plan, GroupStep(group.step.step_s, {to[w]: b for w, b in group.step.busy_s.items()}))
+
+    def _plan_local(self, ids: list[int]) -> tuple[Plan, GroupStep] | None:
+        sub = _subset(self.hw, ids)
+        place = None
+        if self.place is not None:
+            outer = self.place
+            back = {g: i for i, g in enumerate(ids)}
+
+            def place(plan: Plan) -> Plan:  # the caller's placement works on global ids
+                placed = outer(remap(plan, ids))
+                return _to_local(placed, back)
+        try:
+            plan, cost = choose_plan(self.graph, sub, self.scheduler, self.req, work=self.work, say=lambda _: None,
+                                     compress=self.compress, place=place)
+        except (ConfigError, FusionError):
+            return None  # no plan fits these devices (memory, placement): the group is dropped
+        result = simulate(plan, cost, self.req)
+        step_s = float(plan.meta.get("predicted_step_s", result.step_time_s))
+        return plan, GroupStep(step_s, useful_busy_s(cost, plan, result.busy_s))
+
+    def peel(self, ids: list[int], limit: int) -> list[_Group]:
+        """Groups from ``ids``: the best plan, then the devices it leaves idle, again (at most ``limit`` groups)."""
+        out: list[_Group] = []
+        rest = self.order(ids)
+        while rest and len(out) < limit:
+            g = self.plan(rest)
+            if g is None:
+                break
+            out.append(g)
+            used = self.order(g.workers)
+            rest = [i for i in rest if i not in set(used)]
+            shape = self.signature(used)
+            while len(rest) >= len(used) and len(out) < limit and self.signature(rest[: len(used)]) == shape:
+                out.append(self.relabel(g, rest[: len(used)]))  # the same devices again: the same plan
+                rest = rest[len(used):]
+        return out
+
+
+def _subset(hw: Hardware, ids: list[int]) -> Hardware:
+    """``hw.subset(ids)`` with the devices renumbered ``0..k-1`` (OP-Fence looks devices up by their index)."""
+    sub = hw.subset(ids)
+    return replace(sub, devices=tuple(replace(d, index=k) for k, d in enumerate(sub.devices)))
+
+
+def _to_local(plan: Plan, back: dict[int, int]) -> Plan:
+    stages = [type(s)(s.index, list(s.nodes), [back[w] for w in s.workers]) for s in plan.stages]
+    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta))
+
+
+@dataclass
+class _Choice:
+    hs: list[int]
+    codecs: dict[tuple[int, int], str]  # unordered group pair -> codec
+    hidden: bool  # the traffic fits the headroom
+
+
+def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *, inner_steps: int | None = None,
+                       codec: str | None = None, headroom: float = HEADROOM) -> _Choice:
+    """H per group and a codec per pair of groups (see docs/scheduler.md): the slowest group does the
+    base H, every other group as many steps as fit in the same wall time; the base H is the smallest
+    of ``H_LADDER`` (>= ``MIN_INNER_STEPS``) at which, with codecs no lossier than ``PREFERRED_CODEC``,
+    every link between groups is busy at most ``headroom`` of the round, and every receiver decodes
+    in at most that; each pair of groups then gets the least lossy codec that fits. Lossier codecs
+    (q2, top-k) only when even ``MAX_INNER_STEPS`` does not hide the traffic with q4."""
+    n = len(step_s)
+    slow = max(step_s)
+    ladder = [codec] if codec else list(CODEC_LADDER)
+    first = 0 if codec else ladder.index(PREFERRED_CODEC)
+    # per unordered pair and codec: the longest busy time of one of its links per round; per receiver: decoding
+    link_raw: dict[tuple[int, int], dict[tuple[int, int], list[int]]] = {}
+    for (a, b, _f), links in traffic.items():
+        pair = (min(a, b), max(a, b))
+        for lk, raw in links.items():
+            link_raw.setdefault(pair, {}).setdefault(lk, []).append(raw)
+    busy = {(p, c): max(sum(cost.transfer_seconds(r * codec_ratio(c), s, d, raw=True) for r in raws) for (s, d), raws in links.items())
+            for p, links in link_raw.items() for c in ladder}
+    decode: dict[tuple[tuple[int, int], str], dict[int, float]] = {}
+    for p, links in link_raw.items():
+        for c in ladder:
+            per: dict[int, float] = {}
+            if codec_ratio(c) < 1:
+                for (_s, d), raws in links.items():
+                    per[d] = per.get(d, 0.0) + sum(raws) / cost.decode_bytes_per_s
+            decode[(p, c)] = per
+
+    def scale(base: int) -> list[int]:
+        return [max(1, round(base * slow / t)) for t in step_s]
+
+    def fits(base: int, level: int) -> dict[tuple[int, int], str] | None:
+        hs = scale(base)
+        round_s = max(h * t for h, t in zip(hs, step_s, strict=True))
+        chosen: dict[tuple[int, int], str] = {}
+        for p in link_raw:
+            ok = [c for c in ladder[: level + 1] if busy[(p, c)] <= headroom * round_s]
+            if not ok:
+                return None
+            chosen[p] = ok[0]
+        load: dict[int, float] = {}
+        for p, c in chosen.items():
+            for d, s in decode[(p, c)].items():
+                load[d] = load.get(d, 0.0) + s
+        return chosen if max(load.values(), default=0.0) <= headroom * round_s else None
+
+    pairs = [(a, b) for a, b in itertools.combinations(range(n), 2)]
+    if inner_steps is not None:
+        for level in range(first, len(ladder)):
+            if (chosen := fits(inner_steps, level)) is not None:
+                return _Choice(scale(inner_steps), chosen, True)
+        return _Choice(scale(inner_steps), dict.fromkeys(pairs, ladder[-1]), False)
+    bases = [b for b in H_LADDER if b >= MIN_INNER_STEPS and max(scale(b)) <= MAX_INNER_STEPS] or [MIN_INNER_STEPS]
+    for level in range(first, len(ladder)):
+        for base in bases:
+            if (chosen := fits(base, level)) is not None:
+                return _Choice(scale(base), chosen, True)
+    return _Choice(scale(bases[-1]), dict.fromkeys(pairs, ladder[-1]), False)
+
+
+def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list[list[str]], *, outer_lr: float,
+          outer_momentum: float, overlap: bool) -> HierPlan:
+    counts = Counter(choice.codecs.values())
+    main = max(counts, key=lambda c: (counts[c], CODEC_LADDER.index(c) if c in CODEC_LADDER else 0)) if counts else PREFERRED_CODEC
+    link_codecs = {f"g{a}-g{b}": c for (a, b), c in sorted(choice.codecs.items()) if c != main}
+    plans = [GroupPlan(i, g.plan, h) for i, (g, h) in enumerate(zip(groups, choice.hs, strict=True))]
+    return HierPlan(plans, fragments, main, link_codecs, outer_lr, outer_momentum, overlap)
+
+
+def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork],
+                     say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
+                     inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
+                     outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: bool = True) -> tuple[HierPlan, CostModel]:
+    """The hierarchical plan with the most predicted tokens/s among the candidate groupings (module
+    docstring); ``req`` is one inner step of one group. Returns it with the whole cluster's cost model
+    (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule)."""
+    started = time.perf_counter()
+    if inner_steps is not None and inner_steps < 1:
+        raise ConfigError(f"--inner-steps must be >= 1, got {inner_steps}")
+    if fragments is not None and fragments < 1:
+        raise ConfigError(f"--fragments must be >= 1, got {fragments}")
+    if codec is not None:
+        spec = parse_codec(codec)
+        if spec.kind == "adatopk":
+            raise ConfigError(f"--outer-codec {codec!r}: choose a fixed codec (none, fp16, q8 .. q2, topk:RATIO), or leave it out and the planner chooses per pair of groups")
+        codec = str(spec)
+    cost = CostModel(graph, work, hw)
+    n_params = sum(1 for p in graph.params.values() if p.trainable)
+    frags = param_fragments(graph, fragments if fragments is not None else min(4, max(1, n_params)))
+    planner = _Planner(graph, hw, scheduler, req, work, compress, place)
+    everyone = list(range(len(hw)))
+    fences = sorted(find_fences(hw), key=lambda f: -sum(device_speed(hw.devices[i]) for i in f))
+
+    groupings: list[tuple[str, list[_Group]]] = []
+    whole = planner.plan(everyone)
+    if whole is not None:
+        groupings.append(("synchronous", [whole]))
+    if len(fences) > 1 or len(fences[0]) > 1:
+        by_fence = [g for f in fences if (g := planner.plan(f)) is not None]
+        if by_fence and len(fences) > 1:
+            groupings.append(("fences", by_fence[:MAX_GROUPS]))
+        groupings.append(("fences, idle devices regrouped", _regroup(planner, fences)))
+        groupings.append(("single devices", _singles(planner, fences)))
+        merged = _merge(planner, hw, fences)
+        if merged is not None:
+            groupings.append(("merged fences, idle devices regrouped", _regroup(planner, merged)))
+    groupings = [(name, gs) for name, gs in groupings if gs]
+    if not groupings:
+        raise ConfigError("no group of devices can hold the model: use devices with more memory or a smaller model")
+
+    best: tuple[HierPlan, RoundResult, str] | None = None
+    considered: list[dict[str, Any]] = []
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    for name, groups in groupings:
+        key = tuple(tuple(g.workers) for g in groups)
+        if key in seen:
+            continue
+        seen.add(key)
+        hier, result, hidden = _evaluate(graph, cost, req, groups, frags, inner_steps=inner_steps, codec=codec,
+                                         outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+        considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers),
+                           "tokens_per_s": result.tokens_per_s, "utilization": result.utilization, "round_s": result.round_s,
+                           "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden})
+        better = best is None or result.tokens_per_s > best[1].tokens_per_s * (1 + TIE) or (
+            result.tokens_per_s >= best[1].tokens_per_s * (1 - TIE) and len(groups) < len(best[0].groups))
+        if better:
+            best = (hier, result, name)
+    assert best is not None
+    hier, result, name = best
+    sync = next((c for c in considered if c["grouping"] == "synchronous"), None)
+    hier.meta.update({
+        "grouping": name, "round_s": result.round_s, "tokens_per_s": result.tokens_per_s, "utilization": result.utilization,
+        "device_utilization": {str(k): v for k, v in result.device_busy.items()},
+        "bytes_per_round": result.bytes_per_round, "step_s": result.step_s, "waits_s": result.waits_s,
+        "link_busy": result.link_busy, "traffic_hidden": next(c["traffic_hidden"] for c in considered if c["grouping"] == name),
+        "unused_devices": sorted(set(everyone) - set(hier.workers)), "candidates": considered,
+        "synchronous": {"tokens_per_s": sync["tokens_per_s"], "utilization": sync["utilization"]} if sync else None,
+        "plannings": planner.plannings, "planning_s": time.perf_counter() - started,
+    })
+    if not hier.meta["traffic_hidden"]:
+        say(f"hierarchical: even {max(hier.groups, key=lambda g: g.inner_steps).inner_steps} inner steps with {hier.codec} do not hide "
+            f"the traffic between groups (busiest link {result.link_busy:.0%} of the round); groups will wait for it")
+    say(f"hierarchical ({name}): {len(hier.groups)} groups on {len(hier.workers)} of {len(hw)} devices, "
+        f"H {'/'.join(str(g.inner_steps) for g in hier.groups)}, {len(hier.fragments)} fragments, codec {hier.codec}"
+        f"{' (+' + str(len(hier.link_codecs)) + ' pairs otherwise)' if hier.link_codecs else ''}, predicted {result.round_s:.2f} s/round, "
+        f"{result.tokens_per_s:.0f} tokens/s, utilization {result.utilization:.0%}"
+        + (f" (synchronous {sync['tokens_per_s']:.0f} tokens/s, {sync['utilization']:.0%})" if sync and name != "synchronous" else "")
+        + f" [{time.perf_counter() - started:.1f} s to plan]")
+    return hier, cost
+
+
+def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group], frags: list[list[str]], *,
+              inner_steps: int | None, codec: str | None, outer_lr: float, outer_momentum: float,
+              overlap: bool) -> tuple[HierPlan, RoundResult, bool]:
+    provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], frags, codec or PREFERRED_CODEC)
+    traffic = round_traffic(graph, provisional)
+    steps = [g.step for g in groups]
+    choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=inner_steps, codec=codec)
+    hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+    return hier, simulate_rounds(hier, cost, req, steps=steps, traffic=traffic), choice.hidden
+
+
+def _regroup(planner: _Planner, sets: list[list[int]]) -> list[_Group]:
+    out: list[_Group] = []
+    for ids in sets:
+        if len(out) >= MAX_GROUPS:
+            break
+        out += planner.peel(ids, MAX_GROUPS - len(out))
+    return out
+
+
+def _singles(planner: _Planner, fences: list[list[int]]) -> list[_Group]:
+    """Every device that holds the model alone is a group; in each fence, the devices that do not
+    are grouped as ``_Planner.peel`` does."""
+    out: list[_Group] = []
+    for fence in fences:
+        rest = []
+        for d in planner.order(fence):
+            g = planner.plan([d]) if len(out) < MAX_GROUPS else None
+            if g is not None and g.workers == [d]:
+                out.append(g)
+            else:
+                rest.append(d)
+        if rest and len(out) < MAX_GROUPS:
+            out += planner.peel(rest, MAX_GROUPS - len(out))
+    return out
+
+
+def _merge(planner: _Planner, hw: Hardware, fences: list[list[int]]) -> list[list[int]] | None:
+    """Fences merged greedily while a merge keeps the tokens/s of the two apart (fastest links first,
+    ``MAX_MERGE_TRIES`` tries); None when no merge pays."""
+    sets = [list(f) for f in fences]
+    rate = {tuple(f): (g.tokens_per_step_s if (g := planner.plan(f)) else 0.0) for f in sets}
+    tried: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    merged = False
+    for _ in range(MAX_MERGE_TRIES):
+        pairs = [(fence_link(hw, a, b), i, j) for (i, a), (j, b) in itertools.combinations(enumerate(sets), 2)
+                 if (tuple(a), tuple(b)) not in tried]
+        if not pairs:
+            break
+        _, i, j = max(pairs)
+        a, b = sets[i], sets[j]
+        tried.add((tuple(a), tuple(b)))
+        union = sorted(a + b)
+        g = planner.plan(union)
+        together = g.tokens_per_step_s if g else 0.0
+        if together > 0 and together >= rate[tuple(a)] + rate[tuple(b)]:
+            rate[tuple(union)] = together
+            sets = [s for k, s in enumerate(sets) if k not in (i, j)] + [union]
+            merged = True
+    return sets if merged else None
+
+
+def describe_hier(hier: HierPlan, cost: CostModel, req: Request) -> dict[str, Any]:
+    """What `fusionllm plan --sync hierarchical --json` prints: groups, H, fragments, codecs, the
+    predicted round and the utilization of every device."""
+    graph = cost.graph
+    result = simulate_rounds(hier, cost, req)
+    groups = []
+    for g, step_s, wait in zip(hier.groups, result.step_s, result.waits_s, strict=True):
+        groups.append({
+            "group": g.index, "workers": g.workers, "stages": [s.workers for s in g.plan.stages],
+            "micro_batches": g.plan.micro_batches, "inner_steps": g.inner_steps, "step_s": step_s,
+            "waits_s_per_round": wait, "tokens_per_round": g.inner_steps * req.tokens,
+        })
+    frag_sizes = [sum(graph.params[n].meta.numel for n in f) for f in hier.fragments]
+    return {
+        "sync": "hierarchical", "grouping": hier.meta.get("grouping"), "fences": find_fences(cost.hw), "groups": groups,
+        "fragments": len(hier.fragments), "fragment_params": frag_sizes, "codec": hier.codec, "link_codecs": hier.link_codecs,
+        "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
+        "unused_devices": sorted(set(range(len(cost.hw))) - set(hier.workers)),
+        "utilization": result.utilization, "device_utilization": {str(k): v for k, v in result.device_busy.items()},
+        "predicted": result.to_json(), "traffic_hidden": hier.meta.get("traffic_hidden"),
+        "synchronous": hier.meta.get("synchronous"), "candidates": hier.meta.get("candidates"),
+        "plan": json.loads(hier.to_json()),
+    }
+
+
+def sync_report(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
+    """A synchronous plan's utilization and every device's busy fraction (for `plan --json`)."""
+    r = simulate(plan, cost, req)
+    util, frac = sync_utilization(plan, cost, r.busy_s, r.step_time_s)
+    return {"utilization": util, "device_utilization": {str(k): v for k, v in frac.items()}}

@@ -1,0 +1,226 @@
+"""Rounds of a hierarchical plan in simulated time: groups step back to back, fragments cross slow links.
+
+Each group runs its synchronous plan one inner step after another (``t_g`` seconds a step, from
+``sim.simulator.simulate`` of the group's plan on the whole cluster's cost model), ``H_g`` steps a
+round. After inner step ``sync_offsets(H_g, F)[f]`` of a round the group's leaders send fragment
+``f`` of the pseudo-gradient to the holders of every other group (``schedule.hierarchy``: one message
+per directed worker pair and fragment, the codec of that pair of groups). A directed worker pair is
+one link: its messages go one after another (FIFO), each taking ``CostModel.transfer_seconds`` plus
+the latency; a receiver decodes its messages one at a time (``decode_bytes_per_s``), the sender
+encodes a fragment once per codec before it sends it.
+
+With ``overlap`` (Streaming DiLoCo) the average of round k's fragment f is needed only at the same
+fragment's sync point in round k+1: a group waits there only if some message has not arrived and
+been decoded. Without overlap it waits for round k's messages right after sending its own.
+
+On an accelerator the codecs run on the host's CPU beside the device; on a CPU share they take the
+group's CPU, so their seconds stretch the group's round. Not modelled: the outer optimiser step
+(one pass over the parameters, next to nothing against H inner steps), links shared by several
+worker pairs (each directed worker pair is its own link, as in the cost model), pipeline traffic
+inside a group (its links are not the ones between groups).
+
+Several rounds are simulated from a cold start and the result is the steady state: the mean of the
+last rounds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionllm.compress.codecs import byte_ratio, parse_codec
+from fusionllm.cost.model import HEADER_BYTES, CostModel
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.hierarchy import HierPlan, holders, sync_offsets
+from fusionllm.schedule.plan import Request
+from fusionllm.sim.simulator import simulate
+from fusionllm.sim.utilization import device_busy, useful_busy_s, utilization
+
+Traffic = dict[tuple[int, int, int], dict[tuple[int, int], int]]  # (group a, group b, fragment) -> {(src, dst): raw bytes}
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One inner step of a group: its wall time and each worker's training compute in it (seconds)."""
+
+    step_s: float
+    busy_s: dict[int, float]
+
+
+@dataclass
+class RoundResult:
+    round_s: float  # wall time of one round in steady state
+    inner_steps: list[int]  # per group (H_g)
+    step_s: list[float]  # per group: one inner step without waits
+    waits_s: list[float]  # per group: seconds per round waiting for other groups' fragments
+    bytes_per_round: dict[str, int]  # "g0->g1": wire bytes per round
+    link_busy: float  # the busiest directed worker link between groups: busy seconds / round_s
+    tokens_per_s: float  # every group's tokens
+    utilization: float  # sim/utilization.py
+    device_busy: dict[int, float]  # every device of the cluster: fraction of wall time computing
+    codec_cpu_s: list[float] = field(default_factory=list)  # per group: codec seconds per round (busiest worker)
+    rounds: int = 0  # rounds simulated
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round_s": self.round_s, "inner_steps": self.inner_steps, "step_s": self.step_s, "waits_s": self.waits_s,
+            "bytes_per_round": self.bytes_per_round, "link_busy": self.link_busy, "tokens_per_s": self.tokens_per_s,
+            "utilization": self.utilization, "device_busy": {str(k): v for k, v in self.device_busy.items()},
+            "codec_cpu_s": self.codec_cpu_s, "rounds": self.rounds,
+        }
+
+
+def round_traffic(graph: OpGraph, hier: HierPlan) -> Traffic:
+    """Raw float32 bytes each directed worker pair carries per fragment (``schedule.hierarchy.exchange``'s
+    rule: every holder of a parameter gets it from the leader, the lowest holder, of every other group)."""
+    frag_of = {n: f for f, names in enumerate(hier.fragments) for n in names}
+    per_group = [holders(graph, g.plan) for g in hier.groups]
+    out: Traffic = {}
+    for a, ga in enumerate(per_group):
+        for name, src_holders in ga.items():
+            f = frag_of.get(name)
+            if f is None:
+                continue
+            nbytes = graph.params[name].meta.numel * 4
+            src = min(src_holders)
+            for b, gb in enumerate(per_group):
+                if b == a or name not in gb:
+                    continue
+                links = out.setdefault((a, b, f), {})
+                for dst in gb[name]:
+                    links[(src, dst)] = links.get((src, dst), 0) + nbytes
+    return out
+
+
+def group_steps(hier: HierPlan, cost: CostModel, req: Request) -> list[GroupStep]:
+    """Each group's inner step, simulated on the whole cluster's cost model (global worker ids)."""
+    out = []
+    for g in hier.groups:
+        r = simulate(g.plan, cost, req)
+        out.append(GroupStep(r.step_time_s, useful_busy_s(cost, g.plan, r.busy_s)))
+    return out
+
+
+def codec_ratio(codec: str) -> float:
+    return byte_ratio(parse_codec(codec))
+
+
+def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: list[GroupStep] | None = None,
+                    traffic: Traffic | None = None, rounds: int = 6) -> RoundResult:
+    """``rounds`` outer rounds of ``hier`` (see the module docstring); ``steps`` and ``traffic`` when the
+    caller has them already (the planner), otherwise simulated and derived here."""
+    steps = steps if steps is not None else group_steps(hier, cost, req)
+    traffic = traffic if traffic is not None else round_traffic(cost.graph, hier)
+    n_groups, n_frag = len(hier.groups), len(hier.fragments)
+    hs = [g.inner_steps for g in hier.groups]
+    offsets = [sync_offsets(h, n_frag) for h in hs]
+    ratio = {(a, b): codec_ratio(hier.codec_between(hier.groups[a].index, hier.groups[b].index))
+             for a in range(n_groups) for b in range(n_groups) if a != b}
+    devices = cost.hw.devices
+
+    def cpu_factor(w: int) -> float:  # codecs are single-threaded; on a CPU share they run under its quota
+        d = devices[w]
+        return 1.0 / min(1.0, d.cpus) if d.cpus else 1.0
+
+    cpu_group = [any(devices[w].cpus for w in g.workers) for g in hier.groups]
+    # per fragment: the messages (a, b, src, dst, link seconds, latency, decode seconds), encode seconds per group
+    msgs: list[list[tuple[int, int, int, int, float, float, float]]] = [[] for _ in range(n_frag)]
+    encode: list[list[float]] = [[0.0] * n_frag for _ in range(n_groups)]
+    enc_bytes: dict[tuple[int, int, int, float], int] = defaultdict(int)  # (a, f, src, ratio) -> raw bytes, max over b
+    wire: dict[str, int] = defaultdict(int)
+    link_s: dict[tuple[int, int], float] = defaultdict(float)
+    for (a, b, f), links in traffic.items():
+        r = ratio[(a, b)]
+        per_src: dict[int, int] = defaultdict(int)
+        for (src, dst), raw in links.items():
+            secs = cost.transfer_seconds(raw * r, src, dst, raw=True)
+            dec = raw / cost.decode_bytes_per_s * cpu_factor(dst) if r < 1 else 0.0
+            msgs[f].append((a, b, src, dst, secs, cost.latency(src, dst), dec))
+            wire[f"g{hier.groups[a].index}->g{hier.groups[b].index}"] += int(raw * r) + HEADER_BYTES
+            link_s[(src, dst)] += secs
+            per_src[src] += raw
+        if r < 1:
+            for src, raw in per_src.items():
+                key = (a, f, src, r)
+                enc_bytes[key] = max(enc_bytes[key], raw)
+    enc_worker: dict[tuple[int, int, int], float] = defaultdict(float)
+    for (a, f, src, _r), raw in enc_bytes.items():
+        enc_worker[(a, f, src)] += raw / cost.encode_bytes_per_s * cpu_factor(src)
+    for (a, f, _src), secs in enc_worker.items():
+        encode[a][f] = max(encode[a][f], secs)
+    dec_worker: dict[tuple[int, int, int], float] = defaultdict(float)
+    for f in range(n_frag):
+        for _a, b, _src, dst, _s, _lat, dec in msgs[f]:
+            dec_worker[(b, f, dst)] += dec
+    decode_load = [[0.0] * n_frag for _ in range(n_groups)]  # per group and fragment: its busiest receiver's decoding
+    for (b, f, _dst), secs in dec_worker.items():
+        decode_load[b][f] = max(decode_load[b][f], secs)
+
+    clock = [0.0] * n_groups
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    dec_free: dict[int, float] = defaultdict(float)
+    avail: dict[tuple[int, int], list[float]] = {}  # (round, fragment) -> per group: when it has every other group's share
+    ends = [[0.0] * rounds for _ in range(n_groups)]
+    waits = [[0.0] * rounds for _ in range(n_groups)]
+    for k in range(rounds):
+        done = [0] * n_groups
+        for f in range(n_frag):
+            send_t = [0.0] * n_groups
+            for g in range(n_groups):
+                clock[g] += (offsets[g][f] - done[g]) * steps[g].step_s
+                done[g] = offsets[g][f]
+                if cpu_group[g]:  # the codec takes the group's CPU
+                    clock[g] += encode[g][f]
+                    send_t[g] = clock[g]
+                else:
+                    send_t[g] = clock[g] + encode[g][f]
+            arrived = []
+            for a, b, src, dst, secs, lat, dec in sorted(msgs[f], key=lambda m: (send_t[m[0]], m[0], m[1], m[2], m[3])):
+                start = max(send_t[a], link_free[(src, dst)])
+                link_free[(src, dst)] = start + secs
+                arrived.append((start + secs + lat, b, dst, dec))
+            got = [0.0] * n_groups
+            for t, b, dst, dec in sorted(arrived):
+                dec_free[dst] = max(t, dec_free[dst]) + dec
+                got[b] = max(got[b], dec_free[dst])
+            avail[(k, f)] = got
+            for g in range(n_groups):
+                if cpu_group[g]:
+                    clock[g] += decode_load[g][f]
+                need = (avail[(k - 1, f)][g] if k else 0.0) if hier.overlap else got[g]
+                wait = max(0.0, need - clock[g])
+                waits[g][k] += wait
+                clock[g] += wait
+        for g in range(n_groups):
+            clock[g] += (hs[g] - done[g]) * steps[g].step_s
+            ends[g][k] = clock[g]
+    m = max(1, min(2, rounds - 1))
+    if rounds > 1:
+        round_s = max((ends[g][-1] - ends[g][-1 - m]) / m for g in range(n_groups))
+    else:
+        round_s = max(ends[g][0] for g in range(n_groups))
+    mean_wait = [sum(waits[g][-m:]) / m for g in range(n_groups)]
+    busy: dict[int, float] = {}
+    for g in range(n_groups):
+        for w, b in steps[g].busy_s.items():
+            busy[w] = busy.get(w, 0.0) + hs[g] * b
+    frac = device_busy(busy, round_s, len(devices))
+    return RoundResult(
+        round_s=round_s,
+        inner_steps=hs,
+        step_s=[s.step_s for s in steps],
+        waits_s=mean_wait,
+        bytes_per_round=dict(wire),
+        link_busy=max(link_s.values(), default=0.0) / round_s if round_s > 0 else 0.0,
+        tokens_per_s=sum(hs) * req.tokens / round_s if round_s > 0 else 0.0,
+        utilization=utilization(frac, cost),
+        device_busy=frac,
+        codec_cpu_s=[sum(encode[g]) + sum(decode_load[g]) for g in range(n_groups)],
+        rounds=rounds,
+    )
+
+
+def hier_utilization(hier: HierPlan, cost: CostModel, req: Request, *, steps: list[GroupStep] | None = None) -> float:
+    """The fraction of the cluster's aggregate compute that trains (sim/utilization.py), in steady state."""
+    return simulate_rounds(hier, cost, req, steps=steps).utilization
