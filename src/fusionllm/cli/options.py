@@ -37,3 +37,11 @@ HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster fi
 DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.schedule.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
 CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]
 BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]
+# hierarchical mode (issue 16): groups that train apart and exchange pseudo-gradients every round
+SyncOpt = Annotated[str, typer.Option("--sync", help="synchronous: one plan over the devices; hierarchical: replica groups (each a synchronous plan over its own devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo).")]
+InnerStepsOpt = Annotated[int | None, typer.Option("--inner-steps", min=1, help="--sync hierarchical: inner steps per round of the slowest group (faster groups do proportionally more); default: the planner's choice.")]
+FragmentsOpt = Annotated[int | None, typer.Option("--fragments", min=1, help="--sync hierarchical: parameter fragments, each synced at its own point of the round; default min(4, parameter tensors).")]
+OuterCodecOpt = Annotated[str | None, typer.Option("--outer-codec", help="--sync hierarchical: codec of the pseudo-gradients between groups (none, fp16, q8 .. q2, topk:RATIO); default: the planner's choice per pair of groups.")]
+OuterLrOpt = Annotated[float, typer.Option("--outer-lr", min=0.0, help="--sync hierarchical: the outer optimiser's learning rate (Nesterov SGD).")]
+OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, max=0.999, help="--sync hierarchical: the outer optimiser's momentum.")]
+SYNC_MODES = ("synchronous", "hierarchical")

@@ -11,13 +11,49 @@ import typer
 from fusionllm.cli.common import user_errors
 from fusionllm.cli.options import (
     DEFAULT_PLAN_CANDIDATES,
+    SYNC_MODES,
     BatchOpt,
     CandidatesOpt,
     CompressOpt,
+    FragmentsOpt,
+    InnerStepsOpt,
     MicroOpt,
     ModelOpt,
+    OuterCodecOpt,
+    OuterLrOpt,
+    OuterMomentumOpt,
     SeqOpt,
+    SyncOpt,
 )
+
+
+def _check_sync(sync: str) -> None:
+    from fusionllm.core.errors import ConfigError
+
+    if sync not in SYNC_MODES:
+        raise ConfigError(f"--sync {sync!r}: choose {' or '.join(SYNC_MODES)}")
+
+
+def _print_hier(info: dict) -> None:
+    pred = info["predicted"]
+    print(f"sync=hierarchical grouping={info['grouping']!r} fences={info['fences']} fragments={info['fragments']} codec={info['codec']}"
+          + (f" (other pairs: {len(info['link_codecs'])})" if info["link_codecs"] else "")
+          + f" outer lr={info['outer_lr']} momentum={info['outer_momentum']} overlap={info['overlap']}")
+    for g in info["groups"]:
+        print(f"  group {g['group']} on {g['workers']}: stages {g['stages']}, {g['micro_batches']} micro-batches, "
+              f"H={g['inner_steps']}, {g['step_s']:.3f} s/step, waits {g['waits_s_per_round']:.3f} s/round")
+    if info["unused_devices"]:
+        print(f"  unused devices: {info['unused_devices']}")
+    busiest = max(pred["bytes_per_round"].items(), key=lambda kv: kv[1], default=None)
+    print(f"predicted: {pred['round_s']:.3f} s/round, {pred['tokens_per_s']:.0f} tokens/s, utilization {info['utilization']:.0%}"
+          + (f", busiest link {pred['link_busy']:.0%} of the round" if busiest else "")
+          + ("" if info["traffic_hidden"] is not False else " (the traffic between groups is NOT hidden: groups wait)"))
+    if busiest:
+        print(f"  bytes per round: {sum(pred['bytes_per_round'].values()) / 2**20:.1f} MiB in all, most {busiest[0]} {busiest[1] / 2**20:.1f} MiB")
+    sync = info.get("synchronous")
+    if sync:
+        print(f"  synchronous plan: {sync['tokens_per_s']:.0f} tokens/s, utilization {sync['utilization']:.0%}")
+    print("device utilization: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))
 
 
 @user_errors
@@ -30,18 +66,37 @@ def plan_cmd(
     micro_batches: MicroOpt = 4,
     candidates: CandidatesOpt = DEFAULT_PLAN_CANDIDATES,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    sync: SyncOpt = "synchronous",
+    inner_steps: InnerStepsOpt = None,
+    fragments: FragmentsOpt = None,
+    outer_codec: OuterCodecOpt = None,
+    outer_lr: OuterLrOpt = 0.7,
+    outer_momentum: OuterMomentumOpt = 0.9,
 ) -> None:
-    """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck."""
+    """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck,
+    and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
     import json
 
+    from fusionllm.control.hierarchy_planning import describe_hier, sync_report
     from fusionllm.control.planning import describe
-    from fusionllm.planner import offline
+    from fusionllm.planner import offline, offline_hier
     from fusionllm.schedule.plan import Request
 
+    _check_sync(sync)
     req = Request(batch_size, seq_len, micro_batches)
     started = time.perf_counter()
+    if sync == "hierarchical":
+        _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, inner_steps=inner_steps, fragments=fragments,
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        info = describe_hier(hier, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
+        if as_json:
+            print(json.dumps(info, indent=1))
+        else:
+            _print_hier(info)
+            print(f"planned in {info['planning_seconds']:.2f} s")
+        return
     _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
-    info = describe(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
+    info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
     if as_json:
         print(json.dumps(info, indent=1))
         return
@@ -54,6 +109,7 @@ def plan_cmd(
         print(f"  unused devices: {info['unused_devices']}")
     print(f"predicted: {pred['step_time_s']:.3f} s/step, {pred['tokens_per_s']:.0f} tokens/s, bubble {pred['bubble_fraction']:.0%}")
     print(f"bottleneck: {info['bottleneck']}")
+    print(f"utilization {info['utilization']:.0%} of the cluster's compute: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))
     print(f"planned in {info['planning_seconds']:.2f} s")
 
 
@@ -69,23 +125,49 @@ def simulate(
     compress: CompressOpt = "none",
     candidates: CandidatesOpt = DEFAULT_PLAN_CANDIDATES,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    sync: SyncOpt = "synchronous",
+    inner_steps: InnerStepsOpt = None,
+    fragments: FragmentsOpt = None,
+    outer_codec: OuterCodecOpt = None,
+    outer_lr: OuterLrOpt = 0.7,
+    outer_momentum: OuterMomentumOpt = 0.9,
 ) -> None:
-    """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links."""
+    """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links, the
+    fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""
     import json
 
     from fusionllm.control.planning import compression_aware, with_compression
-    from fusionllm.planner import offline
+    from fusionllm.planner import offline, offline_hier
     from fusionllm.schedule.plan import Request
     from fusionllm.sim.gantt import plot_gantt
+    from fusionllm.sim.rounds import simulate_rounds
     from fusionllm.sim.simulator import simulate as run_sim
+    from fusionllm.sim.utilization import sync_utilization
 
+    _check_sync(sync)
     req = Request(batch_size, seq_len, micro_batches)
+    if sync == "hierarchical":
+        _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, compress=compress, inner_steps=inner_steps, fragments=fragments,
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        rounds = simulate_rounds(hier, cost, req)
+        hout = rounds.to_json() | {"sync": "hierarchical", "scheduler": scheduler, "compress": compress, "groups": [g.workers for g in hier.groups],
+                                   "fragments": len(hier.fragments), "codec": hier.codec, "link_codecs": hier.link_codecs}
+        if as_json:
+            print(json.dumps(hout, indent=1))
+            return
+        print(f"round_s={rounds.round_s:.4f} tokens_per_s={rounds.tokens_per_s:.0f} utilization={rounds.utilization:.0%} "
+              f"groups={len(hier.groups)} codec={hier.codec} busiest link {rounds.link_busy:.0%} of the round")
+        for g, h, st, wt in zip(hier.groups, rounds.inner_steps, rounds.step_s, rounds.waits_s, strict=True):
+            print(f"  group {g.index} on {g.workers}: H={h}, {st:.3f} s/step, waits {wt:.3f} s/round")
+        print("  device utilization: " + " ".join(f"w{k}={v:.0%}" for k, v in rounds.device_busy.items()))
+        return
     _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
     if compress == "adatopk" and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
         plan, _ = compression_aware(plan, cost, req)
     cost = with_compression(plan, cost, req, compress)
     result = run_sim(plan, cost, req, keep_timeline=gantt is not None)
-    out = result.to_json() | {"scheduler": scheduler, "compress": compress, "micro_batches": plan.micro_batches, "stages": len(plan.stages),
+    util, frac = sync_utilization(plan, cost, result.busy_s, result.step_time_s)
+    out = result.to_json() | {"sync": "synchronous", "utilization": util, "device_utilization": {str(k): v for k, v in frac.items()}} | {"scheduler": scheduler, "compress": compress, "micro_batches": plan.micro_batches, "stages": len(plan.stages),
                               "ratios": {f"w{a}->w{b}": round(r, 4) for (a, b), r in cost.ratios.items() if r < 1 and a in plan.workers and b in plan.workers}}
     if gantt:
         plot_gantt(result, gantt, f"{model} on {cluster.name}, {scheduler}: {result.step_time_s:.3f} s/step")
@@ -93,7 +175,7 @@ def simulate(
     if as_json:
         print(json.dumps(out, indent=1))
         return
-    print(f"step_time_s={result.step_time_s:.4f} tokens_per_s={result.tokens_per_s:.0f} bubble={result.bubble_fraction:.0%}")
+    print(f"step_time_s={result.step_time_s:.4f} tokens_per_s={result.tokens_per_s:.0f} bubble={result.bubble_fraction:.0%} utilization={util:.0%}")
     if out["ratios"]:
         print("  compressed links (bytes ratio): " + ", ".join(f"{k} {v:.3f}" for k, v in out["ratios"].items()))
     for w, b in sorted(result.busy_s.items()):
