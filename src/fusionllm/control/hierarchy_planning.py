@@ -36,11 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from fusionllm.cluster.hardware import Hardware
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.control.planning import choose_plan
 from fusionllm.core.errors import ConfigError, FusionError
-from fusionllm.cost.model import CostModel
+from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.fences import fence_link, find_fences
@@ -201,8 +203,14 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
         pair = (min(a, b), max(a, b))
         for lk, raw in links.items():
             link_raw.setdefault(pair, {}).setdefault(lk, []).append(raw)
-    busy = {(p, c): max(sum(cost.transfer_seconds(r * codec_ratio(c), s, d, raw=True) for r in raws) for (s, d), raws in links.items())
-            for p, links in link_raw.items() for c in ladder}
+    busy: dict[tuple[tuple[int, int], str], float] = {}
+    for p, links in link_raw.items():  # a link's messages: (ratio x raw + header) bytes at its rate, plus each one's overhead
+        raw = np.array([sum(r) for r in links.values()], dtype=float)
+        count = np.array([len(r) for r in links.values()], dtype=float)
+        rate = np.array([cost.hw.bps(s, d) for s, d in links], dtype=float)
+        per_bit = np.where(np.isfinite(rate), 8 / rate, 0.0)
+        for c in ladder:
+            busy[(p, c)] = float(np.max((codec_ratio(c) * raw + count * HEADER_BYTES) * per_bit + count * cost.message_overhead_s))
     decode: dict[tuple[tuple[int, int], str], dict[int, float]] = {}
     for p, links in link_raw.items():
         for c in ladder:

@@ -74,22 +74,33 @@ class RoundResult:
 def round_traffic(graph: OpGraph, hier: HierPlan) -> Traffic:
     """Raw float32 bytes each directed worker pair carries per fragment (``schedule.hierarchy.exchange``'s
     rule: every holder of a parameter gets it from the leader, the lowest holder, of every other group)."""
-    frag_of = {n: f for f, names in enumerate(hier.fragments) for n in names}
-    per_group = [holders(graph, g.plan) for g in hier.groups]
+    import numpy as np
+
+    names = [n for f in hier.fragments for n in f]
+    frag = np.array([f for f, ns in enumerate(hier.fragments) for _ in ns], dtype=np.int64)
+    nbytes = np.array([graph.params[n].meta.numel * 4 for n in names], dtype=np.float64)
+    n_frag = len(hier.fragments)
+    # per group: the distinct sets of holders, and which set holds each parameter (-1: none)
+    sets: list[list[tuple[int, ...]]] = []
+    ids: list[np.ndarray] = []
+    for g in hier.groups:
+        held = holders(graph, g.plan)
+        index: dict[tuple[int, ...], int] = {}
+        ids.append(np.array([index.setdefault(tuple(held[n]), len(index)) if n in held else -1 for n in names], dtype=np.int64))
+        sets.append(list(index))
     out: Traffic = {}
-    for a, ga in enumerate(per_group):
-        for name, src_holders in ga.items():
-            f = frag_of.get(name)
-            if f is None:
-                continue
-            nbytes = graph.params[name].meta.numel * 4
-            src = min(src_holders)
-            for b, gb in enumerate(per_group):
-                if b == a or name not in gb:
-                    continue
-                links = out.setdefault((a, b, f), {})
-                for dst in gb[name]:
-                    links[(src, dst)] = links.get((src, dst), 0) + nbytes
+    for a, b in ((a, b) for a in range(len(sets)) for b in range(len(sets)) if a != b):
+        both = (ids[a] >= 0) & (ids[b] >= 0)
+        sa, sb = len(sets[a]), len(sets[b])
+        key = (frag[both] * sa + ids[a][both]) * sb + ids[b][both]
+        sums = np.bincount(key, weights=nbytes[both], minlength=n_frag * sa * sb)
+        for k in np.flatnonzero(sums).tolist():
+            f, rest = divmod(k, sa * sb)
+            ia, ib = divmod(rest, sb)
+            src = min(sets[a][ia])
+            links = out.setdefault((a, b, f), {})
+            for dst in sets[b][ib]:
+                links[(src, dst)] = links.get((src, dst), 0) + int(sums[k])
     return out
 
 
