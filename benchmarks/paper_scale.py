@@ -3,7 +3,10 @@
 
 For three cluster files and the GPT-2 sizes, each scheduler's plan is simulated (the same
 discrete-event simulator and cost model that `fusionllm simulate` uses; GPUs run counted FLOPs at
-40% of their nominal peak). Writes paper_scale.json, paper_scale.md and paper_scale.png.
+40% of their nominal peak), and so is the hierarchical plan (`--sync hierarchical`: replica groups
+that exchange compressed pseudo-gradients every round, sim/rounds.py). Every plan's utilization is
+the fraction of the cluster's aggregate compute doing training work (sim/utilization.py); the issue's
+goal is at least 50%. Writes paper_scale.json, paper_scale.md and paper_scale.png.
 
     python benchmarks/paper_scale.py [--out benchmarks/results] [--quick]
 """
@@ -18,10 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
+from fusionllm.control.hierarchy_planning import choose_hier_plan  # noqa: E402
 from fusionllm.planner import offline  # noqa: E402
 from fusionllm.schedule.plan import Request  # noqa: E402
 from fusionllm.schedule.schedulers import SCHEDULERS, make_schedule  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402
+from fusionllm.sim.utilization import sync_utilization  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ["paper-6x8", "paper-3x16", "paper-12x4"]
@@ -49,13 +54,28 @@ def main() -> int:
             for name in SCHEDULERS:
                 plan = opf if name == "opfence" else make_schedule(name, cost, req)
                 sim = simulate(plan, cost, req)
+                util, _ = sync_utilization(plan, cost, sim.busy_s, sim.step_time_s)
                 row[name] = {"tokens_per_s": round(sim.tokens_per_s, 1), "step_time_s": round(sim.step_time_s, 4),
-                             "stages": len(plan.stages), "devices_used": len(plan.workers), "micro_batches": plan.micro_batches}
+                             "stages": len(plan.stages), "devices_used": len(plan.workers), "micro_batches": plan.micro_batches,
+                             "utilization": round(util, 4)}
+            started = time.perf_counter()
+            hier, _ = choose_hier_plan(_graph, hw, "opfence", req, work=cost.work, say=lambda _: None)
+            m = hier.meta
+            row["hierarchical"] = {
+                "tokens_per_s": round(m["tokens_per_s"], 1), "round_s": round(m["round_s"], 2), "utilization": round(m["utilization"], 4),
+                "grouping": m["grouping"], "groups": len(hier.groups), "devices_used": len(hier.workers),
+                "inner_steps": sorted({g.inner_steps for g in hier.groups}), "codec": hier.codec, "link_codecs": len(hier.link_codecs),
+                "traffic_hidden": m["traffic_hidden"], "link_busy": round(m["link_busy"], 3), "max_wait_s": round(max(m["waits_s"]), 3),
+                "bytes_per_round": sum(m["bytes_per_round"].values()), "plan_s": round(time.perf_counter() - started, 2),
+                "candidates": [{k: c[k] for k in ("grouping", "groups", "devices_used", "tokens_per_s", "utilization")} for c in m["candidates"]],
+            }
             base = {k: row[k]["tokens_per_s"] for k in SCHEDULERS if k != "opfence"}
             row["speedup_vs_best_baseline"] = round(row["opfence"]["tokens_per_s"] / max(base.values()), 2)
             row["speedup_vs_worst_baseline"] = round(row["opfence"]["tokens_per_s"] / min(base.values()), 2)
             rows.append(row)
-            print(f"{cluster} {model}: " + ", ".join(f"{k} {row[k]['tokens_per_s']:.0f}" for k in SCHEDULERS) + f" tok/s; x{row['speedup_vs_best_baseline']} over the best baseline", flush=True)
+            h = row["hierarchical"]
+            print(f"{cluster} {model}: " + ", ".join(f"{k} {row[k]['tokens_per_s']:.0f}" for k in SCHEDULERS) + f" tok/s; x{row['speedup_vs_best_baseline']} over the best baseline; "
+                  f"utilization synchronous {row['opfence']['utilization']:.1%}, hierarchical {h['utilization']:.1%} ({h['groups']} groups, {h['tokens_per_s']:.0f} tok/s, {h['plan_s']} s to plan)", flush=True)
     table = [
         f"Simulated tokens/s, batch {req.batch_size} x {req.seq_len} tokens, GPT-2 vocabulary; "
         "GPUs at 40% of nominal peak; OP-Fence chooses its own micro-batch count, baselines use "
@@ -66,6 +86,24 @@ def main() -> int:
     for r in rows:
         table.append(f"| {r['cluster']} | {r['model']} | " + " | ".join(f"{r[k]['tokens_per_s']:.0f}" for k in SCHEDULERS)
                      + f" | {r['speedup_vs_best_baseline']} | {r['speedup_vs_worst_baseline']} | {r['opfence_plan_s']} |")
+    table += [
+        "", "Utilization: the fraction of the cluster's aggregate compute doing training work (forward, backward and "
+        "optimizer seconds over wall seconds, weighted by device speed, idle devices 0; sim/utilization.py). "
+        "Hierarchical: replica groups chosen by the planner (control/hierarchy_planning.py), each a synchronous plan "
+        "over its own devices, exchanging pseudo-gradients every round of H inner steps (per group), fragments overlapped "
+        "with the next round; the request is one inner step of one group. Goal of issue 16: at least 50%.", "",
+        "| cluster | model | synchronous (OP-Fence) utilization | hierarchical utilization | hierarchical tokens/s | x synchronous | groups | devices used | H | codec | round (s) | traffic hidden | plan (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        h = r["hierarchical"]
+        hs = h["inner_steps"]
+        h_text = str(hs[0]) if len(hs) == 1 else f"{hs[0]}-{hs[-1]}"
+        codec = h["codec"] + (f" (+{h['link_codecs']} pairs)" if h["link_codecs"] else "")
+        table.append(f"| {r['cluster']} | {r['model']} | {r['opfence']['utilization']:.1%} | {h['utilization']:.1%} | {h['tokens_per_s']:.0f} | "
+                     f"{h['tokens_per_s'] / r['opfence']['tokens_per_s']:.1f} | {h['groups']} | {h['devices_used']} | "
+                     f"{h_text} | {codec} | "
+                     f"{h['round_s']:.0f} | {'yes' if h['traffic_hidden'] else 'no'} | {h['plan_s']} |")
     write(args.out, "paper_scale", rows, table, {"batch_size": req.batch_size, "seq_len": req.seq_len, "micro_batches": req.micro_batches})
     _plot(rows, args.out / "paper_scale.png")
     return 0
