@@ -37,7 +37,7 @@ def _check_sync(sync: str) -> None:
 def _print_hier(info: dict) -> None:
     pred = info["predicted"]
     print(f"sync=hierarchical grouping={info['grouping']!r} fences={info['fences']} fragments={info['fragments']} codec={info['codec']}"
-          + (f" (other pairs: {len(info['link_codecs'])})" if info["link_codecs"] else "")
+          + (f" (other groups: {len(info['link_codecs'])})" if info["link_codecs"] else "")
           + f" outer lr={info['outer_lr']} momentum={info['outer_momentum']} overlap={info['overlap']}")
     for g in info["groups"]:
         print(f"  group {g['group']} on {g['workers']}: stages {g['stages']}, {g['micro_batches']} micro-batches, "

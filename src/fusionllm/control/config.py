@@ -53,7 +53,8 @@ class ClusterConfig:
     outer_codec: str | None = None  # codec of the pseudo-gradients; None: the planner's
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    overlap: bool = True  # apply a round's average one round late (the inner loop never waits for the network)
+    overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
+    overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -78,7 +78,8 @@ class HierarchicalMixin:
         else:
             hier = make_hier_plan(graph, c.groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
                                   micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
-                                  outer_momentum=c.outer_momentum, overlap=c.overlap)
+                                  outer_momentum=c.outer_momentum, overlap=c.overlap,
+                                  delay_steps=c.overlap_steps or 0)
         runs: dict[int, Run] = {}
         for g in hier.groups:
             g.plan = await asyncio.to_thread(place, graph, g.plan, infos, self.say, self.task.refused_ops)
@@ -122,6 +123,8 @@ class HierarchicalMixin:
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
             overlap=c.overlap,
         )
+        if c.overlap_steps is not None:
+            hier.delay_steps = c.overlap_steps
         if any(g.plan.micro_batches != c.micro_batches for g in hier.groups):
             raise FusionError("the hierarchical planner changed the micro-batches of a group; pass --micro-batches it can keep")
         return hier
@@ -175,24 +178,29 @@ class HierarchicalMixin:
         total = hr.rounds * h
         tokens_per_step = t.batch_size * t.seq_len
         eval_n = self.task.eval_count(c.eval_batches) if c.eval_every else 0
+        delay = hr.hier.delay_of(gp)
+        pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
         i = 0
         for k in range(hr.rounds):
             began = time.perf_counter()
             for j in range(h):
-                await self._inner_step(hr, g, run, i, i * n_groups + g, lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps,
-                                                                               warmup=t.warmup), k, metrics)
+                lr = lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
+                await self._inner_step(hr, g, run, i, i * n_groups + g, lr, k, metrics)
                 i += 1
                 for f, off in enumerate(offsets):
                     if off == j + 1:
-                        apply = [k - 1] if hr.hier.overlap and k > 0 else ([] if hr.hier.overlap else [k])
-                        await self._outer_sync(hr, g, f, k, h * tokens_per_step, apply, metrics)
+                        await self._outer_sync(hr, g, f, k, h * tokens_per_step, [], metrics)
+                        pending.append((i + delay, f, k))
+                for due in [p for p in pending if p[0] <= i]:
+                    pending.remove(due)
+                    await self._outer_sync(hr, g, due[1], due[2], 0, [due[2]], metrics, send=False)
             hr.round_s[g] = time.perf_counter() - began
             if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < hr.rounds:
                 await self._evaluate_outer(hr, run, eval_n, k, metrics)
         for f, off in enumerate(offsets):  # the end: what the last round left unsent goes out, every average is applied
             tail = (h - off) * tokens_per_step
-            apply = ([hr.rounds - 1] if hr.hier.overlap else []) + ([hr.rounds] if tail else [])
-            await self._outer_sync(hr, g, f, hr.rounds, tail, apply, metrics, send=tail > 0)
+            rounds = sorted(r for _, pf, r in pending if pf == f) + ([hr.rounds] if tail else [])
+            await self._outer_sync(hr, g, f, hr.rounds, tail, rounds, metrics, send=tail > 0, announce=True)
         if eval_n and g == min(hr.alive):
             await self._evaluate_outer(hr, run, eval_n, hr.rounds, metrics)
 
@@ -216,7 +224,7 @@ class HierarchicalMixin:
             "step": hr.steps, "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
             "elapsed_s": round(elapsed, 4), "tokens_per_s": round(hr.result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
             "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
-            "bytes": self._link_bytes(run, replies),
+            "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
         }
         hr.steps += 1
         metrics.write(record)
@@ -224,7 +232,9 @@ class HierarchicalMixin:
         self.on_step(record)
 
     async def _outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], metrics: JsonlWriter, *,
-                          send: bool = True) -> None:
+                          send: bool = True, announce: bool | None = None) -> None:
+        """Send fragment ``f``'s delta of round ``r`` (``send``), tell the other groups it is there or
+        that there is none (``announce``, default ``send``), then apply the ``apply`` rounds' averages."""
         run = hr.runs[g]
         began = time.perf_counter()
         sent: dict[str, int] = {}
@@ -238,9 +248,10 @@ class HierarchicalMixin:
                 for dst, n in rep.bytes_to.items():
                     sent[f"w{w}->w{dst}"] = sent.get(f"w{w}->w{dst}", 0) + n
                     hr.outer_bytes[f"w{w}->w{dst}"] = hr.outer_bytes.get(f"w{w}->w{dst}", 0) + n
-        async with hr.changed:
-            hr.sent.setdefault((f, r), {})[g] = float(tokens if send else 0)
-            hr.changed.notify_all()
+        if send if announce is None else announce:
+            async with hr.changed:
+                hr.sent.setdefault((f, r), {})[g] = float(tokens if send else 0)
+                hr.changed.notify_all()
         applies = []
         for j in apply:
             groups = await self._decide(hr, f, j, g, metrics)

@@ -254,9 +254,17 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
 
 def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list[list[str]], *, outer_lr: float,
           outer_momentum: float, overlap: bool) -> HierPlan:
-    counts = Counter(choice.codecs.values())
-    main = max(counts, key=lambda c: (counts[c], CODEC_LADDER.index(c) if c in CODEC_LADDER else 0)) if counts else PREFERRED_CODEC
-    link_codecs = {f"g{a}-g{b}": c for (a, b), c in sorted(choice.codecs.items()) if c != main}
+    # one codec per sending group (its delta is encoded once, every receiver averages the same values):
+    # the lossiest that any pair of the group needs
+    rank = {c: i for i, c in enumerate(CODEC_LADDER)}
+    per_group: dict[int, str] = {}
+    for (a, b), c in choice.codecs.items():
+        for g in (a, b):
+            if g not in per_group or rank.get(c, 0) > rank.get(per_group[g], 0):
+                per_group[g] = c
+    counts = Counter(per_group.values())
+    main = max(counts, key=lambda c: (counts[c], rank.get(c, 0))) if counts else PREFERRED_CODEC
+    link_codecs = {f"g{g}": c for g, c in sorted(per_group.items()) if c != main}
     plans = [GroupPlan(i, g.plan, h) for i, (g, h) in enumerate(zip(groups, choice.hs, strict=True))]
     return HierPlan(plans, fragments, main, link_codecs, outer_lr, outer_momentum, overlap)
 
@@ -336,7 +344,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
             f"the traffic between groups (busiest link {result.link_busy:.0%} of the round); groups will wait for it")
     say(f"hierarchical ({name}): {len(hier.groups)} groups on {len(hier.workers)} of {len(hw)} devices, "
         f"H {'/'.join(str(g.inner_steps) for g in hier.groups)}, {len(hier.fragments)} fragments, codec {hier.codec}"
-        f"{' (+' + str(len(hier.link_codecs)) + ' pairs otherwise)' if hier.link_codecs else ''}, predicted {result.round_s:.2f} s/round, "
+        f"{' (+' + str(len(hier.link_codecs)) + ' groups otherwise)' if hier.link_codecs else ''}, predicted {result.round_s:.2f} s/round, "
         f"{result.tokens_per_s:.0f} tokens/s, utilization {result.utilization:.0%}"
         + (f" (synchronous {sync['tokens_per_s']:.0f} tokens/s, {sync['utilization']:.0%})" if sync and name != "synchronous" else "")
         + f" [{time.perf_counter() - started:.1f} s to plan]")

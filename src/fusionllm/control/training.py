@@ -74,7 +74,7 @@ class TrainingMixin:
                 "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
                 "grad_norm": next(iter(replies.values())).grad_norm,
                 "step_s": round(max(rep.seconds for rep in replies.values()), 4),
-                "bytes": self._link_bytes(run, replies),
+                "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
             }
             if "predicted_step_s" in run.plan.meta:
                 record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)

@@ -10,9 +10,9 @@ fragment syncs (``OuterSync``):
 2. ``apply``: for each named round, the token-weighted average of the groups' decoded deltas
    (this worker's own group from what it encoded itself) is an outer step on the anchor:
    Nesterov SGD as ``torch.optim.SGD(nesterov=True)``.
-3. The weights become the anchor minus the own deltas sent but not yet applied (with overlap, the
-   last round: its progress is kept and averaged one round later), and the fragment's next round
-   starts from there.
+3. The weights become the anchor, minus the own deltas sent but not applied yet (with overlap,
+   they are averaged later), plus the progress made since the last send (with a delay of a few
+   steps between send and apply, those steps are kept, as in Streaming DiLoCo's overlap).
 
 Everything is NumPy float32 on the host; a worker of any backend runs it.
 """
@@ -59,8 +59,7 @@ class OuterState:
         self.anchor = {n: np.array(a, dtype=np.float32) for n, a in initial.items()}
         self.momentum: dict[str, np.ndarray] = {}
         self.feedback = ErrorFeedback()
-        codec = hier.link_codecs.get(f"g{group}", hier.codec)  # one codec per sending group: every receiver decodes the same
-        self.codec = parse_codec(codec)
+        self.codec = parse_codec(hier.codec_of(group))  # one codec per sending group: every receiver decodes the same
         for frag in self.fragments:
             frag.start = {n: self.anchor[n].copy() for n in frag.exchange.mine}
         self.bytes_sent = 0
@@ -95,15 +94,16 @@ class OuterState:
                     header = {"kind": "outer", "step": round_, "mb": fragment, "edge": n, "src": worker}
                     frag.pushes.append(asyncio.create_task(push(dst, header, true[n], encoded[n][0])))
                     sent_bytes[dst] = sent_bytes.get(dst, 0) + len(encoded[n][0][1])
+            frag.start = {n: a.copy() for n, a in now.items()}
         for r, groups in apply:
             await self._apply(frag, fragment, r, groups, get, timeout)
         if apply and ex.mine:
-            pending = [d for r, d in sorted(frag.true.items())]
-            new = {n: self.anchor[n] - sum((d[n] for d in pending), np.zeros_like(self.anchor[n])) for n in ex.mine}
+            # the outer weights, minus own deltas sent but not applied yet, plus the progress made
+            # since the last send (the steps between a send and its apply are kept)
+            base = {n: self.anchor[n] - sum((d[n] for _, d in sorted(frag.true.items())), np.zeros_like(self.anchor[n])) for n in ex.mine}
+            new = {n: base[n] + (now[n] - frag.start[n]) for n in ex.mine}
             await asyncio.to_thread(set_weights, new)
-            frag.start = {n: a.copy() for n, a in new.items()}
-        elif send and ex.mine:
-            frag.start = {n: a.copy() for n, a in now.items()}
+            frag.start = base
         done = [t for t in frag.pushes if t.done()]
         for t in done:
             frag.pushes.remove(t)

@@ -334,7 +334,10 @@ class Worker:
         except StepFailure as exc:
             self.log.error("%s", exc)
             return StepDone(failed=exc.message()).to_wire()
-        return (done if done is not None else StepDone(aborted=True)).to_wire()
+        if done is None:
+            return StepDone(aborted=True).to_wire()
+        done.cpu_s = round(time.process_time(), 4)
+        return done.to_wire()
 
     async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Hierarchical mode: one fragment's pseudo-gradient out, the named rounds' averages applied."""

@@ -39,11 +39,18 @@ class HierPlan:
     groups: list[GroupPlan]
     fragments: list[list[str]]  # parameter names, each fragment synced at its own offset in the round
     codec: str = "q4"  # pseudo-gradients across groups (a codec of compress/codecs.py), with error feedback
-    link_codecs: dict[str, str] = field(default_factory=dict)  # "gA-gB" -> codec, where a pair needs another one
+    link_codecs: dict[str, str] = field(default_factory=dict)  # "gA" -> codec of group A's pseudo-gradients, where not ``codec``
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    overlap: bool = True  # a round's average is applied one round late (the inner loop never waits for it)
+    overlap: bool = True  # a fragment's average is applied later than it is sent (the inner loop does not wait for it)
     meta: dict = field(default_factory=dict)  # predictions: round_s, utilization, bytes per round, ...
+    delay_steps: int = 0  # with overlap: inner steps between a fragment's send and its apply (0: one round, H)
+
+    def delay_of(self, group: GroupPlan) -> int:
+        """Inner steps from a fragment's send to its apply in ``group`` (0: blocking, right after the send)."""
+        if not self.overlap:
+            return 0
+        return min(self.delay_steps, group.inner_steps) if self.delay_steps > 0 else group.inner_steps
 
     def __post_init__(self) -> None:
         seen: set[int] = set()
@@ -55,6 +62,8 @@ class HierPlan:
                 raise ConfigError(f"group {g.index}: inner steps per round must be >= 1, got {g.inner_steps}")
         if not self.fragments or any(not f for f in self.fragments):
             raise ConfigError("a hierarchical plan needs at least one fragment, none empty")
+        if self.delay_steps < 0:
+            raise ConfigError(f"the delay between a fragment's send and its apply must be >= 0 steps, got {self.delay_steps}")
         if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer lr {self.outer_lr} (0, 10] and momentum {self.outer_momentum} [0, 1) expected")
 
@@ -68,14 +77,21 @@ class HierPlan:
                 return g
         raise ConfigError(f"worker {worker} is in no group")
 
+    def codec_of(self, group: int) -> str:
+        """The codec of a group's pseudo-gradients: one per sending group, so every receiver (and the
+        group itself) averages the same decoded values."""
+        return self.link_codecs.get(f"g{group}", self.codec)
+
     def codec_between(self, a: int, b: int) -> str:
-        return self.link_codecs.get(f"g{min(a, b)}-g{max(a, b)}", self.codec)
+        """The codec of what group ``a`` sends to group ``b`` (the sender's)."""
+        return self.codec_of(a)
 
     def to_json(self) -> str:
         return json.dumps({
             "groups": [{"index": g.index, "inner_steps": g.inner_steps, "plan": json.loads(g.plan.to_json())} for g in self.groups],
             "fragments": self.fragments, "codec": self.codec, "link_codecs": self.link_codecs,
             "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "overlap": self.overlap, "meta": self.meta,
+            "delay_steps": self.delay_steps,
         })
 
     @staticmethod
@@ -83,7 +99,8 @@ class HierPlan:
         obj = json.loads(text)
         groups = [GroupPlan(int(g["index"]), Plan.from_json(json.dumps(g["plan"])), int(g["inner_steps"])) for g in obj["groups"]]
         return HierPlan(groups, [[str(p) for p in f] for f in obj["fragments"]], str(obj["codec"]), dict(obj.get("link_codecs", {})),
-                        float(obj["outer_lr"]), float(obj["outer_momentum"]), bool(obj["overlap"]), dict(obj.get("meta", {})))
+                        float(obj["outer_lr"]), float(obj["outer_momentum"]), bool(obj["overlap"]), dict(obj.get("meta", {})),
+                        int(obj.get("delay_steps", 0)))
 
 
 def remap(plan: Plan, ids: list[int]) -> Plan:
@@ -94,7 +111,7 @@ def remap(plan: Plan, ids: list[int]) -> Plan:
 
 def make_hier_plan(graph: OpGraph, groups: list[list[int]], *, inner_steps: list[int] | int = 4, fragments: int = 1,
                    schedule: str = "1f1b", micro_batches: int = 4, codec: str = "q4", outer_lr: float = 0.7,
-                   outer_momentum: float = 0.9, overlap: bool = True) -> HierPlan:
+                   outer_momentum: float = 0.9, overlap: bool = True, delay_steps: int = 0) -> HierPlan:
     """A hierarchical plan by hand: each group one stage per worker balanced by parameters
     (``make_plan``), ``inner_steps`` per group (or one value for all)."""
     hs = [inner_steps] * len(groups) if isinstance(inner_steps, int) else list(inner_steps)
@@ -102,7 +119,7 @@ def make_hier_plan(graph: OpGraph, groups: list[list[int]], *, inner_steps: list
         raise ConfigError(f"{len(groups)} groups but {len(hs)} inner-step counts")
     plans = [GroupPlan(i, remap(make_plan(graph, len(ws), schedule=schedule, micro_batches=micro_batches), sorted(ws)), h)
              for i, (ws, h) in enumerate(zip(groups, hs, strict=True))]
-    return HierPlan(plans, param_fragments(graph, fragments), codec, {}, outer_lr, outer_momentum, overlap)
+    return HierPlan(plans, param_fragments(graph, fragments), codec, {}, outer_lr, outer_momentum, overlap, delay_steps=delay_steps)
 
 
 def param_fragments(graph: OpGraph, count: int) -> list[list[str]]:

@@ -9,9 +9,10 @@ one link: its messages go one after another (FIFO), each taking ``CostModel.tran
 the latency; a receiver decodes its messages one at a time (``decode_bytes_per_s``), the sender
 encodes a fragment once per codec before it sends it.
 
-With ``overlap`` (Streaming DiLoCo) the average of round k's fragment f is needed only at the same
-fragment's sync point in round k+1: a group waits there only if some message has not arrived and
-been decoded. Without overlap it waits for round k's messages right after sending its own.
+With ``overlap`` (Streaming DiLoCo) the average of round k's fragment f is needed ``delay_steps``
+inner steps after the send (``HierPlan.delay_of``; a whole round by default: at the same fragment's
+sync point in round k+1): a group waits then only if some message has not arrived and been decoded.
+Without overlap it waits for round k's messages right after sending its own.
 
 On an accelerator the codecs run on the host's CPU beside the device; on a CPU share they take the
 group's CPU, so their seconds stretch the group's round. Not modelled: the outer optimiser step
@@ -199,7 +200,11 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
             for g in range(n_groups):
                 if cpu_group[g]:
                     clock[g] += decode_load[g][f]
-                need = (avail[(k - 1, f)][g] if k else 0.0) if hier.overlap else got[g]
+                tau = hier.delay_of(hier.groups[g])  # inner steps from the send to the apply
+                if tau >= hs[g]:  # one round: needed at this fragment's sync point of the next round
+                    need = avail[(k - 1, f)][g] if k else 0.0
+                else:  # tau steps after the send (the wait counted here, where the steps are)
+                    need = got[g] - tau * steps[g].step_s
                 wait = max(0.0, need - clock[g])
                 waits[g][k] += wait
                 clock[g] += wait

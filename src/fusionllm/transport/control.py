@@ -228,6 +228,7 @@ class StepDone(Message):
     link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
     failed: Failure | None = None
     aborted: bool = False
+    cpu_s: float = 0.0  # the worker process's CPU seconds so far (its device's busy time, for utilisation)
 
 
 @dataclass
