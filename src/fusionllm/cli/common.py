@@ -56,6 +56,8 @@ def progress_bar(total: int, label: str) -> tuple[Any, Callable[[dict], None], l
     task = bar.add_task(label, total=total, info="")
 
     def on_step(rec: dict) -> None:
+        if "steps_total" in rec:  # hierarchical mode: every group's inner steps
+            bar.update(task, total=rec["steps_total"])
         if not first:
             first.append(rec["loss"])
             bar.update(task, completed=rec["step"])

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from fusionllm.core.errors import ConfigError
+
 ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl) or package.module:factory.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]
@@ -41,7 +43,29 @@ BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: to
 SyncOpt = Annotated[str, typer.Option("--sync", help="synchronous: one plan over the devices; hierarchical: replica groups (each a synchronous plan over its own devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo).")]
 InnerStepsOpt = Annotated[int | None, typer.Option("--inner-steps", min=1, help="--sync hierarchical: inner steps per round of the slowest group (faster groups do proportionally more); default: the planner's choice.")]
 FragmentsOpt = Annotated[int | None, typer.Option("--fragments", min=1, help="--sync hierarchical: parameter fragments, each synced at its own point of the round; default min(4, parameter tensors).")]
-OuterCodecOpt = Annotated[str | None, typer.Option("--outer-codec", help="--sync hierarchical: codec of the pseudo-gradients between groups (none, fp16, q8 .. q2, topk:RATIO); default: the planner's choice per pair of groups.")]
+OuterCodecOpt = Annotated[str | None, typer.Option("--outer-codec", help="--sync hierarchical: codec of the pseudo-gradients between groups (none, fp16, q8 .. q2, topk:RATIO); default: the planner's choice per sending group.")]
 OuterLrOpt = Annotated[float, typer.Option("--outer-lr", min=0.0, help="--sync hierarchical: the outer optimiser's learning rate (Nesterov SGD).")]
 OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, max=0.999, help="--sync hierarchical: the outer optimiser's momentum.")]
+GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")]
+OverlapStepsOpt = Annotated[int | None, typer.Option("--overlap-steps", min=0, help="--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: the planner's choice.")]
+BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
 SYNC_MODES = ("synchronous", "hierarchical")
+DEFAULT_OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD
+DEFAULT_OUTER_MOMENTUM = 0.9
+
+
+def parse_groups(text: str | None) -> list[list[int]] | None:
+    """``0,1/2/3`` -> [[0, 1], [2], [3]]."""
+    if not text:
+        return None
+    try:
+        return [[int(w) for w in part.split(",")] for part in text.split("/")]
+    except ValueError:
+        raise ConfigError(f"--groups {text!r}: worker ids with ',' inside a group and '/' between groups, e.g. 0,1/2/3") from None
+
+
+def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragments: int | None, outer_codec: str | None,
+                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool) -> dict:
+    """The ClusterConfig fields of the hierarchical options (checked there)."""
+    return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
+            "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking}

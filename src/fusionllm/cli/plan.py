@@ -10,6 +10,8 @@ import typer
 
 from fusionllm.cli.common import user_errors
 from fusionllm.cli.options import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     DEFAULT_PLAN_CANDIDATES,
     SYNC_MODES,
     BatchOpt,
@@ -70,8 +72,8 @@ def plan_cmd(
     inner_steps: InnerStepsOpt = None,
     fragments: FragmentsOpt = None,
     outer_codec: OuterCodecOpt = None,
-    outer_lr: OuterLrOpt = 0.7,
-    outer_momentum: OuterMomentumOpt = 0.9,
+    outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
+    outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
 ) -> None:
     """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck,
     and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
@@ -129,8 +131,8 @@ def simulate(
     inner_steps: InnerStepsOpt = None,
     fragments: FragmentsOpt = None,
     outer_codec: OuterCodecOpt = None,
-    outer_lr: OuterLrOpt = 0.7,
-    outer_momentum: OuterMomentumOpt = 0.9,
+    outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
+    outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
 ) -> None:
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links, the
     fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""

@@ -10,8 +10,11 @@ import typer
 
 from fusionllm.cli.common import console, progress_bar, summary, user_errors
 from fusionllm.cli.options import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     BackendOpt,
     BatchOpt,
+    BlockingOpt,
     CkptDirOpt,
     CkptEveryOpt,
     CompressOpt,
@@ -19,11 +22,18 @@ from fusionllm.cli.options import (
     DataOpt,
     DeadAfterOpt,
     EvalBatchesOpt,
+    FragmentsOpt,
+    GroupsOpt,
     HardwareOpt,
+    InnerStepsOpt,
     LrOpt,
     MetricsOpt,
     MicroOpt,
     ModelOpt,
+    OuterCodecOpt,
+    OuterLrOpt,
+    OuterMomentumOpt,
+    OverlapStepsOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -32,11 +42,13 @@ from fusionllm.cli.options import (
     SeedOpt,
     SeqOpt,
     StepsOpt,
+    SyncOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
     WarmupOpt,
+    hier_fields,
 )
 from fusionllm.core.errors import FusionError
 
@@ -83,6 +95,15 @@ def coordinator(
     dashboard: DashboardOpt = None,
     replan_factor: ReplanOpt = 2.0,
     dead_after: DeadAfterOpt = 10.0,
+    sync: SyncOpt = "synchronous",
+    groups: GroupsOpt = None,
+    inner_steps: InnerStepsOpt = None,
+    fragments: FragmentsOpt = None,
+    outer_codec: OuterCodecOpt = None,
+    outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
+    outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
+    overlap_steps: OverlapStepsOpt = None,
+    blocking_sync: BlockingOpt = False,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -102,6 +123,7 @@ def coordinator(
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
+        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync),
     )
     if config is not None:
         from fusionllm.control.config import RunConfig

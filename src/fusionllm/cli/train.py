@@ -10,7 +10,10 @@ import typer
 
 from fusionllm.cli.common import console, progress_bar, summary, user_errors
 from fusionllm.cli.options import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     BatchOpt,
+    BlockingOpt,
     CkptDirOpt,
     CkptEveryOpt,
     CompressOpt,
@@ -19,10 +22,17 @@ from fusionllm.cli.options import (
     DeadAfterOpt,
     EvalBatchesOpt,
     EvalOpt,
+    FragmentsOpt,
+    GroupsOpt,
+    InnerStepsOpt,
     LrOpt,
     MetricsOpt,
     MicroOpt,
     ModelOpt,
+    OuterCodecOpt,
+    OuterLrOpt,
+    OuterMomentumOpt,
+    OverlapStepsOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -31,11 +41,13 @@ from fusionllm.cli.options import (
     SeedOpt,
     SeqOpt,
     StepsOpt,
+    SyncOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
     WarmupOpt,
+    hier_fields,
 )
 from fusionllm.core.errors import FusionError
 
@@ -89,6 +101,15 @@ def train(
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
     compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
+    sync: SyncOpt = "synchronous",
+    groups: GroupsOpt = None,
+    inner_steps: InnerStepsOpt = None,
+    fragments: FragmentsOpt = None,
+    outer_codec: OuterCodecOpt = None,
+    outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
+    outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
+    overlap_steps: OverlapStepsOpt = None,
+    blocking_sync: BlockingOpt = False,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -108,7 +129,7 @@ def train(
 
         toml = cluster.endswith(".toml")
         if toml:
-            plan_scheduler = None if replicas and not scheduler else (scheduler or "opfence")  # --replicas: a plan by hand
+            plan_scheduler = None if (replicas or groups) and not scheduler else (scheduler or "opfence")  # --replicas/--groups: by hand
             plan_hardware = None if probe_links else cluster
         else:
             plan_scheduler, plan_hardware = scheduler, str(hardware) if hardware else None
@@ -118,6 +139,7 @@ def train(
             scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             dashboard=dashboard, compress_roles=compress_roles,
+            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync),
         ))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(run.to_json())
@@ -130,6 +152,8 @@ def train(
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
         ]
         raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
+    if sync != "synchronous":
+        raise FusionError("--sync hierarchical needs --cluster (the --single-process reference is one synchronous process)")
     if backends:
         raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")
     bar, on_step, first = progress_bar(steps, "train")

@@ -82,8 +82,8 @@ class ClusterConfig:
                 parse_codec(self.outer_codec)
             if self.groups is not None:
                 flat = [w for g in self.groups for w in g]
-                if len(flat) != len(set(flat)) or any(not 0 <= w < self.workers for w in flat) or any(not g for g in self.groups):
-                    raise ConfigError(f"--groups {self.groups}: each worker 0..{self.workers - 1} at most once, no group empty")
+                if len(flat) != len(set(flat)) or any(w < 0 for w in flat) or any(not g for g in self.groups):
+                    raise ConfigError(f"--groups {self.groups}: each worker id at most once, no group empty")
             if (self.inner_steps is not None and self.inner_steps < 1) or (self.fragments is not None and self.fragments < 1):
                 raise ConfigError("--inner-steps and --fragments must be >= 1")
 

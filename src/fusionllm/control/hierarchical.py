@@ -21,7 +21,7 @@ from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.config import TrainResult, lr_at
-from fusionllm.core.errors import FusionError
+from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, sync_offsets
@@ -76,6 +76,9 @@ class HierarchicalMixin:
         if c.scheduler:
             hier = await self._schedule_hier(graph, clients)
         else:
+            unknown = sorted({w for g in c.groups or [] for w in g} - set(addresses))
+            if unknown:
+                raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
             hier = make_hier_plan(graph, c.groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
                                   micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
                                   outer_momentum=c.outer_momentum, overlap=c.overlap,
@@ -131,7 +134,8 @@ class HierarchicalMixin:
 
     def _print_hier(self, hier: HierPlan, graph: OpGraph, addresses: dict[int, str]) -> None:
         self.say(f"hierarchical plan: {len(hier.groups)} groups, {len(hier.fragments)} fragments, pseudo-gradients as {hier.codec}, "
-                 f"outer Nesterov lr {hier.outer_lr} momentum {hier.outer_momentum}, {'overlapped' if hier.overlap else 'blocking'} sync")
+                 f"outer Nesterov lr {hier.outer_lr} momentum {hier.outer_momentum}, "
+                 + (f"averages applied {hier.delay_steps or 'a round of'} inner steps after their send" if hier.overlap else "blocking sync"))
         for g in hier.groups:
             stages = " | ".join(",".join(map(str, s.workers)) for s in g.plan.stages)
             self.say(f"  group {g.index}: workers [{stages}] ({len(g.plan.stages)} stages), {g.inner_steps} inner steps per round")
@@ -221,7 +225,8 @@ class HierarchicalMixin:
         hr.result.tokens += t.batch_size * t.seq_len
         elapsed = hr.elapsed()
         record: dict[str, Any] = {
-            "step": hr.steps, "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
+            "step": hr.steps, "steps_total": hr.rounds * sum(x.inner_steps for x in hr.hier.groups if x.index in hr.alive),
+            "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
             "elapsed_s": round(elapsed, 4), "tokens_per_s": round(hr.result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
             "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
             "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
