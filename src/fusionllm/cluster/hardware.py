@@ -8,7 +8,7 @@ or an accelerator with a peak FLOP/s (``flops``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fusionllm.cluster.spec import ClusterSpec
 
@@ -42,8 +42,10 @@ class Hardware:
         return self.bandwidth[i][j]
 
     def subset(self, indices: list[int]) -> Hardware:
+        """The devices ``indices``, renumbered ``0..k-1`` in that order (a plan on the subset names
+        its devices by position, as on any Hardware)."""
         return Hardware(
-            tuple(self.devices[i] for i in indices),
+            tuple(replace(self.devices[i], index=k) for k, i in enumerate(indices)),
             tuple(tuple(self.bandwidth[i][j] for j in indices) for i in indices),
             tuple(tuple(self.latency[i][j] for j in indices) for i in indices),
             self.name,
