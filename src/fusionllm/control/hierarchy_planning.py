@@ -228,7 +228,7 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
         round_s = max(h * t for h, t in zip(hs, step_s, strict=True))
         chosen: dict[tuple[int, int], str] = {}
         for p in link_raw:
-            ok = [c for c in ladder[: level + 1] if busy[(p, c)] <= headroom * round_s]
+            ok = [c for c in ladder[first : level + 1] if busy[(p, c)] <= headroom * round_s]
             if not ok:
                 return None
             chosen[p] = ok[0]
@@ -310,6 +310,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
     if not groupings:
         raise ConfigError("no group of devices can hold the model: use devices with more memory or a smaller model")
 
+    groupings_by_name = dict(groupings)
     best: tuple[HierPlan, RoundResult, str] | None = None
     considered: list[dict[str, Any]] = []
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -329,9 +330,18 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
             best = (hier, result, name)
     assert best is not None
     hier, result, name = best
+    if overlap:  # the shortest delay from a fragment's send to its apply that the network keeps up with
+        for tau in (2, 4, 8, 16, 32, 64):
+            if tau >= min(g.inner_steps for g in hier.groups):
+                break
+            trial = replace(hier, delay_steps=tau, meta={})
+            delayed = simulate_rounds(trial, cost, req, steps=[g.step for g in groupings_by_name[name]])
+            if max(delayed.waits_s, default=0.0) <= 0.02 * delayed.round_s:
+                hier.delay_steps, result = tau, delayed
+                break
     sync = next((c for c in considered if c["grouping"] == "synchronous"), None)
     hier.meta.update({
-        "grouping": name, "round_s": result.round_s, "tokens_per_s": result.tokens_per_s, "utilization": result.utilization,
+        "grouping": name, "delay_steps": hier.delay_steps, "round_s": result.round_s, "tokens_per_s": result.tokens_per_s, "utilization": result.utilization,
         "device_utilization": {str(k): v for k, v in result.device_busy.items()},
         "bytes_per_round": result.bytes_per_round, "step_s": result.step_s, "waits_s": result.waits_s,
         "link_busy": result.link_busy, "traffic_hidden": next(c["traffic_hidden"] for c in considered if c["grouping"] == name),
@@ -344,6 +354,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
             f"the traffic between groups (busiest link {result.link_busy:.0%} of the round); groups will wait for it")
     say(f"hierarchical ({name}): {len(hier.groups)} groups on {len(hier.workers)} of {len(hw)} devices, "
         f"H {'/'.join(str(g.inner_steps) for g in hier.groups)}, {len(hier.fragments)} fragments, codec {hier.codec}"
+        f", applied {hier.delay_steps or 'a round of'} steps after sending"
         f"{' (+' + str(len(hier.link_codecs)) + ' groups otherwise)' if hier.link_codecs else ''}, predicted {result.round_s:.2f} s/round, "
         f"{result.tokens_per_s:.0f} tokens/s, utilization {result.utilization:.0%}"
         + (f" (synchronous {sync['tokens_per_s']:.0f} tokens/s, {sync['utilization']:.0%})" if sync and name != "synchronous" else "")
