@@ -10,7 +10,12 @@ the other, in the same namespaces and on the same links:
 2. ``uniform``: fusionllm with the ``uniform`` scheduler (one stage per device, in device order),
    GPipe, no compression: the difference to the peer is the runtime alone;
 3. ``opfence``: fusionllm with OP-Fence, no compression;
-4. ``opfence+adatopk``: fusionllm with OP-Fence and AdaTopK.
+4. ``opfence+adatopk``: fusionllm with OP-Fence and AdaTopK;
+5. ``hivemind``: data parallel with ``hivemind.Optimizer`` (local updates, parameters averaged
+   every ``--hivemind-average-every`` steps, fp16 state averaging; ``benchmarks/peer_hivemind.py``),
+   the batch of each step split over the devices. It runs in its own virtual environment
+   (``benchmarks/.hivemind-venv``: hivemind 1.1.12 needs numpy < 2.4); without it the system is
+   skipped. Make it with ``python benchmarks/e2e.py --make-hivemind-venv``.
 
 Reported per run: median tokens/s over the steps after warm-up, the wall time to reach a validation
 loss that every run reaches (the highest final validation loss among them), bytes per link as tc
@@ -18,7 +23,7 @@ counts them (packet headers included, the same counter for every system), and th
 predicted step time next to the measured one. Writes e2e.json, e2e.md, e2e_tokens.png and
 e2e_loss_time.png. Needs root (the testbed).
 
-    python benchmarks/e2e.py [--quick] [--clusters three-sites uniform random:12] [--steps 120] [--merge]
+    python benchmarks/e2e.py [--quick] [--clusters three-sites uniform random:12] [--steps 120] [--merge] [--systems peer hivemind]
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ from fusionllm.testbed.testbed import Testbed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "peer_pipelining.py"
-SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer
+HIVEMIND_PEER = Path(__file__).resolve().parent / "peer_hivemind.py"
+HIVEMIND_VENV = Path(__file__).resolve().parent / ".hivemind-venv"
+# hivemind 1.1.12 with numpy < 2.4 (numpy 2.4 breaks its 8-bit decoder); torch pinned to the CPU build the project uses
+HIVEMIND_PINS = ["hivemind==1.1.12", "numpy<2.4", "torch==2.13.0"]
+HIVEMIND_LIGHT_DEPS = ["safetensors>=0.4,<1", "typer>=0.12,<1", "rich>=13,<16"]  # the project's own, less matplotlib
+SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer; a function (added below): a system with its own runner
     "peer": None,
     "uniform": ("uniform", "gpipe", "none"),
     "opfence": ("opfence", "1f1b", "none"),
@@ -91,12 +101,77 @@ def run_fusion(tb: Testbed, path: Path, system: tuple[str, str, str], args: argp
         raise RuntimeError(f"fusionllm {scheduler}/{codec} failed (exit {code}); logs in {run_dir}")
 
 
+def hivemind_python() -> Path | None:
+    """The hivemind virtual environment's interpreter, or None if it is not made (or broken)."""
+    py = HIVEMIND_VENV / "bin" / "python"
+    if not py.exists():
+        return None
+    ok = subprocess.run([str(py), "-c", "import hivemind, fusionllm"], capture_output=True).returncode == 0
+    return py if ok else None
+
+
+def make_hivemind_venv() -> int:
+    """Create benchmarks/.hivemind-venv: hivemind and its pins, the project itself (no deps) and its light deps."""
+    t0 = time.perf_counter()
+    pip = [str(HIVEMIND_VENV / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    for cmd in ([sys.executable, "-m", "venv", str(HIVEMIND_VENV)], [*pip, *HIVEMIND_PINS],
+                [*pip, "--no-deps", "-e", str(ROOT)], [*pip, *HIVEMIND_LIGHT_DEPS]):
+        print("+", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            print(f"failed: {' '.join(cmd)}", file=sys.stderr)
+            return 1
+    check = "import hivemind, numpy, torch; hivemind.DHT(start=True).shutdown(); print(hivemind.__version__, numpy.__version__, torch.__version__)"
+    done = subprocess.run([str(HIVEMIND_VENV / "bin" / "python"), "-c", check], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"made {HIVEMIND_VENV}, but a DHT (its p2pd daemon) does not start there:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    print(f"made {HIVEMIND_VENV} in {time.perf_counter() - t0:.0f} s; hivemind, numpy, torch: {done.stdout.strip()}; a DHT (p2pd) starts")
+    return 0
+
+
+def run_hivemind(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) -> dict:
+    """One peer_hivemind.py per device, in its namespace and CPU cgroup; rank 0 bootstraps the DHT.
+    Writes ``metrics`` (merged, peer_pipelining's shape) and returns hivemind's own counts."""
+    from peer_hivemind import merge
+
+    py = hivemind_python()
+    n = len(tb.slots)
+    peers_file = log.with_suffix(".peers")
+    peers_file.unlink(missing_ok=True)
+    run_id = f"e2e-{os.getpid()}-{int(time.time())}"
+    procs = []
+    with log.open("w") as out:
+        for s in tb.slots:
+            cmd = [*s.command_prefix(), str(py), str(HIVEMIND_PEER), "--rank", str(s.index), "--world", str(n),
+                   "--address", s.address, "--peers-file", str(peers_file), "--run-id", run_id, "--threads", str(s.threads()),
+                   "--average-every", str(args.hivemind_average_every), "--compression", args.hivemind_compression,
+                   "--timeout", "180", "--metrics", str(metrics), *common_args(args)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        try:
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(codes):
+        raise RuntimeError(f"hivemind failed (exit codes {codes}); its log: {log}\n{log.read_text()[-3000:]}")
+    steps = merge(metrics, n)
+    summary = json.loads(metrics.read_text().splitlines()[0])
+    return {**summary, "elapsed_peers": [r["elapsed_peers"] for r in steps], "epochs": [r["epochs"] for r in steps]}
+
+
+SYSTEMS["hivemind"] = run_hivemind
+
+
 def summarize(name: str, rec: list[dict], args: argparse.Namespace, predicted: float | None, link_bytes: dict) -> dict:
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
     median = statistics.median(steps)
     losses = [r["loss"] for r in rec]
     return {
         "system": name, "median_step_s": round(median, 4), "tokens_per_s": round(args.batch_size * args.seq_len / median, 1),
+        # the same steps' mean: lower than the median's when some steps stall (hivemind's averaging rounds)
+        "mean_tokens_per_s": round(args.batch_size * args.seq_len / statistics.mean(steps), 1),
         "predicted_step_s": None if predicted is None else round(predicted, 4),
         "sim_error": None if predicted is None else round(predicted / median - 1, 4),
         "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:]), "trained": sum(losses[-5:]) / len(losses[-5:]) < losses[0] - 0.5,
@@ -132,7 +207,11 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
             metrics = tmp / f"{name}-{system}.jsonl"
             before = tb.link_bytes()
             print(f"[{name}] {system} ...", flush=True)
-            if SYSTEMS[system] is None:
+            extra = {}
+            if callable(SYSTEMS[system]):
+                extra = {system: SYSTEMS[system](tb, args, metrics, tmp / f"{name}-{system}.log")}
+                predicted = None
+            elif SYSTEMS[system] is None:
                 run_peer(tb, args, metrics, tmp / f"{name}-peer.log")
                 req = Request(args.batch_size, args.seq_len, args.micro_batches, schedule="gpipe")
                 _, _, cost, plan = offline(args.model, str(path), "uniform", req)
@@ -147,7 +226,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
             if predicted is None:
                 predicted = rec[0].get("predicted_step_s")
             sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            row = {"cluster": name, **summarize(system, rec, args, predicted, sent)}
+            row = {"cluster": name, **summarize(system, rec, args, predicted, sent), **extra}
             if plan_event is not None:
                 row["plan"] = json.dumps({k: plan_event.get(k) for k in ("stages", "micro_batches", "schedule")}, sort_keys=True)
                 row["ratios"] = rec[-1].get("ratios", {})
@@ -164,10 +243,10 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps, seed {args.seed}, "
-             f"lr {args.lr}; tokens/s from the median step after {args.warmup} warm-up steps; validation every {args.eval_every} steps on "
+             f"lr {args.lr}; tokens/s from the median step after {args.warmup} warm-up steps (and from the mean of the same steps); validation every {args.eval_every} steps on "
              f"{args.eval_batches} held-out batches (evaluation time excluded from the clock for every system). Bytes: tc's counters, all links.", "",
-             "| cluster | system | tokens/s | vs peer | predicted step (s) | measured step (s) | sim error | final val loss | time to target (s) | MB sent |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| cluster | system | tokens/s | vs peer | tokens/s (mean step) | predicted step (s) | measured step (s) | sim error | final val loss | time to target (s) | MB sent |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peer = next((p for p in rows if p["cluster"] == r["cluster"] and p["system"] == "peer"), None)
         vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
@@ -175,12 +254,20 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         err = "-" if r["sim_error"] is None else f"{r['sim_error']:+.0%}"
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         trained = "" if r["trained"] else " (did not train)"
-        lines.append(f"| {r['cluster']} | {r['system']}{trained} | {r['tokens_per_s']:.0f} | {vs} | {pred} | {r['median_step_s']:.3f} | {err} | "
+        mean = f"{r['mean_tokens_per_s']:.0f}" if "mean_tokens_per_s" in r else "-"
+        lines.append(f"| {r['cluster']} | {r['system']}{trained} | {r['tokens_per_s']:.0f} | {vs} | {mean} | {pred} | {r['median_step_s']:.3f} | {err} | "
                      f"{r['final_val_loss']:.3f} | {ttt} | {sum(r['link_bytes'].values()) / 1e6:.1f} |")
     clusters = dict.fromkeys(r["cluster"] for r in rows)
     lines.append("")
     for c in clusters:
         lines.append(f"{c}: target validation loss {next(r for r in rows if r['cluster'] == c)['target_val_loss']:.3f} (the highest final one).")
+    for r in rows:
+        if r["system"] == "hivemind" and "hivemind" in r:
+            peers = r["hivemind"]["peers"]
+            rounds = [len(p["averaged"]) for p in peers]
+            lines.append(f"{r['cluster']} hivemind: {len(peers)} peers, averaging rounds per peer {rounds} (group sizes of peer 0 "
+                         f"{peers[0]['averaged'] if peers else []}), failed {[p['failed'] for p in peers]}, resyncs "
+                         f"{[p['resyncs'] for p in peers]}; val loss: the mean of the peers' own models.")
     lines += ["", "OP-Fence + AdaTopK against OP-Fence alone (tokens/s; AdaTopK must never lose):", ""]
     for c in clusters:
         alone = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence"), None)
@@ -200,6 +287,9 @@ def main() -> int:
                     help="names in examples/clusters, or random:SEED (four CPU devices in three sites)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing e2e.json not run this time")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--make-hivemind-venv", action="store_true", help=f"create {HIVEMIND_VENV.relative_to(ROOT)} for the hivemind system, then exit")
+    ap.add_argument("--hivemind-average-every", type=int, default=8, help="hivemind: steps between parameter averaging rounds")
+    ap.add_argument("--hivemind-compression", default="fp16", choices=("none", "fp16", "uint8"), help="hivemind: state averaging compression")
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
@@ -213,6 +303,11 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
+    if args.make_hivemind_venv:
+        return make_hivemind_venv()
+    if "hivemind" in args.systems and hivemind_python() is None:
+        print(f"hivemind: skipped, no working {HIVEMIND_VENV.relative_to(ROOT)}; make it with: python benchmarks/e2e.py --make-hivemind-venv")
+        args.systems = [s for s in args.systems if s != "hivemind"]
     if args.quick:
         args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = 24, 8, 2, 8, 3
         args.out = args.out / "quick" if args.out == ROOT / "benchmarks" / "results" else args.out
