@@ -65,6 +65,7 @@ PREFERRED_CODEC = "q4"  # the lossiest the planner takes before it raises H (Str
 MIN_INNER_STEPS = 4  # the slowest group's H, unless --inner-steps says otherwise
 MAX_INNER_STEPS = 500  # no group does more inner steps per round
 HEADROOM = 0.5  # a round's traffic may keep the busiest link between groups busy this fraction of the round
+TRAFFIC_FACTOR = 100.0  # bytes between groups per token at most 1/100 of what synchronous data parallelism would send
 MAX_GROUPS = 64  # groups per plan: the exchange is all-to-all between groups
 MAX_PLANNINGS = 24  # synchronous plannings of distinct device sets per grouping search (cache misses)
 MAX_MERGE_TRIES = 4
@@ -186,13 +187,19 @@ class _Choice:
 
 
 def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *, inner_steps: int | None = None,
-                       codec: str | None = None, headroom: float = HEADROOM) -> _Choice:
+                       codec: str | None = None, headroom: float = HEADROOM, param_bytes: int | None = None,
+                       traffic_factor: float = TRAFFIC_FACTOR) -> _Choice:
     """H per group and a codec per pair of groups (see docs/scheduler.md): the slowest group does the
     base H, every other group as many steps as fit in the same wall time; the base H is the smallest
     of ``H_LADDER`` (>= ``MIN_INNER_STEPS``) at which, with codecs no lossier than ``PREFERRED_CODEC``,
     every link between groups is busy at most ``headroom`` of the round, and every receiver decodes
     in at most that; each pair of groups then gets the least lossy codec that fits. Lossier codecs
-    (q2, top-k) only when even ``MAX_INNER_STEPS`` does not hide the traffic with q4."""
+    (q2, top-k) only when even ``MAX_INNER_STEPS`` does not hide the traffic with q4.
+
+    With ``param_bytes`` (the float32 bytes of the parameters), the base H is also large enough that
+    the bytes between groups per token are ``traffic_factor`` times fewer than synchronous data
+    parallelism over the same groups would send (a ring all-reduce of the gradients every step:
+    ``2 (n-1) / n`` x param_bytes per group and step)."""
     n = len(step_s)
     slow = max(step_s)
     ladder = [codec] if codec else list(CODEC_LADDER)
@@ -236,7 +243,16 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
         for p, c in chosen.items():
             for d, s in decode[(p, c)].items():
                 load[d] = load.get(d, 0.0) + s
-        return chosen if max(load.values(), default=0.0) <= headroom * round_s else None
+        if max(load.values(), default=0.0) > headroom * round_s:
+            return None
+        if param_bytes and n > 1 and inner_steps is None:
+            wire = sum(codec_ratio(chosen[p]) * sum(sum(r) for r in links.values()) for p, links in link_raw.items())
+            # per token: data parallelism sends 2 (n-1)/n x param_bytes per group and step (n T tokens a
+            # step), a round sends ``wire`` for sum(hs) x T tokens
+            dp = 2 * (n - 1) * param_bytes / n
+            if wire / sum(hs) > dp / traffic_factor:
+                return None
+        return chosen
 
     pairs = [(a, b) for a, b in itertools.combinations(range(n), 2)]
     if inner_steps is not None:
@@ -368,7 +384,8 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
     provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], frags, codec or PREFERRED_CODEC)
     traffic = round_traffic(graph, provisional)
     steps = [g.step for g in groups]
-    choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=inner_steps, codec=codec)
+    param_bytes = 4 * sum(p.meta.numel for p in graph.params.values() if p.trainable)
+    choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=inner_steps, codec=codec, param_bytes=param_bytes)
     hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
     return hier, simulate_rounds(hier, cost, req, steps=steps, traffic=traffic), choice.hidden
 
