@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
@@ -164,6 +165,70 @@ def run_hivemind(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path
 SYSTEMS["hivemind"] = run_hivemind
 
 
+def run_hierarchical(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) -> dict:
+    """fusionllm --sync hierarchical: the planner forms groups from the cluster file (OP-Fence inside
+    each), every group trains on its own data shard with the full batch, rounds of inner steps; the
+    run's ``--steps`` is the fastest group's inner steps. Returns the plan and the outer traffic."""
+    path = Path(args.cluster_file)
+    coord = [*common_args(args), "--scheduler", "opfence", "--schedule", "1f1b", "--compress", "none", "--hardware", str(path),
+             "--metrics", str(metrics), "--sync", "hierarchical", "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
+    worker_args, prefixes = tb.worker_launch()
+    run_dir = log.with_suffix("")
+    code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
+    if code != 0:
+        raise RuntimeError(f"fusionllm --sync hierarchical failed (exit {code}); logs in {run_dir}")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    plan = next(r for r in lines if r.get("event") == "plan")
+    outer = next((r for r in lines if r.get("event") == "outer_bytes"), {})
+    left_out = [r for r in lines if r.get("event") in ("left_out", "group_left")]
+    return {"hier_plan": {k: plan.get(k) for k in ("groups", "fragments", "codec", "rounds", "outer_lr", "outer_momentum", "overlap")},
+            "hier_predicted": plan.get("predicted", {}), "outer_payload_bytes": sum(outer.get("bytes", {}).values()), "left_out": left_out}
+
+
+SYSTEMS["hierarchical"] = run_hierarchical
+
+
+def summarize_hier(rec: list[dict], args: argparse.Namespace, link_bytes: dict) -> dict:
+    """A hierarchical run's row: tokens/s over the whole run (all groups), the validation loss of
+    the outer weights at each evaluation."""
+    steps = [r for r in rec if "loss" in r]
+    evals = [r for r in rec if "val_loss" in r]
+    wall = max(r["elapsed_s"] for r in rec)
+    tokens = max(r["tokens"] for r in rec)
+    first = statistics.mean(r["loss"] for r in steps[: max(1, len({r['group'] for r in steps}))])
+    last = statistics.mean(r["loss"] for r in steps[-5:])
+    return {
+        "system": "hierarchical", "median_step_s": round(wall / max(1, len(steps)), 4), "tokens_per_s": round(tokens / wall, 1),
+        "mean_tokens_per_s": round(tokens / wall, 1), "predicted_step_s": None, "sim_error": None,
+        "first_loss": first, "last_loss": last, "trained": last < first - 0.5, "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "wall_s": wall, "tokens": tokens, "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in evals],
+        "val_tokens": [(r["tokens"], r["val_loss"]) for r in evals],
+        "link_bytes": {f"w{a}->w{b}": v for (a, b), v in sorted(link_bytes.items()) if v > 0}, "plan": "",
+    }
+
+
+def model_params(model: str) -> int:
+    from fusionllm.models.spec import build_model
+
+    return sum(p.numel() for p in build_model(model, 256, device="meta").parameters())
+
+
+def device_busy(rec: list[dict], spec: Any) -> dict[str, float]:
+    """Each worker's CPU seconds (its process, as it reports them with every step) over the CPU
+    seconds its quota allowed, between its first and its last step."""
+    quota = {d.index: d.cpus for d in spec.devices()}
+    seen: dict[str, list[tuple[float, float]]] = {}
+    for r in rec:
+        for w, cpu in (r.get("cpu_s") or {}).items():
+            seen.setdefault(w, []).append((r["elapsed_s"], cpu))
+    out = {}
+    wall = max((r["elapsed_s"] for r in rec), default=0.0) - min((r["elapsed_s"] for r in rec), default=0.0)
+    for w, points in seen.items():
+        if len(points) > 1 and quota.get(int(w)) and wall > 0:
+            out[w] = round((points[-1][1] - points[0][1]) / (quota[int(w)] * wall), 3)
+    return out
+
+
 def summarize(name: str, rec: list[dict], args: argparse.Namespace, predicted: float | None, link_bytes: dict) -> dict:
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
     median = statistics.median(steps)
@@ -208,6 +273,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
             before = tb.link_bytes()
             print(f"[{name}] {system} ...", flush=True)
             extra = {}
+            args.cluster_file = str(path)
             if callable(SYSTEMS[system]):
                 extra = {system: SYSTEMS[system](tb, args, metrics, tmp / f"{name}-{system}.log")}
                 predicted = None
@@ -226,8 +292,13 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
             if predicted is None:
                 predicted = rec[0].get("predicted_step_s")
             sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            row = {"cluster": name, **summarize(system, rec, args, predicted, sent), **extra}
-            if plan_event is not None:
+            if system == "hierarchical":
+                row = {"cluster": name, **summarize_hier(rec, args, sent), **extra}
+            else:
+                row = {"cluster": name, **summarize(system, rec, args, predicted, sent), **extra}
+                row["val_tokens"] = [((r["step"] + 1) * args.batch_size * args.seq_len, r["val_loss"]) for r in rec if "val_loss" in r]
+            row["device_busy"] = device_busy(rec, spec)
+            if plan_event is not None and system != "hierarchical":
                 row["plan"] = json.dumps({k: plan_event.get(k) for k in ("stages", "micro_batches", "schedule")}, sort_keys=True)
                 row["ratios"] = rec[-1].get("ratios", {})
             rows.append(row)
@@ -268,6 +339,27 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             lines.append(f"{r['cluster']} hivemind: {len(peers)} peers, averaging rounds per peer {rounds} (group sizes of peer 0 "
                          f"{peers[0]['averaged'] if peers else []}), failed {[p['failed'] for p in peers]}, resyncs "
                          f"{[p['resyncs'] for p in peers]}; val loss: the mean of the peers' own models.")
+    lines += ["", "Device busy (each worker's process CPU seconds over its quota's, first to last step; fusionllm systems report them):", ""]
+    for r in rows:
+        if r.get("device_busy"):
+            busy = r["device_busy"]
+            lines.append(f"- {r['cluster']} {r['system']}: " + ", ".join(f"w{w} {v:.0%}" for w, v in sorted(busy.items())) + f" (min {min(busy.values()):.0%})")
+    for r in rows:
+        if r["system"] == "hierarchical" and "hierarchical" in r:
+            h = r["hierarchical"]
+            n = len(h["hier_plan"]["groups"])
+            params = model_params(args.model)
+            dp = 8 * params * (n - 1) / (n * args.batch_size * args.seq_len)  # ring all-reduce of fp32 gradients, every step, per token
+            measured = sum(r["link_bytes"].values()) / r["tokens"]
+            lines += ["", f"{r['cluster']} hierarchical: {n} groups " + ", ".join(f"{g['workers']} H={g['inner_steps']}" for g in h["hier_plan"]["groups"])
+                      + f", {h['hier_plan']['fragments']} fragments, codec {h['hier_plan']['codec']}, {h['hier_plan']['rounds']} rounds; "
+                      f"bytes between workers per token {measured:.1f} (tc, headers included) against {dp:.0f} for synchronous data parallelism "
+                      f"over the same groups (computed: a ring all-reduce of {params:,} fp32 gradients every step): {dp / measured:.0f}x fewer; "
+                      f"groups left out of a round: {len(h['left_out'])}."]
+            sync = next((x for x in rows if x["cluster"] == r["cluster"] and x["system"] == "opfence+adatopk"), None)
+            if sync and sync.get("time_to_target_s") and r.get("time_to_target_s"):
+                lines.append(f"{r['cluster']}: time to the target validation loss, hierarchical {r['time_to_target_s']:.0f} s against OP-Fence + AdaTopK "
+                             f"{sync['time_to_target_s']:.0f} s ({sync['time_to_target_s'] / r['time_to_target_s']:.1f}x faster).")
     lines += ["", "OP-Fence + AdaTopK against OP-Fence alone (tokens/s; AdaTopK must never lose):", ""]
     for c in clusters:
         alone = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence"), None)
@@ -290,6 +382,8 @@ def main() -> int:
     ap.add_argument("--make-hivemind-venv", action="store_true", help=f"create {HIVEMIND_VENV.relative_to(ROOT)} for the hivemind system, then exit")
     ap.add_argument("--hivemind-average-every", type=int, default=8, help="hivemind: steps between parameter averaging rounds")
     ap.add_argument("--hivemind-compression", default="fp16", choices=("none", "fp16", "uint8"), help="hivemind: state averaging compression")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="hierarchical: the outer optimiser's learning rate")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="hierarchical: the outer optimiser's Nesterov momentum")
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
@@ -357,6 +451,18 @@ def _plot(rows: list[dict], out: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "e2e_loss_time.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(clusters), figsize=(6 * len(clusters), 4), squeeze=False)
+    for ax, c in zip(axes[0], clusters, strict=True):
+        for r in rows:
+            if r["cluster"] == c and r.get("val_tokens"):
+                ax.plot([p[0] for p in r["val_tokens"]], [p[1] for p in r["val_tokens"]], marker="o", ms=3, label=r["system"])
+        ax.set_title(c)
+        ax.set_xlabel("tokens trained (all groups / replicas)")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_loss_tokens.png", dpi=110)
     plt.close(fig)
 
 

@@ -84,11 +84,21 @@ class HierarchicalMixin:
                                   outer_momentum=c.outer_momentum, overlap=c.overlap,
                                   delay_steps=c.overlap_steps or 0)
         runs: dict[int, Run] = {}
+        graphs = {c.micro_batches: graph}  # a group whose plan has other micro-batches runs the model traced at their size
         for g in hier.groups:
-            g.plan = await asyncio.to_thread(place, graph, g.plan, infos, self.say, self.task.refused_ops)
-            programs = await asyncio.to_thread(validate_plan, graph, g.plan)
-            await asyncio.to_thread(check_message_sizes, graph, g.plan)
-            runs[g.index] = Run(graph, g.plan, clients, actions=programs)
+            m = g.plan.micro_batches
+            if m not in graphs:
+                if t.batch_size % m:
+                    raise FusionError(f"the planner gave group {g.index} {m} micro-batches, which does not divide --batch-size {t.batch_size}")
+                again = await asyncio.to_thread(self.task.trace, t.batch_size // m)
+                if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
+                    raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and --groups by hand")
+                graphs[m] = again
+            gg = graphs[m]
+            g.plan = await asyncio.to_thread(place, gg, g.plan, infos, self.say, self.task.refused_ops)
+            programs = await asyncio.to_thread(validate_plan, gg, g.plan)
+            await asyncio.to_thread(check_message_sizes, gg, g.plan)
+            runs[g.index] = Run(gg, g.plan, clients, actions=programs)
         text = hier.to_json()
         for run in runs.values():
             run.hier = text
@@ -128,8 +138,6 @@ class HierarchicalMixin:
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps
-        if any(g.plan.micro_batches != c.micro_batches for g in hier.groups):
-            raise FusionError("the hierarchical planner changed the micro-batches of a group; pass --micro-batches it can keep")
         return hier
 
     def _print_hier(self, hier: HierPlan, graph: OpGraph, addresses: dict[int, str]) -> None:
