@@ -71,7 +71,7 @@ def test_a_round_is_the_hand_computed_diloco_step_on_a_toy_model(overlap: bool) 
     ex = [Exchange({1 - g: ["b", "w"]}, {1 - g: (1 - g, ["b", "w"])}, ["b", "w"]) for g in range(2)]
     states = [OuterState(hier, [ex[g]], g, start) for g in range(2)]
     models, tokens = [], {0: 300.0, 1: 100.0}  # group 0 did three times the tokens
-    for g in range(2):
+    for _ in range(2):
         m = torch.nn.Linear(4, 2)
         m.load_state_dict(init.state_dict())
         _local_sgd(m, torch.randn(8, 4), torch.randn(8, 2), 5)
@@ -283,3 +283,55 @@ def test_a_group_that_dies_is_left_out_and_the_others_finish() -> None:
     a, b = (w.outer.anchor for w in c.workers[:2])
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_warm_up_rounds_start_short_and_every_group_has_as_many_rounds() -> None:
+    from fusionllm.schedule.hierarchy import round_lengths
+
+    assert round_lengths(32, 32, 3, warmup=True) == [1, 2, 4, 8, 17, 32, 32]
+    assert round_lengths(32, 32, 3, warmup=False) == [32, 32, 32]
+    for base in range(1, 40):
+        for h in (base, base + 1, 2 * base, 3 * base + 2):
+            lengths = round_lengths(h, base, 5, warmup=True)
+            assert len(lengths) == len(round_lengths(base, base, 5, warmup=True))  # the same rounds in every group
+            assert all(x >= 1 for x in lengths) and lengths[-4:] == [h] * 4
+            assert abs(sum(lengths) - 5 * h) <= len(lengths)  # the steps of the run stay about rounds x H
+
+
+def test_a_delayed_apply_keeps_the_steps_made_since_the_send() -> None:
+    hier = _toy_hier(overlap=True, lr=1.0, mu=0.0)
+    start = {"w": np.zeros(3, np.float32)}
+    states = [OuterState(hier, [Exchange({1 - g: ["w"]}, {1 - g: (1 - g, ["w"])}, ["w"])], g, start) for g in range(2)]
+    weights = [{"w": np.full(3, -2.0 * (g + 1), np.float32)} for g in range(2)]  # deltas 2 and 4
+    inbox: dict[tuple, np.ndarray] = {}
+
+    async def push(dst: int, header: dict, array: np.ndarray, encoded: tuple[str, bytes]) -> None:
+        inbox[(header["kind"], header["step"], header["mb"], header["edge"], header["src"])] = array
+
+    async def get(key: tuple, timeout: float) -> np.ndarray:
+        return inbox[key]
+
+    async def sync(g: int, send: bool, apply: list) -> None:
+        await states[g].sync(0, 0, send=send, apply=apply, weights=lambda names: {n: weights[g][n].copy() for n in names},
+                             set_weights=weights[g].update, push=push, get=get, worker=g, timeout=1)
+
+    async def run() -> None:
+        for g in range(2):
+            await sync(g, True, [])
+        for g in range(2):
+            weights[g]["w"] -= 0.5  # two inner steps between the send and the apply
+            await sync(g, False, [(0, {0: 1.0, 1: 1.0})])
+
+    asyncio.run(run())
+    for g in range(2):
+        np.testing.assert_allclose(states[g].anchor["w"], -3.0)  # the mean delta, 3
+        np.testing.assert_allclose(weights[g]["w"], -3.5)  # plus the progress since the send
+
+
+def test_groups_by_hand_parse_or_fail_with_one_line() -> None:
+    from fusionllm.cli.options import parse_groups
+
+    assert parse_groups("0,1/2/3") == [[0, 1], [2], [3]]
+    assert parse_groups(None) is None
+    with pytest.raises(ConfigError, match="--groups 'a/b'"):
+        parse_groups("a/b")

@@ -54,6 +54,7 @@ class ClusterConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
+    outer_warmup: bool = True  # the first round replaced by rounds of 1, 2, 4 .. H/2 steps (groups sync often while weights move fast)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, sync_offsets
+from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, round_lengths, sync_offsets
 from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import (
     WORKER_SERVICE,
@@ -48,6 +48,7 @@ class HierRun:
     runs: dict[int, Run]  # group -> its synchronous run
     rounds: int
     alive: set[int]
+    lengths: dict[int, list[int]] = field(default_factory=dict)  # group -> inner steps of each of its rounds
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
     decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
@@ -116,7 +117,10 @@ class HierarchicalMixin:
             "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "in_plan": w in hier.workers} for w, a in addresses.items()},
         }
         self.status.event(self.plan_record)
-        return HierRun(hier, graph, runs, rounds, alive={g.index for g in hier.groups})
+        base = min(g.inner_steps for g in hier.groups)
+        lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
+        self.plan_record["round_lengths"] = {str(k): v for k, v in lengths.items()}
+        return HierRun(hier, graph, runs, len(lengths[hier.groups[0].index]), alive={g.index for g in hier.groups}, lengths=lengths)
 
     async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
         from fusionllm.control.hierarchy_planning import choose_hier_plan
@@ -185,16 +189,17 @@ class HierarchicalMixin:
         t, c = self.train, self.cluster
         gp = next(x for x in hr.hier.groups if x.index == g)
         run = hr.runs[g]
-        n_groups, n_frags, h = len(hr.hier.groups), len(hr.hier.fragments), gp.inner_steps
-        offsets = sync_offsets(h, n_frags)
-        total = hr.rounds * h
+        n_groups, n_frags = len(hr.hier.groups), len(hr.hier.fragments)
+        lengths = hr.lengths[g]
+        total = sum(lengths)
         tokens_per_step = t.batch_size * t.seq_len
         eval_n = self.task.eval_count(c.eval_batches) if c.eval_every else 0
         delay = hr.hier.delay_of(gp)
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
         i = 0
-        for k in range(hr.rounds):
+        for k, h in enumerate(lengths):
             began = time.perf_counter()
+            offsets = sync_offsets(h, n_frags)
             for j in range(h):
                 lr = lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
                 await self._inner_step(hr, g, run, i, i * n_groups + g, lr, k, metrics)
@@ -202,19 +207,21 @@ class HierarchicalMixin:
                 for f, off in enumerate(offsets):
                     if off == j + 1:
                         await self._outer_sync(hr, g, f, k, h * tokens_per_step, [], metrics)
-                        pending.append((i + delay, f, k))
+                        pending.append((i + min(delay, h), f, k))
                 for due in [p for p in pending if p[0] <= i]:
                     pending.remove(due)
                     await self._outer_sync(hr, g, due[1], due[2], 0, [due[2]], metrics, send=False)
             hr.round_s[g] = time.perf_counter() - began
-            if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < hr.rounds:
+            if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < len(lengths):
                 await self._evaluate_outer(hr, run, eval_n, k, metrics)
-        for f, off in enumerate(offsets):  # the end: what the last round left unsent goes out, every average is applied
-            tail = (h - off) * tokens_per_step
-            rounds = sorted(r for _, pf, r in pending if pf == f) + ([hr.rounds] if tail else [])
-            await self._outer_sync(hr, g, f, hr.rounds, tail, rounds, metrics, send=tail > 0, announce=True)
+        last = sync_offsets(lengths[-1], n_frags)
+        end = len(lengths)
+        for f, off in enumerate(last):  # the end: what the last round left unsent goes out, every average is applied
+            tail = (lengths[-1] - off) * tokens_per_step
+            rounds = sorted(r for _, pf, r in pending if pf == f) + ([end] if tail else [])
+            await self._outer_sync(hr, g, f, end, tail, rounds, metrics, send=tail > 0, announce=True)
         if eval_n and g == min(hr.alive):
-            await self._evaluate_outer(hr, run, eval_n, hr.rounds, metrics)
+            await self._evaluate_outer(hr, run, eval_n, end, metrics)
 
     async def _inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, metrics: JsonlWriter) -> None:
         t = self.train
@@ -233,7 +240,7 @@ class HierarchicalMixin:
         hr.result.tokens += t.batch_size * t.seq_len
         elapsed = hr.elapsed()
         record: dict[str, Any] = {
-            "step": hr.steps, "steps_total": hr.rounds * sum(x.inner_steps for x in hr.hier.groups if x.index in hr.alive),
+            "step": hr.steps, "steps_total": sum(sum(hr.lengths[x]) for x in hr.alive),
             "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
             "elapsed_s": round(elapsed, 4), "tokens_per_s": round(hr.result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
             "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
