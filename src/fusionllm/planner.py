@@ -47,8 +47,8 @@ def _traced(model: str, cluster_file: str, req: Request, vocab_size: int) -> tup
 
 
 def offline_hier(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256, compress: str = "none",
-                 inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, overlap: bool = True,
+                 inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, overlap: bool = True,
                  say: Callable[[str], None] = lambda _: None) -> tuple[OpGraph, Hardware, CostModel, HierPlan]:
     """A hierarchical plan (``control.hierarchy_planning.choose_hier_plan``) for a cluster file, traced
     and timed as ``offline`` does; ``req`` is one inner step of one group."""

@@ -50,8 +50,8 @@ GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarch
 OverlapStepsOpt = Annotated[int | None, typer.Option("--overlap-steps", min=0, help="--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: the planner's choice.")]
 BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
 SYNC_MODES = ("synchronous", "hierarchical")
-DEFAULT_OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD
-DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
+DEFAULT_OUTER_MOMENTUM = 0.0
 
 
 def parse_groups(text: str | None) -> list[list[int]] | None:

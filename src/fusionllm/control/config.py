@@ -51,8 +51,8 @@ class ClusterConfig:
     inner_steps: int | None = None  # H: inner steps per round (of the fastest group); None: the planner's
     fragments: int | None = None  # parameter fragments synced staggered over a round; None: the planner's
     outer_codec: str | None = None  # codec of the pseudo-gradients; None: the planner's
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
+    outer_momentum: float = 0.0
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
     outer_warmup: bool = True  # the first round replaced by rounds of 1, 2, 4 .. H/2 steps (groups sync often while weights move fast)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's

@@ -54,11 +54,12 @@ from fusionllm.sim.rounds import (
     RoundResult,
     Traffic,
     codec_ratio,
+    group_step,
     round_traffic,
     simulate_rounds,
 )
 from fusionllm.sim.simulator import simulate
-from fusionllm.sim.utilization import sync_utilization, useful_busy_s
+from fusionllm.sim.utilization import sync_utilization
 
 CODEC_LADDER = ("none", "q8", "q4", "q2", "topk:0.03", "topk:0.01")  # least lossy first
 PREFERRED_CODEC = "q4"  # the lossiest the planner takes before it raises H (Streaming DiLoCo's 4 bits lose nothing measurable)
@@ -146,9 +147,8 @@ class _Planner:
                                      compress=self.compress, place=place)
         except (ConfigError, FusionError):
             return None  # no plan fits these devices (memory, placement): the group is dropped
-        result = simulate(plan, cost, self.req)
-        step_s = float(plan.meta.get("predicted_step_s", result.step_time_s))
-        return plan, GroupStep(step_s, useful_busy_s(cost, plan, result.busy_s))
+        step = group_step(plan, cost, self.req, step_s=float(plan.meta.get("predicted_step_s", 0.0)) or None)
+        return plan, step
 
     def peel(self, ids: list[int], limit: int) -> list[_Group]:
         """Groups from ``ids``: the best plan, then the devices it leaves idle, again (at most ``limit`` groups)."""
@@ -288,7 +288,7 @@ def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list
 def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork],
                      say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
                      inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
-                     outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: bool = True) -> tuple[HierPlan, CostModel]:
+                     outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True) -> tuple[HierPlan, CostModel]:
     """The hierarchical plan with the most predicted tokens/s among the candidate groupings (module
     docstring); ``req`` is one inner step of one group. Returns it with the whole cluster's cost model
     (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule)."""

@@ -40,8 +40,8 @@ class HierPlan:
     fragments: list[list[str]]  # parameter names, each fragment synced at its own offset in the round
     codec: str = "q4"  # pseudo-gradients across groups (a codec of compress/codecs.py), with error feedback
     link_codecs: dict[str, str] = field(default_factory=dict)  # "gA" -> codec of group A's pseudo-gradients, where not ``codec``
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
+    outer_momentum: float = 0.0
     overlap: bool = True  # a fragment's average is applied later than it is sent (the inner loop does not wait for it)
     meta: dict = field(default_factory=dict)  # predictions: round_s, utilization, bytes per round, ...
     delay_steps: int = 0  # with overlap: inner steps between a fragment's send and its apply (0: one round, H)
@@ -110,8 +110,8 @@ def remap(plan: Plan, ids: list[int]) -> Plan:
 
 
 def make_hier_plan(graph: OpGraph, groups: list[list[int]], *, inner_steps: list[int] | int = 4, fragments: int = 1,
-                   schedule: str = "1f1b", micro_batches: int = 4, codec: str = "q4", outer_lr: float = 0.7,
-                   outer_momentum: float = 0.9, overlap: bool = True, delay_steps: int = 0) -> HierPlan:
+                   schedule: str = "1f1b", micro_batches: int = 4, codec: str = "q4", outer_lr: float = 1.0,
+                   outer_momentum: float = 0.0, overlap: bool = True, delay_steps: int = 0) -> HierPlan:
     """A hierarchical plan by hand: each group one stage per worker balanced by parameters
     (``make_plan``), ``inner_steps`` per group (or one value for all)."""
     hs = [inner_steps] * len(groups) if isinstance(inner_steps, int) else list(inner_steps)
