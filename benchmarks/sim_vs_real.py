@@ -8,6 +8,15 @@ rows cover the example clusters with every scheduler, the micro-batch count vari
 (where an extra micro-batch's fixed costs decide the step), and random CPU clusters
 (`fusionllm.cluster.random`, drawn by seed) that the cost model was never looked at on.
 
+Hierarchical rows (`--rows hier`): the same clusters' hierarchical plan (`fusionllm train --sync
+hierarchical`, the planner's groups and H), `--hier-rounds` rounds of it; the round simulator
+(`sim/rounds.py simulate_rounds`) against the metrics: tokens/s over the whole run and in the
+steady rounds, each group's median inner step (the gaps between its step records with no outer
+sync in them), the mean round (the wall time from the last step of one round to the last step of
+the next, each group, rounds after the first; the slowest group's is the round), and the seconds
+per round in the OuterSync calls (sends and applies; an apply includes the wait for the other
+groups' fragments).
+
 Two predictions per row: the coordinator's, for the plan it ran (its graph traced at that
 micro-batch size), and `fusionllm plan`'s for the same layout at that M from a graph traced at
 --micro-batches 4 (the op times interpolated between the calibrated sizes, as OP-Fence sees
@@ -18,7 +27,7 @@ used while it ran (this process's tree is put in a cpuacct cgroup of its own); a
 while others used more than --quiet-cores is marked. Needs root (the testbed). Writes
 sim_vs_real.json, sim_vs_real.md and sim_vs_real.png (predicted vs measured, with the 15% band).
 
-    sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py [--rows examples|sweep|random|all]
+    sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py [--rows examples|sweep|random|hier|all] [--merge]
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from fusionllm.sim.simulator import simulate  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_SHAPE = ClusterShape(kind="cpu", sites=(2, 4), devices=(3, 4), latency=False)
 RANDOM_SEEDS = (0, 5)
+HIER_CLUSTERS = ("three-sites", *(f"random-cpu-{seed}" for seed in RANDOM_SEEDS))
 TRACED_M = 4  # the micro-batch count `fusionllm plan` traces with by default
 
 
@@ -60,7 +70,11 @@ def rows(which: str) -> list[Row]:
     examples = [Row(c, s, 4) for c in ("three-sites", "two-sites") for s in SCHEDULERS]
     sweep = [Row("uniform", "opfence", 4)] + [Row(c, "uniform", m) for c in ("uniform", "three-sites") for m in (1, 2, 4, 8, 16)]
     rand = [Row(f"random-cpu-{seed}", s, m) for seed in RANDOM_SEEDS for s, m in (("opfence", 4), ("uniform", 2), ("uniform", 8))]
-    return {"examples": examples, "sweep": sweep, "random": rand, "all": examples + sweep + rand}[which]
+    return {"examples": examples, "sweep": sweep, "random": rand, "hier": [], "all": examples + sweep + rand}[which]
+
+
+def is_hier(r: dict) -> bool:
+    return r.get("sync") == "hierarchical"
 
 
 def cluster_file(name: str, tmp: Path) -> Path:
@@ -156,6 +170,116 @@ def predict(model: str, cluster: Path, args: argparse.Namespace, traced_m: int, 
     return simulate(Plan(stages, ran["schedule"], ran["micro_batches"]), cost, req).step_time_s
 
 
+def hier_predict(model: str, cluster: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The hierarchical plan `fusionllm plan --sync hierarchical` makes (the coordinator's rule, on the
+    cluster file's rates) and the round simulator's steady state for it."""
+    from fusionllm.planner import offline_hier
+    from fusionllm.sim.rounds import simulate_rounds
+
+    req = Request(args.batch_size, args.seq_len, TRACED_M)
+    _, _, cost, hier = offline_hier(model, str(cluster), "opfence", req)
+    r = simulate_rounds(hier, cost, req)
+    plan = {"groups": [[g.workers, g.inner_steps] for g in hier.groups], "fragments": len(hier.fragments), "codec": hier.codec,
+            "delay_steps": hier.delay_steps}
+    return plan, {"tokens_per_s": r.tokens_per_s, "round_s": r.round_s, "step_s": r.step_s, "waits_s": r.waits_s,
+                  "codec_cpu_s": r.codec_cpu_s}
+
+
+def hier_summary(records: list[dict], tokens_per_step: int) -> dict:
+    """What a hierarchical run's metrics say: tokens/s over the run and in the rounds after the first,
+    per group its median inner step (gaps between step records with no outer sync between them),
+    its worker's median step_s, its round times and its OuterSync seconds per round."""
+    ran = next(r for r in records if r.get("event") == "plan")
+    steps = [r for r in records if "step" in r and "group" in r and "event" not in r]
+    outer = [r for r in records if r.get("event") == "outer"]
+    end = max(r["elapsed_s"] for r in records if "elapsed_s" in r)
+    groups = []
+    for gp in ran["groups"]:
+        g = gp["group"]
+        mine = [r for r in steps if r["group"] == g]
+        syncs = [r for r in outer if r["group"] == g]
+        marks = [r["elapsed_s"] for r in syncs]
+        gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(mine, mine[1:], strict=False)
+                if not any(a["elapsed_s"] < t <= b["elapsed_s"] for t in marks)]
+        last = {}
+        for r in mine:
+            last[r["round"]] = r["elapsed_s"]
+        ks = sorted(last)
+        rounds = [last[k] - last[k - 1] for k in ks if k - 1 in last]
+        in_rounds = [r for r in syncs if len(ks) > 1 and last[ks[0]] < r["elapsed_s"] <= last[ks[-1]]]  # the rounds after the first
+        n_rounds = max(1, len(rounds))
+        groups.append({
+            "group": g, "workers": gp["workers"], "inner_steps": gp["inner_steps"], "steps": len(mine),
+            "median_step_s": round(statistics.median(gaps), 4) if gaps else None,
+            "median_worker_step_s": round(statistics.median(r["step_s"] for r in mine[1:]), 4) if len(mine) > 1 else None,
+            "round_s": [round(x, 3) for x in rounds], "mean_round_s": round(statistics.mean(rounds), 4) if rounds else None,
+            "send_s_per_round": round(sum(r["seconds"] for r in in_rounds if r["sent"]) / n_rounds, 4),
+            "apply_s_per_round": round(sum(r["seconds"] for r in in_rounds if not r["sent"]) / n_rounds, 4),
+        })
+    with_rounds = [x for x in groups if x["mean_round_s"]]
+    round_s = max(x["mean_round_s"] for x in with_rounds) if with_rounds else None
+    tokens = max(r["tokens"] for r in steps)
+    return {"tokens_per_s": tokens / end, "wall_s": end, "tokens": tokens, "round_s": round_s,
+            "steady_tokens_per_s": sum(x["inner_steps"] for x in groups) * tokens_per_step / round_s if round_s else None,
+            "groups": groups, "rounds": ran["rounds"],
+            "plan": {"groups": [[x["workers"], x["inner_steps"]] for x in ran["groups"]], "fragments": ran["fragments"], "codec": ran["codec"],
+                     "delay_steps": ran["predicted"].get("delay_steps")},
+            "predicted_at_run": {k: ran["predicted"].get(k) for k in ("tokens_per_s", "round_s", "step_s", "waits_s")}}
+
+
+def hier_measure(name: str, cluster: Path, args: argparse.Namespace, tmp: Path, load: OtherLoad) -> dict:
+    """One hierarchical run of ``--hier-rounds`` rounds (the planner's largest H times that, as
+    --steps) and what its metrics say; the other processes' load from its first step to its end."""
+    plan, _ = hier_predict(args.model, cluster, args)
+    steps = args.hier_rounds * max(h for _, h in plan["groups"])
+    metrics = tmp / f"{cluster.stem}-hier.jsonl"
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--sync", "hierarchical", "--model", args.model,
+           "--steps", str(steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-every", "0",
+           "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mark = None
+    while proc.poll() is None:
+        if mark is None and metrics.exists() and '"step"' in metrics.read_text():
+            mark = load.sample()
+        time.sleep(0.1)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
+    got = hier_summary([json.loads(line) for line in metrics.read_text().splitlines()], args.batch_size * args.seq_len)
+    got["other_cores"] = OtherLoad.cores(mark, load.sample()) if mark else float("nan")
+    got["steps_asked"] = steps
+    return got
+
+
+def hier_repredict(r: dict, args: argparse.Namespace, tmp: Path) -> dict:
+    """Fill in a hierarchical row's predictions (the round simulator's, now) and their errors."""
+    plan, pred = hier_predict(args.model, cluster_file(r["cluster"], tmp), args)
+    r["predicted_plan_matches"] = plan["groups"] == r["plan"]["groups"]
+    r["predicted"] = {"tokens_per_s": round(pred["tokens_per_s"], 1), "round_s": round(pred["round_s"], 4),
+                      "step_s": [round(x, 4) for x in pred["step_s"]], "waits_s": [round(x, 4) for x in pred["waits_s"]],
+                      "codec_cpu_s": [round(x, 4) for x in pred["codec_cpu_s"]]}
+    m = r["measured"]
+    r["error"] = {
+        "tokens_per_s_run": round(pred["tokens_per_s"] / m["tokens_per_s"] - 1, 4),
+        "tokens_per_s_steady": round(pred["tokens_per_s"] / m["steady_tokens_per_s"] - 1, 4) if m["steady_tokens_per_s"] else None,
+        "round_s": round(pred["round_s"] / m["round_s"] - 1, 4) if m["round_s"] else None,
+        "step_s": [round(p / g["median_step_s"] - 1, 4) if g["median_step_s"] else None for p, g in zip(pred["step_s"], m["groups"], strict=True)],
+    }
+    r["predicted_on"] = time.strftime("%Y-%m-%d %H:%M")
+    return r
+
+
+def hier_quieter(new: dict, earlier: list[dict]) -> dict:
+    """``quieter`` for hierarchical rows: of the runs with the same plan, the one with the least load from others."""
+    earlier = [r for r in earlier if r["plan"] == new["plan"]]
+    runs = sorted([new, *earlier], key=lambda r: r["other_cores"])
+    keep = runs[0]
+    keep["also_measured"] = [x for r in runs[1:] for x in [*r.get("also_measured", []),
+                             {"tokens_per_s": r["measured"]["tokens_per_s"], "round_s": r["measured"]["round_s"],
+                              "other_cores": r["other_cores"], "measured_at": r["measured_at"]}]]
+    return keep
+
+
 def quieter(new: dict, earlier: list[dict]) -> dict:
     """Of a row measured again (--merge) with the same plan, the run during which other processes
     used the least CPU; the others are listed under ``also_measured``."""
@@ -186,7 +310,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--rows", choices=("examples", "sweep", "random", "all"), default="all")
+    ap.add_argument("--rows", choices=("examples", "sweep", "random", "hier", "all"), default="all",
+                    help="hier: the hierarchical rows only (three-sites and the random clusters); all: every row")
+    ap.add_argument("--hier-rounds", type=int, default=3, help="hierarchical rows: rounds per run (--steps: the largest H times this)")
     ap.add_argument("--cluster", action="append", help="only the rows of this cluster (repeatable)")
     ap.add_argument("--merge", action="store_true", help="add these rows to the existing sim_vs_real.json (runs split to share the machine)")
     ap.add_argument("--repredict", action="store_true",
@@ -201,7 +327,7 @@ def main() -> int:
     if args.repredict:
         with tempfile.TemporaryDirectory(prefix="fusion-simreal-") as tmpdir:
             for r in results:
-                repredict(r, args, Path(tmpdir))
+                (hier_repredict if is_hier(r) else repredict)(r, args, Path(tmpdir))
         table = report(results, args)
         write(args.out, "sim_vs_real", results, table, {"model": args.model, "steps": args.steps, "warmup": args.warmup})
         _plot(results, args.out / "sim_vs_real.png")
@@ -228,6 +354,23 @@ def main() -> int:
                 print(f"{row.cluster} {row.scheduler} M={r['micro_batches']}: predicted {r['predicted_s']:.3f} s (traced at 4: "
                       f"{r['predicted_traced_at_4_s']:.3f}), measured {r['measured_s']:.3f} s ({r['error']:+.0%}); "
                       f"others used {r['other_cores']:.2f} cores", flush=True)
+            for name in [c for c in HIER_CLUSTERS if args.rows in ("hier", "all") and (not args.cluster or c in args.cluster)]:
+                path = cluster_file(name, tmp)
+                before = load.wait_quiet(args.quiet_cores, args.patience)
+                got = hier_measure(name, path, args, tmp, load)
+                same = [r for r in results if is_hier(r) and r["cluster"] == name]
+                results = [r for r in results if r not in same]
+                results.append({
+                    "cluster": name, "sync": "hierarchical", "plan": got.pop("plan"), "predicted_at_run": got.pop("predicted_at_run"),
+                    "other_cores_before": round(before, 3), "other_cores": round(got.pop("other_cores"), 3), "steps": got.pop("steps_asked"),
+                    "measured": got, "measured_at": time.strftime("%Y-%m-%d %H:%M"),
+                })
+                results[-1] = hier_quieter(results[-1], same)
+                r = hier_repredict(results[-1], args, tmp)
+                m, pr = r["measured"], r["predicted"]
+                print(f"{name} hierarchical: predicted {pr['tokens_per_s']:.0f} tokens/s, round {pr['round_s']:.2f} s; measured "
+                      f"{m['tokens_per_s']:.0f} tokens/s over the run ({r['error']['tokens_per_s_run']:+.0%}), round {m['round_s'] or float('nan'):.2f} s; "
+                      f"others used {r['other_cores']:.2f} cores", flush=True)
     finally:
         load.close()
     table = report(results, args)
@@ -237,6 +380,48 @@ def main() -> int:
 
 
 def report(results: list[dict], args: argparse.Namespace) -> list[str]:
+    hier = [r for r in results if is_hier(r)]
+    results = [r for r in results if not is_hier(r)]
+    return (sync_report(results, args) if results else []) + (hier_report(hier, args) if hier else [])
+
+
+def hier_report(rows_: list[dict], args: argparse.Namespace) -> list[str]:
+    table = [
+        "", "## Hierarchical (`--sync hierarchical`, the round simulator)", "",
+        f"Model {args.model}, batch {args.batch_size} x {args.seq_len} per inner step, the planner's groups and H, the largest H times "
+        "--hier-rounds as --steps. Predicted: `sim/rounds.py simulate_rounds` (steady state) for the plan `fusionllm plan --sync "
+        "hierarchical` makes on the cluster file (the one that ran unless marked !). Measured: tokens/s over the whole run (start-up "
+        "and the last syncs included) and in the rounds after the first (the groups' tokens of a round / the round); a group's step: "
+        "the median gap between its step records with no outer sync between them; round: the slowest group's mean round after the "
+        "first. Outer s/round: the group's OuterSync calls (sends + applies, an apply includes waiting for the other groups).",
+        f"Measured {min(r['measured_at'] for r in rows_)} to {max(r['measured_at'] for r in rows_)}; predicted "
+        f"{max(r['predicted_on'] for r in rows_)} with the cost model of that commit.", "",
+        "| cluster | groups (workers: H) | predicted tokens/s | measured, run | error | measured, rounds | error | predicted round (s) | measured | error | others (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows_:
+        m, pr, e = r["measured"], r["predicted"], r["error"]
+        groups = " ".join(f"{','.join(map(str, w))}:{h}" for w, h in r["plan"]["groups"]) + ("" if r.get("predicted_plan_matches", True) else " !")
+        mark = " *" if r["other_cores"] > args.quiet_cores else ""
+        steady = f"{m['steady_tokens_per_s']:.0f} | {e['tokens_per_s_steady']:+.0%}" if m["steady_tokens_per_s"] else "- | -"
+        rounds = f"{m['round_s']:.2f} | {e['round_s']:+.0%}" if m["round_s"] else "- | -"
+        table.append(f"| {r['cluster']} | {groups} | {pr['tokens_per_s']:.0f} | {m['tokens_per_s']:.0f} | {e['tokens_per_s_run']:+.0%} | {steady} | "
+                     f"{pr['round_s']:.2f} | {rounds} | {r['other_cores']:.2f}{mark} |")
+    table += ["", "| cluster | group | workers | H | predicted step (s) | measured step (s) | error | worker's step_s | rounds (s) | outer s/round: send | apply (incl. waits) | predicted wait s/round |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows_:
+        for i, g in enumerate(r["measured"]["groups"]):
+            err = r["error"]["step_s"][i]
+            table.append(f"| {r['cluster']} | {g['group']} | {','.join(map(str, g['workers']))} | {g['inner_steps']} | {r['predicted']['step_s'][i]:.3f} | "
+                         f"{g['median_step_s']:.3f} | {err:+.0%} | {g['median_worker_step_s']:.3f} | {' '.join(f'{x:.1f}' for x in g['round_s'])} | "
+                         f"{g['send_s_per_round']:.2f} | {g['apply_s_per_round']:.2f} | {r['predicted']['waits_s'][i]:.2f} |")
+    worst = max(rows_, key=lambda r: abs(r["error"]["tokens_per_s_run"]))
+    table += ["", f"Hierarchical tokens/s over the run: largest error {worst['error']['tokens_per_s_run']:+.0%} ({worst['cluster']}), "
+              f"over {len(rows_)} rows."]
+    return table
+
+
+def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
     req = Request(args.batch_size, args.seq_len, TRACED_M)
     table = [
         f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, median step after {args.warmup} warm-up steps.",
@@ -281,13 +466,24 @@ def report(results: list[dict], args: argparse.Namespace) -> list[str]:
     return table
 
 
-def _plot(rows_: list[dict], path: Path) -> None:
+def _plot(all_rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    rows_ = [r for r in all_rows if not is_hier(r)]
+    hier = [r for r in all_rows if is_hier(r)]
+    panels = int(bool(rows_)) + int(bool(hier))
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5), squeeze=False)
+    ax = axes[0][0]
+    if hier:
+        _plot_hier(hier, axes[0][-1])
+    if not rows_:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     top = max(max(r["predicted_s"], r["measured_s"]) for r in rows_) * 1.15
     ax.plot([0, top], [0, top], "k-", lw=0.8)
     ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="0.9", label="within 15%")
@@ -305,6 +501,28 @@ def _plot(rows_: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+
+def _plot_hier(rows_: list[dict], ax: object) -> None:
+    """Hierarchical rows: predicted against measured tokens/s (over the run: filled, rounds after the first: open)."""
+    pts = [(r["measured"]["tokens_per_s"], r["predicted"]["tokens_per_s"], r["cluster"], True) for r in rows_]
+    pts += [(r["measured"]["steady_tokens_per_s"], r["predicted"]["tokens_per_s"], r["cluster"], False) for r in rows_ if r["measured"]["steady_tokens_per_s"]]
+    top = max(max(x, y) for x, y, _, _ in pts) * 1.15
+    ax.plot([0, top], [0, top], "k-", lw=0.8)
+    ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="0.9", label="within 15%")
+    for x, y, name, run in pts:
+        if run:
+            ax.scatter(x, y, marker="o", s=30, c="C0")
+        else:
+            ax.scatter(x, y, marker="o", s=30, facecolors="none", edgecolors="C1")
+        ax.annotate(f"{name}{'' if run else ' (rounds)'}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured tokens/s (filled: whole run, open: rounds after the first)")
+    ax.set_ylabel("simulated tokens/s (simulate_rounds)")
+    ax.set_title("hierarchical: round simulator vs testbed")
+    ax.legend(loc="upper left")
 
 
 if __name__ == "__main__":

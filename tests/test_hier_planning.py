@@ -24,8 +24,9 @@ from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan
-from fusionllm.schedule.plan import Request
-from fusionllm.sim.rounds import GroupStep, round_traffic, simulate_rounds
+from fusionllm.schedule.plan import Plan, Request, StagePlan, micro_batch_scale
+from fusionllm.sim.rounds import GroupStep, group_step, round_traffic, simulate_rounds
+from fusionllm.sim.simulator import simulate
 from fusionllm.sim.utilization import sync_utilization
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,21 +53,25 @@ def link_rate_for(graph, cost: CostModel, seconds: float) -> float:  # noqa: ANN
     return (model_bytes(graph) + HEADER_BYTES) * 8 / (seconds - cost.message_overhead_s)
 
 
-@pytest.mark.parametrize(("wire_s", "overlap", "round_s", "wait_s"), [
-    (1.0, True, 4.0, 0.0),  # hidden: the average of round k is needed one round later
-    (10.0, True, 10.0, 6.0),  # the link sets the pace: one model's pseudo-gradient per round
-    (1.0, False, 5.0, 1.0),  # without overlap every round waits for its own exchange
-    (10.0, False, 14.0, 10.0),
+@pytest.mark.parametrize(("wire_s", "overlap", "round_s", "wait_s", "paced"), [
+    (1.0, True, 4.0, 0.0, False),  # hidden: the average of round k is needed one round later
+    (10.0, True, 10.0, 6.0, True),  # the link sets the pace: one model's pseudo-gradient per round
+    (1.0, False, 5.0, 1.0, False),  # without overlap every round waits for its own exchange
+    (10.0, False, 14.0, 10.0, False),
 ])
-def test_two_groups_round_time_and_waits_by_hand(micro, wire_s: float, overlap: bool, round_s: float, wait_s: float) -> None:
+def test_two_groups_round_time_and_waits_by_hand(micro, wire_s: float, overlap: bool, round_s: float, wait_s: float, paced: bool) -> None:
     """Two one-device groups, 1 s per inner step, H=4, one fragment, raw pseudo-gradients: the link
-    carries one message each way per round, ``wire_s`` seconds long."""
+    carries one message each way per round, ``wire_s`` seconds long. Each sync also costs its group
+    the coordinator's two OuterSync round trips and the message's CPU at both ends (a CPU share):
+    ``fixed`` seconds a round, which a round paced by the link hides in its wait."""
     graph, work = micro
     cost = CostModel(graph, work, two_devices(1e9))
     cost = CostModel(graph, work, two_devices(link_rate_for(graph, cost, wire_s)))
     hier = make_hier_plan(graph, [[0], [1]], inner_steps=4, fragments=1, codec="none", overlap=overlap)
     steps = [GroupStep(1.0, {0: 0.5}), GroupStep(1.0, {1: 0.5})]
     r = simulate_rounds(hier, cost, REQ, steps=steps, rounds=8)
+    fixed = 2 * cost.step_overhead_s + 2 * cost.message_cpu_seconds(model_bytes(graph))
+    round_s, wait_s = (round_s, wait_s - fixed) if paced else (round_s + fixed, wait_s)
     assert r.round_s == pytest.approx(round_s, rel=1e-6)
     assert r.waits_s == pytest.approx([wait_s, wait_s], rel=1e-6, abs=1e-9)
     assert r.bytes_per_round == {"g0->g1": model_bytes(graph) + HEADER_BYTES, "g1->g0": model_bytes(graph) + HEADER_BYTES}
@@ -84,7 +89,29 @@ def test_fragments_spread_the_traffic_over_the_round(micro) -> None:
     hier = make_hier_plan(graph, [[0], [1]], inner_steps=4, fragments=4, codec="none")
     r = simulate_rounds(hier, cost, REQ, steps=[GroupStep(1.0, {0: 1.0}), GroupStep(1.0, {1: 1.0})])
     assert len(hier.fragments) == 4
-    assert r.round_s == pytest.approx(4.0, rel=1e-3) and max(r.waits_s) < 1e-6
+    traffic = round_traffic(graph, hier)  # each fragment's sync: two OuterSync round trips, its message's CPU at both ends
+    fixed = sum(2 * cost.step_overhead_s + 2 * cost.message_cpu_seconds(traffic[(0, 1, f)][(0, 1)]) for f in range(4))
+    assert r.round_s == pytest.approx(4.0 + fixed, rel=1e-3) and max(r.waits_s) < 1e-6
+
+
+@pytest.mark.parametrize("cpus", [0.5, 0.4, 1.0])
+def test_a_single_device_group_steps_at_its_cpu_share(micro, cpus: float) -> None:
+    """One device, steps back to back: a step is its CPU (forward, backward, AdamW and the step's own
+    CPU, at full speed) over the device's share, not one step from a fresh CFS period (which has a
+    whole period's quota at hand); a whole core has no quota to wait for."""
+    graph, work = micro
+    hw = Hardware((Device(0, "a", cpus=cpus),), ((INF,),), ((0.0,),))
+    cost = CostModel(graph, work, hw)
+    plan = Plan([StagePlan(0, [n.id for n in graph.compute_nodes], [0])], "1f1b", 1)
+    scaled = cost.scaled(micro_batch_scale(graph, REQ, 1))
+    nodes = [n.id for n in graph.compute_nodes]
+    cpu = (scaled.compute_seconds(nodes, hw.devices[0], False) + scaled.compute_seconds(nodes, hw.devices[0], True)
+           + cost.optimizer_seconds(sum(graph.params[p].meta.nbytes for n in nodes for p in set(graph.node(n).params.values())),  # the simulator's count
+                               hw.devices[0]))
+    cold = simulate(plan, cost, REQ)
+    assert cold.cpu_s[0] == pytest.approx(cpu)
+    step = group_step(plan, cost, REQ)
+    assert step.step_s == pytest.approx(max(cpu / min(1.0, cpus), cold.step_time_s))
 
 
 def test_a_codec_divides_the_bytes(micro) -> None:
@@ -93,7 +120,7 @@ def test_a_codec_divides_the_bytes(micro) -> None:
     raw = simulate_rounds(make_hier_plan(graph, [[0], [1]], codec="none"), cost, REQ)
     q4 = simulate_rounds(make_hier_plan(graph, [[0], [1]], codec="q4"), cost, REQ)
     assert q4.bytes_per_round["g0->g1"] == pytest.approx(raw.bytes_per_round["g0->g1"] / 8, rel=0.01)
-    assert q4.codec_cpu_s[0] > 0 == raw.codec_cpu_s[0]
+    assert q4.codec_cpu_s[0] > raw.codec_cpu_s[0] > 0  # raw pseudo-gradients cost their messages' CPU only, q4 its codec too
 
 
 def test_uneven_groups_the_faster_does_more_steps_and_nobody_waits_much(micro) -> None:

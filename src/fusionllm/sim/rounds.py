@@ -34,8 +34,8 @@ from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.hierarchy import HierPlan, holders, sync_offsets
-from fusionllm.schedule.plan import Request
-from fusionllm.sim.simulator import simulate
+from fusionllm.schedule.plan import Plan, Request
+from fusionllm.sim.simulator import SimResult, simulate
 from fusionllm.sim.utilization import device_busy, useful_busy_s, utilization
 
 Traffic = dict[tuple[int, int, int], dict[tuple[int, int], int]]  # (group a, group b, fragment) -> {(src, dst): raw bytes}
@@ -60,7 +60,7 @@ class RoundResult:
     tokens_per_s: float  # every group's tokens
     utilization: float  # sim/utilization.py
     device_busy: dict[int, float]  # every device of the cluster: fraction of wall time computing
-    codec_cpu_s: list[float] = field(default_factory=list)  # per group: codec seconds per round (busiest worker)
+    codec_cpu_s: list[float] = field(default_factory=list)  # per group: codec and message CPU seconds per round (busiest worker)
     rounds: int = 0  # rounds simulated
 
     def to_json(self) -> dict[str, Any]:
@@ -105,13 +105,30 @@ def round_traffic(graph: OpGraph, hier: HierPlan) -> Traffic:
     return out
 
 
+def back_to_back_step_s(step_s: float, result: SimResult, cost: CostModel) -> float:
+    """A group's inner step when its steps follow one another with no pause, as in a round.
+
+    ``simulate`` runs one step from the start of a CFS period with the whole period's quota at
+    hand; one step after another, each step's CPU comes out of the quota that the steps before it
+    left, and a CPU-share worker cannot use more than its share of the wall time: a step takes at
+    least each worker's CPU in it (``SimResult.cpu_s``) over its share. That is the step of a
+    single-device group (compute, optimizer and step CPU back to back): on three-sites, 0.2355 s of
+    CPU is 0.471 s at 0.5 cores, where one step from a fresh period is 0.436 s (+ the round trip).
+    ``step_s``: the step as simulated (or the planner's prediction for it)."""
+    devices = cost.hw.devices
+    bound = max((c / min(1.0, devices[w].cpus) for w, c in result.cpu_s.items() if devices[w].cpus), default=0.0)
+    return max(step_s, bound)
+
+
+def group_step(plan: Plan, cost: CostModel, req: Request, *, step_s: float | None = None) -> GroupStep:
+    """One group's inner step in a round (``back_to_back_step_s``) and its workers' training compute."""
+    r = simulate(plan, cost, req)
+    return GroupStep(back_to_back_step_s(r.step_time_s if step_s is None else step_s, r, cost), useful_busy_s(cost, plan, r.busy_s))
+
+
 def group_steps(hier: HierPlan, cost: CostModel, req: Request) -> list[GroupStep]:
     """Each group's inner step, simulated on the whole cluster's cost model (global worker ids)."""
-    out = []
-    for g in hier.groups:
-        r = simulate(g.plan, cost, req)
-        out.append(GroupStep(r.step_time_s, useful_busy_s(cost, g.plan, r.busy_s)))
-    return out
+    return [group_step(g.plan, cost, req) for g in hier.groups]
 
 
 def codec_ratio(codec: str) -> float:
@@ -142,12 +159,15 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
     enc_bytes: dict[tuple[int, int, int, float], int] = defaultdict(int)  # (a, f, src, ratio) -> raw bytes, max over b
     wire: dict[str, int] = defaultdict(int)
     link_s: dict[tuple[int, int], float] = defaultdict(float)
+    send_cpu: dict[tuple[int, int, int], float] = defaultdict(float)  # (a, f, src) -> CPU of the messages it pushes
     for (a, b, f), links in traffic.items():
         r = ratio[(a, b)]
         per_src: dict[int, int] = defaultdict(int)
         for (src, dst), raw in links.items():
             secs = cost.transfer_seconds(raw * r, src, dst, raw=True)
-            dec = raw / cost.decode_bytes_per_s * cpu_factor(dst) if r < 1 else 0.0
+            # the receiver: the message's own CPU (as every pushed tensor's), then its decoding
+            dec = (cost.message_cpu_seconds(raw * r) + (raw / cost.decode_bytes_per_s if r < 1 else 0.0)) * cpu_factor(dst)
+            send_cpu[(a, f, src)] += cost.message_cpu_seconds(raw * r) * cpu_factor(src)
             msgs[f].append((a, b, src, dst, secs, cost.latency(src, dst), dec))
             wire[f"g{hier.groups[a].index}->g{hier.groups[b].index}"] += int(raw * r) + HEADER_BYTES
             link_s[(src, dst)] += secs
@@ -156,9 +176,9 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
             for src, raw in per_src.items():
                 key = (a, f, src, r)
                 enc_bytes[key] = max(enc_bytes[key], raw)
-    enc_worker: dict[tuple[int, int, int], float] = defaultdict(float)
-    for (a, f, src, _r), raw in enc_bytes.items():
-        enc_worker[(a, f, src)] += raw / cost.encode_bytes_per_s * cpu_factor(src)
+    enc_worker: dict[tuple[int, int, int], float] = defaultdict(float, send_cpu)
+    for (a, f, src, _r), raw in enc_bytes.items():  # encoded, then decoded again for the error feedback (runtime/outer.py)
+        enc_worker[(a, f, src)] += (raw / cost.encode_bytes_per_s + raw / cost.decode_bytes_per_s) * cpu_factor(src)
     for (a, f, _src), secs in enc_worker.items():
         encode[a][f] = max(encode[a][f], secs)
     dec_worker: dict[tuple[int, int, int], float] = defaultdict(float)
@@ -182,6 +202,7 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
             for g in range(n_groups):
                 clock[g] += (offsets[g][f] - done[g]) * steps[g].step_s
                 done[g] = offsets[g][f]
+                clock[g] += 2 * cost.step_overhead_s  # the coordinator's OuterSync calls, send and apply, between inner steps
                 if cpu_group[g]:  # the codec takes the group's CPU
                     clock[g] += encode[g][f]
                     send_t[g] = clock[g]

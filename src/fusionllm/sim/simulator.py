@@ -38,9 +38,11 @@ class _Cpu:
         self.speed = max(1.0, device.cpus) if device.cpus else 1.0
         self.period = -1
         self.used = 0.0
+        self.cpu = 0.0  # seconds of the quota used so far (at full speed)
 
     def run(self, t: float, seconds: float) -> float:
         seconds /= self.speed
+        self.cpu += max(seconds, 0.0)
         if not math.isfinite(self.quota):
             return t + seconds
         if seconds <= 1e-12:
@@ -71,6 +73,7 @@ class SimResult:
     link_bytes: dict[str, int]
     link_busy_s: dict[str, float]
     timeline: list[tuple[int, str, float, float]] = field(default_factory=list)  # (worker, action, start, end)
+    cpu_s: dict[int, float] = field(default_factory=dict)  # per worker: its CPU in the step at full speed (every action, messages and codecs included)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -202,4 +205,5 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         link_bytes=dict(link_bytes),
         link_busy_s=dict(link_busy),
         timeline=timeline,
+        cpu_s={w: c.cpu for w, c in cpu.items()},
     )
