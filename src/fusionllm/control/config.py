@@ -54,7 +54,7 @@ class ClusterConfig:
     outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
     outer_momentum: float = 0.0
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
-    outer_warmup: bool = True  # the first round replaced by rounds of 1, 2, 4 .. H/2 steps (groups sync often while weights move fast)
+    outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
 
     def __post_init__(self) -> None:
