@@ -48,6 +48,7 @@ OuterLrOpt = Annotated[float, typer.Option("--outer-lr", min=0.0, help="--sync h
 OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, max=0.999, help="--sync hierarchical: the outer optimiser's momentum.")]
 GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")]
 OverlapStepsOpt = Annotated[int | None, typer.Option("--overlap-steps", min=0, help="--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: the planner's choice.")]
+GroupBatchOpt = Annotated[int | None, typer.Option("--group-batch", min=1, help="--sync hierarchical: rows per inner step of every group (dividing --batch-size; default --batch-size). --batch-size / groups keeps the tokens of a step of all groups those of one synchronous step.")]
 BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
 SYNC_MODES = ("synchronous", "hierarchical")
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
@@ -65,7 +66,8 @@ def parse_groups(text: str | None) -> list[list[int]] | None:
 
 
 def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragments: int | None, outer_codec: str | None,
-                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool) -> dict:
+                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool, group_batch: int | None = None) -> dict:
     """The ClusterConfig fields of the hierarchical options (checked there)."""
     return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
-            "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking}
+            "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking,
+            "group_batch": group_batch}

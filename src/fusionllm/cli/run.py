@@ -23,6 +23,7 @@ from fusionllm.cli.options import (
     DeadAfterOpt,
     EvalBatchesOpt,
     FragmentsOpt,
+    GroupBatchOpt,
     GroupsOpt,
     HardwareOpt,
     InnerStepsOpt,
@@ -104,6 +105,7 @@ def coordinator(
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
     overlap_steps: OverlapStepsOpt = None,
     blocking_sync: BlockingOpt = False,
+    group_batch: GroupBatchOpt = None,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -123,7 +125,7 @@ def coordinator(
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
-        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync),
+        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )
     if config is not None:
         from fusionllm.control.config import RunConfig

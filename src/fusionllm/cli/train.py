@@ -23,6 +23,7 @@ from fusionllm.cli.options import (
     EvalBatchesOpt,
     EvalOpt,
     FragmentsOpt,
+    GroupBatchOpt,
     GroupsOpt,
     InnerStepsOpt,
     LrOpt,
@@ -110,6 +111,7 @@ def train(
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
     overlap_steps: OverlapStepsOpt = None,
     blocking_sync: BlockingOpt = False,
+    group_batch: GroupBatchOpt = None,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -139,7 +141,7 @@ def train(
             scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             dashboard=dashboard, compress_roles=compress_roles,
-            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync),
+            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
         ))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(run.to_json())

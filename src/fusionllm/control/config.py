@@ -54,6 +54,7 @@ class ClusterConfig:
     outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
     outer_momentum: float = 0.0
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
+    group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
     outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
 
@@ -85,6 +86,8 @@ class ClusterConfig:
                 flat = [w for g in self.groups for w in g]
                 if len(flat) != len(set(flat)) or any(w < 0 for w in flat) or any(not g for g in self.groups):
                     raise ConfigError(f"--groups {self.groups}: each worker id at most once, no group empty")
+            if self.group_batch is not None and self.group_batch < 1:
+                raise ConfigError(f"--group-batch must be >= 1, got {self.group_batch}")
             if (self.inner_steps is not None and self.inner_steps < 1) or (self.fragments is not None and self.fragments < 1):
                 raise ConfigError("--inner-steps and --fragments must be >= 1")
 

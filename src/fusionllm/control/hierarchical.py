@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
@@ -67,9 +67,18 @@ class HierarchicalMixin:
     """The coordinator's hierarchical half (``Coordinator`` mixes it in)."""
 
     # ---- planning and assignment -----------------------------------------------------------------
+    def _group_batch(self) -> int:
+        """Rows per inner step of every group (``--group-batch``; default ``--batch-size``)."""
+        return self.cluster.group_batch or self.train.batch_size
+
     async def _setup_hier(self) -> HierRun:
         t, c = self.train, self.cluster
-        graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)
+        batch = self._group_batch()
+        if batch % c.micro_batches:
+            raise ConfigError(f"--group-batch {batch} must be a multiple of --micro-batches {c.micro_batches}")
+        if c.eval_every and (t.batch_size % batch):
+            raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
+        graph = await asyncio.to_thread(self.task.trace, batch // c.micro_batches)
         states = [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
@@ -89,9 +98,9 @@ class HierarchicalMixin:
         for g in hier.groups:
             m = g.plan.micro_batches
             if m not in graphs:
-                if t.batch_size % m:
-                    raise FusionError(f"the planner gave group {g.index} {m} micro-batches, which does not divide --batch-size {t.batch_size}")
-                again = await asyncio.to_thread(self.task.trace, t.batch_size // m)
+                if batch % m:
+                    raise FusionError(f"the planner gave group {g.index} {m} micro-batches, which does not divide the group batch {batch}")
+                again = await asyncio.to_thread(self.task.trace, batch // m)
                 if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
                     raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and --groups by hand")
                 graphs[m] = again
@@ -105,7 +114,11 @@ class HierarchicalMixin:
             run.hier = text
         self._print_hier(hier, graph, addresses)
         codec = parse_codec(c.compress)
+        if batch != t.batch_size:  # every group reads batches of its own size; validation: the same windows, in smaller batches
+            self.data_spec = replace(self.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
         await asyncio.gather(*(self._assign(run, addresses, states, None, codec) for run in runs.values()))
+        if batch != t.batch_size and any(run.fed for run in runs.values()):
+            raise FusionError("--group-batch needs workers that read their own data (some cannot: see above); leave it out")
         steps_per_round = max(g.inner_steps for g in hier.groups)
         rounds = max(1, math.ceil(t.steps / steps_per_round))
         self.plan_record = {
@@ -134,7 +147,7 @@ class HierarchicalMixin:
         def placed(p: Any) -> Any:
             return place(graph, p, infos, lambda _: None, self.task.refused_ops)
 
-        req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
+        req = Request(self._group_batch(), t.seq_len, c.micro_batches, c.schedule)
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
@@ -192,10 +205,11 @@ class HierarchicalMixin:
         n_groups, n_frags = len(hr.hier.groups), len(hr.hier.fragments)
         lengths = hr.lengths[g]
         total = sum(lengths)
-        tokens_per_step = t.batch_size * t.seq_len
-        eval_n = self.task.eval_count(c.eval_batches) if c.eval_every else 0
+        tokens_per_step = self._group_batch() * t.seq_len
+        eval_n = self.task.eval_count(c.eval_batches) * (t.batch_size // self._group_batch()) if c.eval_every else 0
         delay = hr.hier.delay_of(gp)
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
+        evaluate: int | None = None  # a round whose outer weights are evaluated once all its fragments are applied
         i = 0
         for k, h in enumerate(lengths):
             began = time.perf_counter()
@@ -211,9 +225,12 @@ class HierarchicalMixin:
                 for due in [p for p in pending if p[0] <= i]:
                     pending.remove(due)
                     await self._outer_sync(hr, g, due[1], due[2], 0, [due[2]], metrics, send=False)
+                if evaluate is not None and not any(r <= evaluate for _, _, r in pending):
+                    await self._evaluate_outer(hr, run, eval_n, evaluate, metrics)  # the outer weights of whole rounds
+                    evaluate = None
             hr.round_s[g] = time.perf_counter() - began
             if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < len(lengths):
-                await self._evaluate_outer(hr, run, eval_n, k, metrics)
+                evaluate = k  # once every fragment of this round is applied
         last = sync_offsets(lengths[-1], n_frags)
         end = len(lengths)
         for f, off in enumerate(last):  # the end: what the last round left unsent goes out, every average is applied
@@ -237,7 +254,7 @@ class HierarchicalMixin:
             raise FusionError(f"group {g} step {i}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses)
         hr.result.losses.append(loss)
-        hr.result.tokens += t.batch_size * t.seq_len
+        hr.result.tokens += self._group_batch() * t.seq_len
         elapsed = hr.elapsed()
         record: dict[str, Any] = {
             "step": hr.steps, "steps_total": sum(sum(hr.lengths[x]) for x in hr.alive),
