@@ -313,6 +313,18 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     return rows
 
 
+def retarget(rows: list[dict]) -> None:
+    """Per cluster, the target validation loss (the highest final one of the systems that trained)
+    and each system's time to it, over every row (also rows kept from an earlier run by --merge)."""
+    for c in dict.fromkeys(r["cluster"] for r in rows):
+        mine = [r for r in rows if r["cluster"] == c]
+        trained = [r for r in mine if r["trained"]]
+        target = max(r["final_val_loss"] for r in trained) if trained else float("nan")
+        for r in mine:
+            r["target_val_loss"] = target
+            r["time_to_target_s"] = next((t for _, t, v in r["val_curve"] if v <= target + 1e-9), None)
+
+
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps, seed {args.seed}, "
              f"lr {args.lr}; tokens/s from the median step after {args.warmup} warm-up steps (and from the mean of the same steps); validation every {args.eval_every} steps on "
@@ -350,7 +362,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             h = r["hierarchical"]
             n = len(h["hier_plan"]["groups"])
             params = model_params(args.model)
-            dp = 8 * params * (n - 1) / (n * args.batch_size * args.seq_len)  # ring all-reduce of fp32 gradients, every step, per token
+            rows_per_step = args.group_batch or args.batch_size  # data parallelism with the groups' batch
+            dp = 8 * params * (n - 1) / (n * rows_per_step * args.seq_len)  # ring all-reduce of fp32 gradients, every step, per token
             measured = sum(r["link_bytes"].values()) / r["tokens"]
             lines += ["", f"{r['cluster']} hierarchical: {n} groups " + ", ".join(f"{g['workers']} H={g['inner_steps']}" for g in h["hier_plan"]["groups"])
                       + f", {h['hier_plan']['fragments']} fragments, codec {h['hier_plan']['codec']}, {h['hier_plan']['rounds']} rounds; "
@@ -378,6 +391,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform", "random:12", "random:7"],
                     help="names in examples/clusters, or random:SEED (four CPU devices in three sites)")
+    ap.add_argument("--report", action="store_true", help="only rewrite e2e.md and the plots from e2e.json (with the arguments given)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing e2e.json not run this time")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--make-hivemind-venv", action="store_true", help=f"create {HIVEMIND_VENV.relative_to(ROOT)} for the hivemind system, then exit")
@@ -402,6 +416,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.make_hivemind_venv:
         return make_hivemind_venv()
+    if args.report:  # the tables and plots again from e2e.json (targets over all its rows)
+        saved = json.loads((args.out / "e2e.json").read_text())
+        rows = saved["results"]
+        retarget(rows)
+        write(args.out, "e2e", rows, table(rows, args), {"args": saved.get("args", {})})
+        _plot(rows, args.out)
+        return 0
     if "hivemind" in args.systems and hivemind_python() is None:
         print(f"hivemind: skipped, no working {HIVEMIND_VENV.relative_to(ROOT)}; make it with: python benchmarks/e2e.py --make-hivemind-venv")
         args.systems = [s for s in args.systems if s != "hivemind"]
@@ -415,6 +436,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fusion-e2e-") as tmpdir:
         for name in args.clusters:
             rows += bench_cluster(name, args, Path(tmpdir))
+    retarget(rows)
     order = {c: i for i, c in enumerate(dict.fromkeys(r["cluster"] for r in rows))}
     rows.sort(key=lambda r: (order[r["cluster"]], list(SYSTEMS).index(r["system"])))
     write(args.out, "e2e", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
