@@ -85,8 +85,7 @@ def main() -> int:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
     if args.variants:
         m, s = args.models[0], args.seeds[0]
-        for kw in ({"codec": "none"}, {"codec": "q2"}, {"blocking": True}, {"overlap_steps": 0},
-                   {"outer_lr": 0.7, "outer_momentum": 0.9}):
+        for kw in ({"codec": "none"}, {"blocking": True}, {"outer_lr": 0.7, "outer_momentum": 0.9}):
             rows.append(run(m, s, args, hier=True, **kw) | {"variant": ", ".join(f"{k}={v}" for k, v in kw.items())})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
     write(args.out, "hier_convergence", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
