@@ -285,7 +285,11 @@ class Worker:
 
     @staticmethod
     def _outer_state(graph: Any, text: str, worker: int, runtime: StageRuntime) -> OuterState:
-        hier = HierPlan.from_json(text)
+        try:
+            hier = HierPlan.from_json(text)
+            hier.group_of(worker)
+        except (ValueError, KeyError, TypeError, FusionError) as exc:
+            raise WireError(f"assignment: malformed hierarchical plan ({type(exc).__name__}: {exc})") from None
         exchanges = [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
         mine = sorted({n for e in exchanges for n in e.mine})
         return OuterState(hier, exchanges, hier.group_of(worker).index, runtime.backend.get_params(mine))
