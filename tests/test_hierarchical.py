@@ -265,7 +265,7 @@ def test_two_groups_share_one_set_of_outer_weights() -> None:
 
 def test_a_group_that_dies_is_left_out_and_the_others_finish() -> None:
     train = TrainConfig(model="gpt-nano", steps=12, batch_size=4, seq_len=16, eval_every=0, warmup=0)
-    cluster = cluster_config(3, sync="hierarchical", groups=[[0], [1], [2]], inner_steps=2, fragments=2, micro_batches=2, dead_after_s=4.0)
+    cluster = cluster_config(3, sync="hierarchical", groups=[[0], [1], [2]], inner_steps=2, fragments=2, micro_batches=2)
 
     async def main() -> tuple:
         async with InProcessCluster(train, cluster) as c:
