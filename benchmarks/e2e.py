@@ -189,7 +189,7 @@ def run_hierarchical(tb: Testbed, args: argparse.Namespace, metrics: Path, log: 
 SYSTEMS["hierarchical"] = run_hierarchical
 
 
-def summarize_hier(rec: list[dict], args: argparse.Namespace, link_bytes: dict) -> dict:
+def summarize_hier(rec: list[dict], link_bytes: dict) -> dict:
     """A hierarchical run's row: tokens/s over the whole run (all groups), the validation loss of
     the outer weights at each evaluation."""
     steps = [r for r in rec if "loss" in r]
@@ -294,7 +294,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 predicted = rec[0].get("predicted_step_s")
             sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             if system == "hierarchical":
-                row = {"cluster": name, **summarize_hier(rec, args, sent), **extra}
+                row = {"cluster": name, **summarize_hier(rec, sent), **extra}
             else:
                 row = {"cluster": name, **summarize(system, rec, args, predicted, sent), **extra}
                 row["val_tokens"] = [((r["step"] + 1) * args.batch_size * args.seq_len, r["val_loss"]) for r in rec if "val_loss" in r]

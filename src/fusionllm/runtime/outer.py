@@ -112,7 +112,8 @@ class OuterState:
 
     async def _apply(self, frag: _Fragment, fragment: int, round_: int, groups: dict[int, float], get: Get, timeout: float) -> None:
         ex = frag.exchange
-        own_sent, own_true = frag.sent.pop(round_, None), frag.true.pop(round_, None)
+        own_sent = frag.sent.pop(round_, None)
+        frag.true.pop(round_, None)  # applied: no longer subtracted from the outer weights
         if not ex.mine or not groups:
             return
         total = float(sum(groups.values()))
@@ -124,7 +125,6 @@ class OuterState:
                 raise FusionError(f"outer round {round_} of fragment {fragment}: this group's delta was never computed")
             for n in ex.mine:
                 avg[n] += (groups[self.group] / total) * own_sent[n]
-        del own_true
         for src, (g, names) in ex.receives.items():
             if g not in groups:
                 continue
