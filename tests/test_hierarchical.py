@@ -349,3 +349,40 @@ def test_a_smaller_group_batch_reads_smaller_batches_and_evaluates_the_same_wind
     a, _ = run_in_process(train0, cluster_config(2, **{**base, "inner_steps": 1, "eval_every": 1}))
     b, _ = run_in_process(train0, cluster_config(2, group_batch=2, **{**base, "inner_steps": 1, "eval_every": 1}))
     assert a.val_losses[-1][1] == pytest.approx(b.val_losses[-1][1], rel=1e-4)
+
+
+def test_a_group_that_joins_mid_run_starts_from_the_current_outer_weights_and_momentum(tmp_path) -> None:
+    """A worker that registers mid-run becomes a group of its own: it gets the outer weights and
+    momentum, takes part from the next round on, and from then on every group holds the same outer
+    weights (a joiner that started from other weights or momentum would keep differing)."""
+    metrics = tmp_path / "metrics.jsonl"
+    train = TrainConfig(model="gpt-nano", steps=20, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
+    cluster = cluster_config(2, sync="hierarchical", groups=[[0], [1]], inner_steps=2, fragments=2, micro_batches=2,
+                             outer_lr=0.7, outer_momentum=0.5)
+
+    async def main() -> InProcessCluster:
+        async with InProcessCluster(train, cluster) as c:
+            def on_step(record: dict) -> None:
+                if record["group"] == 0 and record["inner_step"] == 3 and len(c.workers) == 2:
+                    c.add_worker()
+            c.on_step = on_step
+            await c.run()
+        return c
+
+    c = asyncio.run(main())
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    joined = [e for e in events if e.get("event") == "group_joined"]
+    assert len(joined) == 1 and joined[0]["workers"] == [2], c.lines
+    k0 = joined[0]["round"]
+    assert 2 <= k0 < 10
+    steps = {g: [r for r in c.steps if r["group"] == g] for g in range(3)}
+    assert len(steps[0]) == len(steps[1]) == 20
+    assert [r["round"] for r in steps[2]] == [k for k in range(k0, 10) for _ in range(2)]
+    applied = [e for e in events if e.get("event") == "outer" and e["group"] == 0 and e["applied"]]
+    assert any("2" in groups for e in applied for r, groups in e["applied"].items() if int(r) >= k0)  # the joiner is averaged
+    assert not any("2" in groups for e in applied for r, groups in e["applied"].items() if int(r) < k0)
+    anchors = [w.outer.anchor for w in c.workers]
+    assert any(np.any(m) for m in c.workers[2].outer.momentum.values())
+    for name, value in anchors[0].items():
+        for other in anchors[1:]:
+            np.testing.assert_allclose(other[name], value, rtol=1e-5, atol=1e-6)

@@ -176,3 +176,35 @@ def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: P
     events = [r for r in _records(out) if r.get("event") == "recovery"]
     assert len(events) == 1 and events[0]["workers"] == 3  # two left + the spare
     assert max(r["step"] for r in _records(out) if "step" in r) == 399
+
+
+def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_path: Path) -> None:
+    out, run_dir = tmp_path / "m.jsonl", tmp_path / "run"
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:2", *RUN, "--steps", "160", "--sync", "hierarchical", "--groups", "0/1",
+                             "--inner-steps", "4", "--fragments", "2", "--metrics", str(out), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    spare = None
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline() if proc.stdout else ""
+            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port
+        _wait_steps(out, 3, proc)
+        spare = subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(run_dir / "token")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        text, _ = proc.communicate(timeout=600)
+    finally:
+        for p in (proc, spare):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert proc.returncode == 0, text[-3000:]
+    records = _records(out)
+    joined = [r for r in records if r.get("event") == "group_joined"]
+    assert len(joined) == 1 and joined[0]["workers"] == [2], text[-3000:]
+    steps = {g: [r for r in records if "step" in r and r.get("group") == g] for g in range(3)}
+    assert len(steps[0]) == len(steps[1]) == 160
+    assert len(steps[2]) == 4 * (40 - joined[0]["round"])  # from its first round to the end
+    assert "joined at outer round" in text

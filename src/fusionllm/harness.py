@@ -147,13 +147,26 @@ class InProcessCluster:
             config = WorkerConfig(**fields)
             self.workers.append(Worker(config))
             self._worker_tasks.append(asyncio.create_task(self.workers[-1].run(), name=f"harness-worker-{i}"))
-        pending = {coordinator, *self._worker_tasks}
-        while not coordinator.done():
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        checked: set[asyncio.Task] = set()
+        while not coordinator.done():  # (workers added while it runs are watched from the next wake-up on)
+            done, _ = await asyncio.wait({coordinator, *self._worker_tasks} - checked, return_when=asyncio.FIRST_COMPLETED)
             for task in done - {coordinator}:
+                checked.add(task)
                 self._check_worker(task)
         self.result = coordinator.result()
         return self.result
+
+    def add_worker(self, backend: str = "torch", **options: Any) -> Worker:
+        """Start one more worker while the run is under way (it joins as a spare: no rank)."""
+        if not self.port:
+            raise HarnessError("add_worker: the coordinator is not listening yet")
+        fields = {"join": f"{HOST}:{self.port}", "token": self.token, "listen": f"{HOST}:0", "backend": backend,
+                  "handle_signals": False, "probe_seconds": 0.02, "join_timeout": 30.0, **options}
+        worker = Worker(WorkerConfig(**fields))
+        self.workers.append(worker)
+        self.backends.append(backend)
+        self._worker_tasks.append(asyncio.create_task(worker.run(), name=f"harness-worker-{len(self.workers) - 1}"))
+        return worker
 
     def _check_worker(self, task: asyncio.Task) -> None:
         """A worker that stopped with an error fails the run (at once, not at the join or step timeout)."""

@@ -7,7 +7,8 @@ pseudo-gradient (``OuterSync`` with ``send``), and then applies the average of a
 overlap the previous one (sent one round ago, so it is there), without overlap this one. Which
 groups a round's average holds is decided here, once, for all groups: those that sent it; a group
 that has not sent within a round's time (or died) is left out, and the others go on. A group whose
-worker dies leaves the run; the others finish it. Checkpoints are not written in this mode yet.
+worker dies leaves the run; the others finish it. Workers that join mid-run form a new group
+(``hier_join.py``). Checkpoints are not written in this mode yet.
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ class HierRun:
     started: float = 0.0
     paused: float = 0.0  # seconds spent evaluating (not counted as training time)
     outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
+    n_data: int = 1  # groups of the first plan: group g of them reads batches i * n_data + g
+    first_round: dict[int, int] = field(default_factory=dict)  # a group that joined: the first round it takes part in
+    current: dict[int, int] = field(default_factory=dict)  # group -> the round it is in
+    data_base: dict[int, int] = field(default_factory=dict)  # a group that joined: its batches are data_base + i
+    join_at: int | None = None  # a join is under way: the groups pause at the start of this round (hier_join.py)
+    arrived: set[int] = field(default_factory=set)  # groups paused for the join
+    loops: dict[int, asyncio.Task] = field(default_factory=dict)
+
+    def expected(self, r: int) -> set[int]:
+        """The live groups that take part in round ``r`` (a group that joined later does not)."""
+        return {g for g in self.alive if self.first_round.get(g, 0) <= r}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started - self.paused
@@ -133,7 +145,8 @@ class HierarchicalMixin:
         base = min(g.inner_steps for g in hier.groups)
         lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
         self.plan_record["round_lengths"] = {str(k): v for k, v in lengths.items()}
-        return HierRun(hier, graph, runs, len(lengths[hier.groups[0].index]), alive={g.index for g in hier.groups}, lengths=lengths)
+        return HierRun(hier, graph, runs, len(lengths[hier.groups[0].index]), alive={g.index for g in hier.groups}, lengths=lengths,
+                       n_data=len(hier.groups), current={g.index: 0 for g in hier.groups})
 
     async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
         from fusionllm.control.hierarchy_planning import choose_hier_plan
@@ -171,12 +184,18 @@ class HierarchicalMixin:
     async def _train_hier(self, hr: HierRun, metrics: JsonlWriter) -> TrainResult:
         hr.result = TrainResult(num_params=hr.graph.num_params())
         hr.started = time.perf_counter()
-        loops = {g: asyncio.create_task(self._group_loop(hr, g, metrics)) for g in hr.runs}
+        hr.loops = {g: asyncio.create_task(self._group_loop(hr, g, metrics)) for g in hr.runs}
+        watcher = asyncio.create_task(self._watch_joins(hr, metrics))
         try:
-            await asyncio.gather(*loops.values())
+            while pending := [task for task in hr.loops.values() if not task.done()]:  # a group that joins adds a loop
+                await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in hr.loops.values():
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()
         finally:
-            for task in loops.values():
+            for task in [*hr.loops.values(), watcher]:
                 task.cancel()
+            await asyncio.gather(*hr.loops.values(), watcher, return_exceptions=True)
         if not hr.alive:
             raise FusionError("every group left the run (see the messages above)")
         hr.result.elapsed_s = hr.elapsed()
@@ -202,21 +221,26 @@ class HierarchicalMixin:
         t, c = self.train, self.cluster
         gp = next(x for x in hr.hier.groups if x.index == g)
         run = hr.runs[g]
-        n_groups, n_frags = len(hr.hier.groups), len(hr.hier.fragments)
+        n_frags = len(hr.hier.fragments)
         lengths = hr.lengths[g]
         total = sum(lengths)
+        start = hr.first_round.get(g, 0)
+        data_base = hr.data_base.get(g)
         tokens_per_step = self._group_batch() * t.seq_len
         eval_n = self.task.eval_count(c.eval_batches) * (t.batch_size // self._group_batch()) if c.eval_every else 0
         delay = hr.hier.delay_of(gp)
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
         evaluate: int | None = None  # a round whose outer weights are evaluated once all its fragments are applied
-        i = 0
-        for k, h in enumerate(lengths):
+        i = sum(lengths[:start])  # a group that joined takes the schedule (learning rate) where the others are
+        for k in range(start, len(lengths)):
+            h = lengths[k]
+            hr.current[g] = k
             began = time.perf_counter()
             offsets = sync_offsets(h, n_frags)
             for j in range(h):
                 lr = lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
-                await self._inner_step(hr, g, run, i, i * n_groups + g, lr, k, metrics)
+                data_step = data_base + i if data_base is not None else i * hr.n_data + g
+                await self._inner_step(hr, g, run, i, data_step, lr, k, metrics)
                 i += 1
                 for f, off in enumerate(offsets):
                     if off == j + 1:
@@ -231,6 +255,11 @@ class HierarchicalMixin:
             hr.round_s[g] = time.perf_counter() - began
             if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < len(lengths):
                 evaluate = k  # once every fragment of this round is applied
+            if hr.join_at == k + 1:  # a group joins: every average so far is applied, then the groups pause
+                await self._join_barrier(hr, g, pending, metrics)
+                if evaluate is not None:
+                    await self._evaluate_outer(hr, run, eval_n, evaluate, metrics)
+                    evaluate = None
         last = sync_offsets(lengths[-1], n_frags)
         end = len(lengths)
         for f, off in enumerate(last):  # the end: what the last round left unsent goes out, every average is applied
@@ -257,7 +286,7 @@ class HierarchicalMixin:
         hr.result.tokens += self._group_batch() * t.seq_len
         elapsed = hr.elapsed()
         record: dict[str, Any] = {
-            "step": hr.steps, "steps_total": sum(sum(hr.lengths[x]) for x in hr.alive),
+            "step": hr.steps, "steps_total": sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive),
             "group": g, "round": k, "inner_step": i, "loss": loss, "tokens": hr.result.tokens,
             "elapsed_s": round(elapsed, 4), "tokens_per_s": round(hr.result.tokens / max(elapsed, 1e-9), 1), "lr": lr,
             "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
@@ -309,7 +338,7 @@ class HierarchicalMixin:
                 loop = asyncio.get_running_loop()
                 patience = max(self.cluster.dead_after_s, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
                 deadline = loop.time() + patience
-                while not hr.alive <= set(hr.sent.get(key, {})):
+                while not hr.expected(r) <= set(hr.sent.get(key, {})):
                     left = deadline - loop.time()
                     if left <= 0:
                         break
@@ -317,7 +346,7 @@ class HierarchicalMixin:
                         await asyncio.wait_for(hr.changed.wait(), left)
                 got = hr.sent.get(key, {})
                 hr.decided[key] = {x: w for x, w in got.items() if x in hr.alive and w > 0}
-                late = sorted(hr.alive - set(got))
+                late = sorted(hr.expected(r) - set(got))
                 if late:
                     self.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
                     metrics.write({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})

@@ -39,20 +39,19 @@ class StateMixin:
     async def _stage_states(self, run: Run, only: set[int] | None = None) -> dict[int, bytes]:
         """Each stage's (or the ``only`` ones') weights and AdamW state (safetensors bytes), from its
         first worker, in pages no larger than ``PAGE``."""
-        out = {}
-        for s in run.plan.stages:
-            if only is not None and s.index not in only:
-                continue
-            client, chunks, total, offset = run.clients[s.workers[0]], [], None, 0
-            while total is None or offset < total:
-                page = StatePage.from_wire(await client.call("GetState", GetState(offset, PAGE).to_wire(), timeout=self.cluster.step_timeout))
-                total = page.total
-                if not page.data and offset < total:
-                    raise FusionError(f"worker {s.workers[0]} sent an empty page of its state at {offset} of {total} bytes")
-                chunks.append(page.data)
-                offset += len(page.data)
-            out[s.index] = b"".join(chunks)
-        return out
+        return {s.index: await self._read_state(run, s.workers[0]) for s in run.plan.stages if only is None or s.index in only}
+
+    async def _read_state(self, run: Run, worker: int, *, outer: bool = False) -> bytes:
+        """One worker's packed state (``outer``: its outer weights and momentum), page by page."""
+        client, chunks, total, offset = run.clients[worker], [], None, 0
+        while total is None or offset < total:
+            page = StatePage.from_wire(await client.call("GetState", GetState(offset, PAGE, outer=outer).to_wire(), timeout=self.cluster.step_timeout))
+            total = page.total
+            if not page.data and offset < total:
+                raise FusionError(f"worker {worker} sent an empty page of its state at {offset} of {total} bytes")
+            chunks.append(page.data)
+            offset += len(page.data)
+        return b"".join(chunks)
 
     async def _evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False) -> float:
         """Validation loss of the current weights, computed by the workers in the pipeline."""

@@ -53,11 +53,13 @@ class _Fragment:
 class OuterState:
     """A worker's outer weights, momentum and error feedback, per fragment of the hierarchical plan."""
 
-    def __init__(self, hier: HierPlan, exchanges: list[Exchange], group: int, initial: dict[str, np.ndarray]) -> None:
+    def __init__(self, hier: HierPlan, exchanges: list[Exchange], group: int, initial: dict[str, np.ndarray],
+                 momentum: dict[str, np.ndarray] | None = None) -> None:
         self.hier, self.group = hier, group
         self.fragments = [_Fragment(e) for e in exchanges]
         self.anchor = {n: np.array(a, dtype=np.float32) for n, a in initial.items()}
-        self.momentum: dict[str, np.ndarray] = {}
+        # a group that joins mid-run starts from the others' outer weights and momentum
+        self.momentum: dict[str, np.ndarray] = {n: np.array(m, dtype=np.float32) for n, m in (momentum or {}).items() if n in self.anchor}
         self.feedback = ErrorFeedback()
         self.codec = parse_codec(hier.codec_of(group))  # one codec per sending group: every receiver decodes the same
         for frag in self.fragments:
@@ -149,6 +151,23 @@ class OuterState:
             for t in frag.pushes:
                 t.cancel()
             frag.pushes.clear()
+
+    def regroup(self, hier: HierPlan, exchanges: list[Exchange]) -> None:
+        """The groups changed between two rounds (one joined, dead ones dropped): who sends what to
+        whom changes; the outer weights, momentum and error feedback stay."""
+        if len(exchanges) != len(self.fragments) or any(sorted(e.mine) != sorted(f.exchange.mine)
+                                                         for e, f in zip(exchanges, self.fragments, strict=True)):
+            raise FusionError("regroup: the new plan changes this worker's fragments (only groups may join or leave)")
+        self.hier = hier
+        for frag, e in zip(self.fragments, exchanges, strict=True):
+            frag.exchange = e
+
+    def outer_tensors(self) -> dict[str, np.ndarray]:
+        """The outer weights (``param/<name>``) and momentum (``outer/momentum/<name>``): what a group
+        that joins starts from."""
+        out = {f"param/{n}": a for n, a in self.anchor.items()}
+        out.update({f"outer/momentum/{n}": m for n, m in self.momentum.items()})
+        return out
 
     def anchor_of(self, names: list[str]) -> dict[str, np.ndarray]:
         return {n: self.anchor[n].copy() for n in names}

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from safetensors.numpy import save as st_save
+
 from fusionllm import __version__
 from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError, WireError
@@ -43,6 +46,7 @@ from fusionllm.transport.control import (
     Aborted,
     Assign,
     Assigned,
+    Empty,
     Evaluate,
     Evaluated,
     GetState,
@@ -53,6 +57,7 @@ from fusionllm.transport.control import (
     OuterSynced,
     Register,
     Registered,
+    Regroup,
     SaveShard,
     ShardSaved,
     StatePage,
@@ -105,7 +110,7 @@ class Worker:
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
                      "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
-                     "OuterSync": self._on_outer_sync},
+                     "OuterSync": self._on_outer_sync, "Regroup": self._on_regroup},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
@@ -261,6 +266,8 @@ class Worker:
         tensors = await asyncio.to_thread(self.backend.unpack, blob) if blob else {}
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
+        momentum = {k.removeprefix("outer/momentum/"): np.asarray(v, dtype=np.float32) for k, v in tensors.items()
+                    if k.startswith("outer/momentum/")}
         await self._abort_step()
         if self.outer is not None:
             self.outer.cancel()
@@ -276,7 +283,7 @@ class Worker:
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program,
         )
         if msg.hier is not None:
-            self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime)
+            self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime, momentum)
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
@@ -284,15 +291,31 @@ class Worker:
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
     @staticmethod
-    def _outer_state(graph: Any, text: str, worker: int, runtime: StageRuntime) -> OuterState:
+    def _outer_state(graph: Any, text: str, worker: int, runtime: StageRuntime, momentum: dict[str, Any]) -> OuterState:
+        hier, exchanges = Worker._exchanges(graph, text, worker)
+        mine = sorted({n for e in exchanges for n in e.mine})
+        return OuterState(hier, exchanges, hier.group_of(worker).index, runtime.backend.get_params(mine), momentum)
+
+    @staticmethod
+    def _exchanges(graph: Any, text: str, worker: int) -> tuple[HierPlan, list[Any]]:
         try:
             hier = HierPlan.from_json(text)
             hier.group_of(worker)
         except (ValueError, KeyError, TypeError, FusionError) as exc:
-            raise WireError(f"assignment: malformed hierarchical plan ({type(exc).__name__}: {exc})") from None
-        exchanges = [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
-        mine = sorted({n for e in exchanges for n in e.mine})
-        return OuterState(hier, exchanges, hier.group_of(worker).index, runtime.backend.get_params(mine))
+            raise WireError(f"malformed hierarchical plan ({type(exc).__name__}: {exc})") from None
+        return hier, [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
+
+    async def _on_regroup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Hierarchical mode: a group joined (or dead ones were dropped) between two rounds."""
+        runtime = self._runtime("Regroup")
+        if self.outer is None or self.peers is None:
+            raise FusionError("Regroup: this worker was assigned no hierarchical plan")
+        req = Regroup.from_wire(msg)
+        hier, exchanges = await asyncio.to_thread(self._exchanges, runtime.graph, req.hier, self.id or 0)
+        self.outer.regroup(hier, exchanges)
+        self.peers.addresses.update({int(k): v for k, v in req.addresses.items()})
+        self.peers.data_addresses.update({int(k): v for k, v in req.data_addresses.items()})
+        return Empty().to_wire()
 
     def _read_shards(self, directory: str, graph: Any, plan: Plan, worker: int) -> bytes:
         paths = sorted(Path(directory).glob("stage-*.safetensors"))
@@ -415,8 +438,14 @@ class Worker:
         """One page of the packed state: no message grows with the model (a re-plan, an export)."""
         runtime = self._runtime("GetState")
         req = GetState.from_wire(msg)
+        if req.outer and self.outer is None:
+            raise FusionError("GetState(outer): this worker was assigned no hierarchical plan")
         if req.offset == 0 or self._state_blob is None:
-            self._state_blob = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
+            outer = self.outer
+            if req.outer and outer is not None:  # NumPy arrays: the same safetensors bytes as every backend writes
+                self._state_blob = await asyncio.to_thread(lambda: st_save(outer.outer_tensors()))
+            else:
+                self._state_blob = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
         blob = self._state_blob
         size = max(1, min(req.size, PAGE))
         page = blob[req.offset : req.offset + size]

@@ -265,6 +265,16 @@ class OuterSynced(Message):
 
 
 @dataclass
+class Regroup(Message):
+    """Hierarchical mode: the groups changed (one joined, dead ones dropped): the new HierPlan, and
+    the addresses of workers this one has not heard of (the joining group's)."""
+
+    hier: str
+    addresses: dict[str, str] = field(default_factory=dict)
+    data_addresses: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class Evaluated(Message):
     losses: dict[str, dict[str, float]] = field(default_factory=dict)  # per batch, per micro-batch: held by the loss's stage
     failed: Failure | None = None
@@ -287,10 +297,12 @@ class ShardSaved(Message):
 
 @dataclass
 class GetState(Message):
-    """One page of the stage's packed state (weights and AdamW, safetensors)."""
+    """One page of the stage's packed state (weights and AdamW, safetensors); with ``outer`` (hierarchical
+    mode) the outer weights (``param/<name>``) and the outer momentum (``outer/momentum/<name>``)."""
 
     offset: int = 0
     size: int = 64 << 20
+    outer: bool = False
 
 
 @dataclass

@@ -102,9 +102,10 @@ def blob_keys(blob: bytes) -> list[str]:
 
 
 def stage_keep(param_names: set[str]) -> Callable[[str], bool]:
-    """The keys of a stage's tensors: ``param/<name>`` and ``adam/<field>/<name>`` of its parameters."""
+    """The keys of a stage's tensors: ``param/<name>``, ``adam/<field>/<name>`` and (hierarchical
+    mode) ``outer/momentum/<name>`` of its parameters."""
 
     def keep(key: str) -> bool:
-        return (key.startswith("param/") or key.startswith("adam/")) and key.split("/")[-1] in param_names
+        return key.startswith(("param/", "adam/", "outer/")) and key.split("/")[-1] in param_names
 
     return keep
