@@ -172,7 +172,8 @@ def run_hierarchical(tb: Testbed, args: argparse.Namespace, metrics: Path, log: 
     path = Path(args.cluster_file)
     coord = [*common_args(args), "--scheduler", "opfence", "--schedule", "1f1b", "--compress", "none", "--hardware", str(path),
              "--metrics", str(metrics), "--sync", "hierarchical", "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
-             *(["--group-batch", str(args.group_batch)] if args.group_batch else [])]
+             *(["--group-batch", str(args.group_batch)] if args.group_batch else []),
+             *(["--inner-steps", str(args.inner_steps)] if args.inner_steps else [])]
     worker_args, prefixes = tb.worker_launch()
     run_dir = log.with_suffix("")
     code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
@@ -399,6 +400,8 @@ def main() -> int:
     ap.add_argument("--hivemind-compression", default="fp16", choices=("none", "fp16", "uint8"), help="hivemind: state averaging compression")
     ap.add_argument("--outer-lr", type=float, default=1.0, help="hierarchical: the outer optimiser's learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.0, help="hierarchical: the outer optimiser's Nesterov momentum")
+    ap.add_argument("--inner-steps", type=int, default=None,
+                    help="hierarchical: inner steps per round of the slowest group (default: the planner's choice)")
     ap.add_argument("--group-batch", type=int, default=None,
                     help="hierarchical: rows per inner step of every group (default --batch-size; --batch-size / groups keeps a step's tokens)")
     ap.add_argument("--model", default="gpt-micro")

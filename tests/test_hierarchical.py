@@ -220,8 +220,8 @@ def test_bad_hierarchical_settings_fail_with_one_line() -> None:
         cluster_config(3, sync="hierarchical")
     with pytest.raises(ConfigError, match="--groups"):
         cluster_config(3, sync="hierarchical", groups=[[0, 1], [1, 2]])
-    with pytest.raises(ConfigError, match="checkpoints"):
-        cluster_config(2, sync="hierarchical", groups=[[0], [1]], checkpoint_every=2, checkpoint_dir="/tmp/x")
+    with pytest.raises(ConfigError, match="adatopk"):
+        cluster_config(2, sync="hierarchical", groups=[[0], [1]], compress="adatopk")
     with pytest.raises(ConfigError, match="--sync"):
         cluster_config(2, sync="async")
 
@@ -386,3 +386,35 @@ def test_a_group_that_joins_mid_run_starts_from_the_current_outer_weights_and_mo
     for name, value in anchors[0].items():
         for other in anchors[1:]:
             np.testing.assert_allclose(other[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_holds_the_outer_state_and_a_resumed_run_starts_from_it(tmp_path) -> None:
+    """Checkpoints pause every group at a round's end: the shards hold the outer weights (every
+    group's, the same) and momentum; --resume starts every group there, on the batches it would
+    have read: the first losses after resuming are those the first run had at that step."""
+    from safetensors.numpy import load_file
+
+    ckpt = tmp_path / "ckpt"
+    train = TrainConfig(model="gpt-nano", steps=16, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    hier = {"sync": "hierarchical", "groups": [[0], [1]], "inner_steps": 2, "fragments": 1, "micro_batches": 2,
+            "outer_lr": 0.7, "outer_momentum": 0.5, "checkpoint_dir": str(ckpt)}
+    records: list[dict] = []
+    _, workers = run_in_process(train, cluster_config(2, checkpoint_every=8, **hier), on_step=records.append)
+    made = sorted(p.name for p in ckpt.iterdir())
+    assert made == ["step-000008", "step-000016"], made
+    state = json.loads((ckpt / "step-000008" / "state.json").read_text())
+    assert state["sync"] == "hierarchical" and state["round"] == 4 and state["step"] == 8
+    final = load_file(str(ckpt / "step-000016" / "stage-0.safetensors"))
+    for name, value in workers[1].outer.anchor.items():  # the end: group 1's outer weights are group 0's, saved
+        np.testing.assert_array_equal(final[f"param/{name}"], value)
+        assert f"outer/momentum/{name}" in final
+    import shutil
+
+    shutil.rmtree(ckpt / "step-000016")
+    again: list[dict] = []
+    run_in_process(train, cluster_config(2, resume=True, **hier), on_step=again.append)
+    for g in (0, 1):
+        before = [r["loss"] for r in records if r["group"] == g]
+        after = [r["loss"] for r in again if r["group"] == g]
+        assert len(after) == 8  # rounds 4..7
+        np.testing.assert_allclose(after[0], before[8], rtol=1e-5)  # the outer weights after round 3, on the same batch

@@ -72,8 +72,6 @@ class ClusterConfig:
         if self.sync not in ("synchronous", "hierarchical"):
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
         if self.sync == "hierarchical":
-            if self.checkpoint_every or self.resume:
-                raise ConfigError("--sync hierarchical does not write or resume checkpoints yet; leave out --checkpoint-every/--resume")
             if parse_codec(self.compress).kind == "adatopk":
                 raise ConfigError("--sync hierarchical takes a fixed --compress inside the groups (e.g. q8, topk:0.1), not adatopk yet")
             if self.replicas:

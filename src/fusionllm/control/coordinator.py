@@ -22,7 +22,7 @@ from fusionllm.transport.rpc import RpcClient, RpcServer
 
 from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
 from .dashboard import Dashboard
-from .hier_join import HierJoinMixin
+from .hier_pauses import HierPauseMixin
 from .hierarchical import HierarchicalMixin
 from .membership import Membership
 from .recovery import RecoveryMixin
@@ -33,7 +33,7 @@ from .task import RunTask
 from .training import TrainingMixin
 
 
-class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, HierarchicalMixin, HierJoinMixin):
+class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, HierarchicalMixin, HierPauseMixin):
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
                  on_ready: Callable[[int], None] = lambda _: None) -> None:
         self.train, self.cluster, self.task = train, cluster, task

@@ -7,8 +7,8 @@ pseudo-gradient (``OuterSync`` with ``send``), and then applies the average of a
 overlap the previous one (sent one round ago, so it is there), without overlap this one. Which
 groups a round's average holds is decided here, once, for all groups: those that sent it; a group
 that has not sent within a round's time (or died) is left out, and the others go on. A group whose
-worker dies leaves the run; the others finish it. Workers that join mid-run form a new group
-(``hier_join.py``). Checkpoints are not written in this mode yet.
+worker dies leaves the run; the others finish it. Between two rounds the groups can pause
+(``hier_pauses.py``): for a checkpoint, and for workers that joined mid-run to form a new group.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
 from .config import Run, WorkerLost
+from .hier_pauses import checkpoint_rounds, resume_round
 from .limits import check_message_sizes
 
 
@@ -63,8 +64,11 @@ class HierRun:
     first_round: dict[int, int] = field(default_factory=dict)  # a group that joined: the first round it takes part in
     current: dict[int, int] = field(default_factory=dict)  # group -> the round it is in
     data_base: dict[int, int] = field(default_factory=dict)  # a group that joined: its batches are data_base + i
-    join_at: int | None = None  # a join is under way: the groups pause at the start of this round (hier_join.py)
-    arrived: set[int] = field(default_factory=set)  # groups paused for the join
+    pauses: set[int] = field(default_factory=set)  # rounds before which every group pauses (hier_pauses.py)
+    ckpt_rounds: set[int] = field(default_factory=set)  # the pauses that write a checkpoint
+    join_at: int | None = None  # the pause at which the spares form a new group
+    resumed: int = 0  # the last pause done
+    arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
 
     def expected(self, r: int) -> set[int]:
@@ -91,7 +95,9 @@ class HierarchicalMixin:
         if c.eval_every and (t.batch_size % batch):
             raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
         graph = await asyncio.to_thread(self.task.trace, batch // c.micro_batches)
-        states = [await asyncio.to_thread(self.task.initial_state)]
+        self.start_step = 0
+        load = self._resume(graph) if c.resume else None  # the outer weights and momentum of a hierarchical checkpoint
+        states = [] if load else [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -128,7 +134,7 @@ class HierarchicalMixin:
         codec = parse_codec(c.compress)
         if batch != t.batch_size:  # every group reads batches of its own size; validation: the same windows, in smaller batches
             self.data_spec = replace(self.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
-        await asyncio.gather(*(self._assign(run, addresses, states, None, codec) for run in runs.values()))
+        await asyncio.gather(*(self._assign(run, addresses, states, load, codec) for run in runs.values()))
         if batch != t.batch_size and any(run.fed for run in runs.values()):
             raise FusionError("--group-batch needs workers that read their own data (some cannot: see above); leave it out")
         steps_per_round = max(g.inner_steps for g in hier.groups)
@@ -145,8 +151,14 @@ class HierarchicalMixin:
         base = min(g.inner_steps for g in hier.groups)
         lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
         self.plan_record["round_lengths"] = {str(k): v for k, v in lengths.items()}
-        return HierRun(hier, graph, runs, len(lengths[hier.groups[0].index]), alive={g.index for g in hier.groups}, lengths=lengths,
-                       n_data=len(hier.groups), current={g.index: 0 for g in hier.groups})
+        ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
+        start = resume_round(ref, self.start_step) if load else 0
+        if load:
+            self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
+        ckpt = checkpoint_rounds(ref, c.checkpoint_every)
+        return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
+                       current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
+                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start)
 
     async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
         from fusionllm.control.hierarchy_planning import choose_hier_plan
@@ -185,7 +197,7 @@ class HierarchicalMixin:
         hr.result = TrainResult(num_params=hr.graph.num_params())
         hr.started = time.perf_counter()
         hr.loops = {g: asyncio.create_task(self._group_loop(hr, g, metrics)) for g in hr.runs}
-        watcher = asyncio.create_task(self._watch_joins(hr, metrics))
+        watcher = asyncio.create_task(self._pauser(hr, metrics))
         try:
             while pending := [task for task in hr.loops.values() if not task.done()]:  # a group that joins adds a loop
                 await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
@@ -199,6 +211,8 @@ class HierarchicalMixin:
         if not hr.alive:
             raise FusionError("every group left the run (see the messages above)")
         hr.result.elapsed_s = hr.elapsed()
+        if self.cluster.checkpoint_every and hr.current:  # the end: every average applied, the same outer weights everywhere
+            await self._checkpoint_hier(hr, hr.rounds)
         metrics.write({"event": "outer_bytes", "bytes": hr.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
@@ -255,8 +269,8 @@ class HierarchicalMixin:
             hr.round_s[g] = time.perf_counter() - began
             if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < len(lengths):
                 evaluate = k  # once every fragment of this round is applied
-            if hr.join_at == k + 1:  # a group joins: every average so far is applied, then the groups pause
-                await self._join_barrier(hr, g, pending, metrics)
+            if k + 1 in hr.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
+                await self._pause(hr, g, k + 1, pending, metrics)
                 if evaluate is not None:
                     await self._evaluate_outer(hr, run, eval_n, evaluate, metrics)
                     evaluate = None

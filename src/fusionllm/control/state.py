@@ -73,11 +73,14 @@ class StateMixin:
             raise FusionError(f"evaluation: got {len(losses)} micro-batch losses, expected {batches * run.plan.micro_batches}")
         return sum(losses) / len(losses)
 
-    async def _checkpoint(self, run: Run, done: int) -> None:
+    async def _checkpoint(self, run: Run, done: int, *, outer: bool = False, extra: dict | None = None, plan_json: str | None = None) -> None:
+        """Every stage's shard, then the manifest. ``outer`` (hierarchical mode): the shards hold
+        ``run``'s group's outer weights and momentum (``extra`` goes into ``state.json``)."""
         tmp, final = begin_checkpoint(self.cluster.checkpoint_dir or "", done)
 
         async def save(stage: int, w: int) -> ShardSaved:
-            return ShardSaved.from_wire(await run.clients[w].call("SaveShard", SaveShard(str(tmp), done).to_wire(), timeout=self.cluster.step_timeout))
+            msg = SaveShard(str(tmp), done, outer=outer).to_wire()
+            return ShardSaved.from_wire(await run.clients[w].call("SaveShard", msg, timeout=self.cluster.step_timeout))
 
         saved = dict(zip([s.index for s in run.plan.stages],
                          await asyncio.gather(*(save(s.index, s.workers[0]) for s in run.plan.stages)), strict=True))
@@ -85,13 +88,14 @@ class StateMixin:
         for k, shard in saved.items():
             path = tmp / f"stage-{k}.safetensors"
             if not (path.is_file() and path.stat().st_size == shard.nbytes):  # written on another machine: fetch it
-                data = (await self._stage_states(run, {k}))[k]
+                data = await self._read_state(run, next(s.workers[0] for s in run.plan.stages if s.index == k), outer=outer)
                 _, digest = await asyncio.to_thread(write_shard, tmp, k, data)
                 shard = ShardSaved(str(path), len(data), digest)
             shards[str(k)] = {"nbytes": shard.nbytes, "sha256": shard.sha256}
         state = {"step": done, "data_position": done, "train": asdict(self.train), "shards": shards,
-                 "cluster": {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls")}}
-        files = {"plan.json": self._plan_json, "graph.json": self._graph_json, "state.json": json.dumps(state, indent=1)}
+                 "cluster": {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls")}, **(extra or {})}
+        files = {"plan.json": plan_json or self._plan_json, "graph.json": run.graph.to_json() if outer else self._graph_json,
+                 "state.json": json.dumps(state, indent=1)}
         await asyncio.to_thread(finish_checkpoint, tmp, final, files)
         self.say(f"checkpoint {final}")
 

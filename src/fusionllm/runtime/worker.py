@@ -426,11 +426,26 @@ class Worker:
                 out.losses[str(j)] = {str(mb): v for mb, v in losses.items()}
         return out.to_wire()
 
+    @staticmethod
+    def _outer_blob(runtime: StageRuntime, outer: OuterState) -> bytes:
+        """The outer weights and momentum, and the stage's tensors no outer step touches (buffers,
+        frozen weights: this group's), as safetensors (NumPy: the same bytes as every backend's)."""
+        tensors = {k: runtime.backend.to_host(v) for k, v in runtime.state_tensors().items()
+                   if k.startswith("param/") and k.removeprefix("param/") not in outer.anchor}
+        tensors.update(outer.outer_tensors())
+        return st_save(tensors)
+
     async def _on_save_shard(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write this stage's weights and AdamW state into the checkpoint directory being made."""
         runtime = self._runtime("SaveShard")
         req = SaveShard.from_wire(msg)
-        data = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
+        outer = self.outer
+        if req.outer and outer is None:
+            raise FusionError("SaveShard(outer): this worker was assigned no hierarchical plan")
+        if req.outer and outer is not None:
+            data = await asyncio.to_thread(self._outer_blob, runtime, outer)
+        else:
+            data = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
         path, digest = await asyncio.to_thread(write_shard, req.directory, runtime.stage.index, data)
         return ShardSaved(str(path), len(data), digest).to_wire()
 
@@ -442,8 +457,8 @@ class Worker:
             raise FusionError("GetState(outer): this worker was assigned no hierarchical plan")
         if req.offset == 0 or self._state_blob is None:
             outer = self.outer
-            if req.outer and outer is not None:  # NumPy arrays: the same safetensors bytes as every backend writes
-                self._state_blob = await asyncio.to_thread(lambda: st_save(outer.outer_tensors()))
+            if req.outer and outer is not None:
+                self._state_blob = await asyncio.to_thread(self._outer_blob, runtime, outer)
             else:
                 self._state_blob = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
         blob = self._state_blob

@@ -282,10 +282,12 @@ class Evaluated(Message):
 
 @dataclass
 class SaveShard(Message):
-    """Write this stage's weights and optimizer state as ``directory/stage-<k>.safetensors``."""
+    """Write this stage's weights and optimizer state as ``directory/stage-<k>.safetensors`` (``outer``,
+    hierarchical mode: the outer weights as ``param/<name>`` and the outer momentum)."""
 
     directory: str
     step: int
+    outer: bool = False
 
 
 @dataclass

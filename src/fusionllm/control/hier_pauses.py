@@ -1,0 +1,198 @@
+"""Hierarchical mode's pauses: between two rounds every group stops, so a checkpoint can be written
+and workers that joined mid-run can form a new group, from one consistent outer state.
+
+A pause at round ``p``:
+
+1. Every group, at the end of round ``p - 1``, applies every average it has not applied yet (a
+   blocking sync of what the overlap would have applied later), then waits. Now every group holds
+   the same outer weights and momentum: those after round ``p - 1``.
+2. The coordinator does the pause's work: a checkpoint (the outer weights and momentum, one shard
+   per stage of one group, ``SaveShard`` with ``outer``), and the join of the spares that
+   registered since the last pause (below).
+3. The groups go on.
+
+Checkpoints pause at the end of the first round whose steps (counted in the slowest group) reach a
+multiple of ``--checkpoint-every``, and the run ends with one. ``--resume`` starts every group
+from the newest one, at the round after it: the outer weights and momentum as they were; the inner
+AdamW state starts empty (each group had its own).
+
+**Joining.** A worker that registers while a hierarchical run is under way is a spare
+(``membership.py``). Every ``POLL_S`` the coordinator looks for spares; it schedules a pause at
+the round after the latest one any group has started (or joins at an earlier pause already
+scheduled), and there the spares form one new group: a pipeline over them, stages balanced by
+parameters (``make_plan``). The coordinator reads the outer weights and momentum from one group's
+workers (``GetState`` with ``outer``), assigns the new group's workers with them (their local
+weights start as the outer ones; AdamW starts empty), and sends every other worker the new
+HierPlan (``Regroup``: who sends which parameter to whom, and the new workers' addresses). The new
+group reads batches no other group reads, runs as many inner steps per round as the slowest group
+(its speed is not known yet), at the learning rate of the schedule's position; its deltas are
+averaged, weighted by tokens, from its first round on. Groups that died are dropped from the new
+plan. Spares that come when no round is left stay idle.
+
+A pause costs one blocking sync; a join also the copy of the outer state through the coordinator
+(as a re-plan copies the weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import replace
+from typing import Any
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.errors import FusionError
+from fusionllm.core.metrics import JsonlWriter
+from fusionllm.schedule.hierarchy import GroupPlan, remap
+from fusionllm.schedule.plan import make_plan
+from fusionllm.schedule.validate import validate_plan
+from fusionllm.transport.control import WORKER_SERVICE, Regroup
+from fusionllm.transport.rpc import RpcClient
+
+from .capabilities import place
+from .config import Run
+from .limits import check_message_sizes
+
+POLL_S = 0.5  # how often the coordinator looks for workers that joined
+
+
+def checkpoint_rounds(lengths: list[int], every: int) -> set[int]:
+    """The pauses (round indices ``p``: before round ``p`` starts) at which a checkpoint is written:
+    after the first round whose cumulative steps ``lengths`` reach each multiple of ``every``."""
+    out, done = set(), 0
+    for k, h in enumerate(lengths[:-1]):  # the run's end writes the last one
+        if every and (done + h) // every > done // every:
+            out.add(k + 1)
+        done += h
+    return out
+
+
+def resume_round(lengths: list[int], step: int) -> int:
+    """The round to start from when ``step`` steps (of the slowest group) are done."""
+    done, k = 0, 0
+    while k < len(lengths) and done + lengths[k] <= step:
+        done += lengths[k]
+        k += 1
+    return k
+
+
+class HierPauseMixin:
+    """The coordinator's pauses of a hierarchical run (``Coordinator`` mixes it in)."""
+
+    async def _pauser(self, hr: Any, metrics: JsonlWriter) -> None:
+        """Schedules pauses for spares, and does each pause's work once every group waits at it."""
+        ignored: set[int] = set()
+        while True:
+            async with hr.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(hr.changed.wait(), POLL_S)
+            spares = sorted(self.membership.spares - ignored)
+            if spares and hr.alive and hr.join_at is None:
+                k0 = max(hr.current[g] for g in hr.alive) + 1
+                if k0 >= hr.rounds:
+                    self.say(f"worker(s) {spares} joined, but no outer round is left to join: they stay idle")
+                    ignored |= set(spares)
+                else:
+                    later = [p for p in hr.pauses if p > hr.resumed and p >= k0]
+                    hr.join_at = min(later) if later else k0
+                    hr.pauses.add(hr.join_at)
+                    self.say(f"worker(s) {spares} joined: they form a new group at outer round {hr.join_at}")
+            upcoming = [p for p in hr.pauses if p > hr.resumed]
+            if not upcoming or not hr.alive or not hr.alive <= hr.arrived:
+                continue
+            p = min(upcoming)
+            try:
+                if p in hr.ckpt_rounds:
+                    await self._checkpoint_hier(hr, p)
+                if hr.join_at == p:
+                    joining = sorted(self.membership.spares - ignored)
+                    try:
+                        await self._join_group(hr, joining, p, metrics)
+                    except FusionError as exc:
+                        self.say(f"worker(s) {joining} could not join as a group: {exc}; they stay idle")
+                        metrics.write({"event": "join_failed", "workers": joining, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+                        ignored |= set(joining)
+            finally:
+                async with hr.changed:
+                    hr.join_at = None if hr.join_at == p else hr.join_at
+                    hr.resumed = p
+                    hr.arrived.clear()
+                    hr.changed.notify_all()
+
+    async def _pause(self, hr: Any, g: int, p: int, pending: list[tuple[int, int, int]], metrics: JsonlWriter) -> None:
+        """Group ``g`` at the end of round ``p - 1``: apply what it has not applied, then wait for
+        the pause's work to be done."""
+        paused = time.perf_counter()
+        for _, f, r in sorted(pending, key=lambda x: (x[2], x[1])):
+            await self._outer_sync(hr, g, f, r, 0, [r], metrics, send=False)
+        pending.clear()
+        async with hr.changed:
+            hr.arrived.add(g)
+            hr.changed.notify_all()
+            while hr.resumed < p and g in hr.alive:
+                await hr.changed.wait()
+        metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
+                       "elapsed_s": round(hr.elapsed(), 4)})
+
+    async def _checkpoint_hier(self, hr: Any, p: int) -> None:
+        """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group."""
+        ref = min((g for g in hr.hier.groups if g.index in hr.alive), key=lambda g: g.inner_steps)
+        step = sum(hr.lengths[ref.index][:p])
+        run = hr.runs[min(hr.alive)]
+        await self._checkpoint(run, step, outer=True, extra={"sync": "hierarchical", "round": p}, plan_json=hr.hier.to_json())
+
+    async def _join_group(self, hr: Any, workers: list[int], k0: int, metrics: JsonlWriter) -> None:
+        if not workers:
+            return
+        began = time.perf_counter()
+        index, source = await self._add_group(hr, workers, k0)
+        hr.loops[index] = asyncio.create_task(self._group_loop(hr, index, metrics))
+        event = {"event": "group_joined", "group": index, "workers": workers, "round": k0, "source_group": source,
+                 "seconds": round(time.perf_counter() - began, 3), "elapsed_s": round(hr.elapsed(), 4)}
+        metrics.write(event)
+        self.status.event(event)
+        self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
+                 f"with group {source}'s outer weights and momentum")
+
+    async def _add_group(self, hr: Any, workers: list[int], k0: int) -> tuple[int, int]:
+        """Plan, assign and announce the new group; returns its index and the group its state came from."""
+        c = self.cluster
+        members = self.membership.members
+        source = min(hr.alive)
+        src = hr.runs[source]
+        states = [await self._read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
+        plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=c.micro_batches), workers)
+        infos = {w: m.info for w, m in members.items()}
+        plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.task.refused_ops)
+        programs = await asyncio.to_thread(validate_plan, hr.graph, plan)
+        await asyncio.to_thread(check_message_sizes, hr.graph, plan)
+        live = [g for g in hr.hier.groups if g.index in hr.alive]
+        ref = min(live, key=lambda g: g.inner_steps)  # the slowest group's H: the new group's speed is not known yet
+        index = max(g.index for g in hr.hier.groups) + 1
+        hier = replace(hr.hier, groups=[*live, GroupPlan(index, plan, ref.inner_steps)])
+        text = hier.to_json()
+        addresses = {m.id: m.address for m in members.values()}
+        clients = src.clients  # one dict, shared by every group's Run
+        for w in workers:
+            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls)
+        run = Run(hr.graph, plan, clients, actions=programs)
+        run.hier = text
+        await self._assign(run, addresses, states, None, parse_codec(c.compress))
+        if run.fed and self._group_batch() != self.train.batch_size:
+            raise FusionError("--group-batch needs workers that read their own data")
+        new = {str(w): addresses[w] for w in workers}
+        data = {str(w): str(members[w].info["data_address"]) for w in workers if members[w].info.get("data_address")}
+        old = [w for g in live for w in g.workers]
+        await asyncio.gather(*(clients[w].call("Regroup", Regroup(text, new, data).to_wire(), timeout=c.step_timeout) for w in old))
+        for r in hr.runs.values():
+            r.hier = text
+        hr.hier = hier
+        hr.runs[index] = run
+        hr.lengths[index] = list(hr.lengths[ref.index])
+        hr.first_round[index] = hr.current[index] = k0
+        longest = max(sum(x) for x in hr.lengths.values())
+        hr.data_base[index] = (hr.n_data + len(hr.data_base)) * longest  # past every batch another group reads
+        hr.alive.add(index)
+        self.membership.spares -= set(workers)
+        return index, source
