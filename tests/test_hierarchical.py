@@ -220,8 +220,8 @@ def test_bad_hierarchical_settings_fail_with_one_line() -> None:
         cluster_config(3, sync="hierarchical")
     with pytest.raises(ConfigError, match="--groups"):
         cluster_config(3, sync="hierarchical", groups=[[0, 1], [1, 2]])
-    with pytest.raises(ConfigError, match="adatopk"):
-        cluster_config(2, sync="hierarchical", groups=[[0], [1]], compress="adatopk")
+    with pytest.raises(ConfigError, match="--group-batch"):
+        cluster_config(2, sync="hierarchical", groups=[[0], [1]], group_batch=0)
     with pytest.raises(ConfigError, match="--sync"):
         cluster_config(2, sync="async")
 

@@ -216,3 +216,20 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
     after = sorted(r["step_s"] for r in records[i + 3 :])
     assert after[len(after) // 2] < 0.5 * slow, (slow, after)  # the new plan avoids the choked link
     assert max(r["step"] for r in records if "step" in r) == 29 and "re-planning" in text
+
+
+@needs_root
+def test_adatopk_inside_a_hierarchical_group_compresses_its_slow_link(tmp_path: Path) -> None:
+    """Groups by hand across the sites: each group's own AdaTopK policy compresses its 20 Mbit/s link."""
+    out = tmp_path / "hier.jsonl"
+    proc = subprocess.run(
+        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--sync", "hierarchical", "--groups", "0,2/1,3",
+         "--inner-steps", "4", "--compress", "adatopk", "--model", "gpt-micro", "--steps", "16", "--batch-size", "8", "--seq-len", "64",
+         "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r]
+    last = {g: [r for r in records if r["group"] == g][-1] for g in (0, 1)}
+    assert last[0]["ratios"]["w0->w2"] < 1 and last[1]["ratios"]["w1->w3"] < 1, last
+    assert "group 0 adatopk: compressed links" in proc.stderr + proc.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.config import TrainConfig
@@ -72,8 +73,6 @@ class ClusterConfig:
         if self.sync not in ("synchronous", "hierarchical"):
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
         if self.sync == "hierarchical":
-            if parse_codec(self.compress).kind == "adatopk":
-                raise ConfigError("--sync hierarchical takes a fixed --compress inside the groups (e.g. q8, topk:0.1), not adatopk yet")
             if self.replicas:
                 raise ConfigError("--sync hierarchical forms its groups itself (or from --groups); leave out --replicas")
             if not self.scheduler and not self.groups:
@@ -117,6 +116,7 @@ class Run:
     bytes_before: dict[str, int] = field(default_factory=dict)
     fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches
     hier: str | None = None  # hierarchical mode: the HierPlan's JSON, sent with every assignment (``plan`` is the group's)
+    policy: Any = None  # hierarchical mode with --compress adatopk: this group's LinkPolicy (the synchronous run's is the coordinator's)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from .capabilities import backend_of, place
 from .config import Run, WorkerLost
 from .hier_pauses import checkpoint_rounds, resume_round
 from .limits import check_message_sizes
+from .training import observe_policy, ratios_of
 
 
 @dataclass
@@ -70,6 +71,7 @@ class HierRun:
     resumed: int = 0  # the last pause done
     arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
+    observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
 
     def expected(self, r: int) -> set[int]:
         """The live groups that take part in round ``r`` (a group that joined later does not)."""
@@ -132,6 +134,8 @@ class HierarchicalMixin:
             run.hier = text
         self._print_hier(hier, graph, addresses)
         codec = parse_codec(c.compress)
+        if codec.kind == "adatopk":  # each group's own link policy, as a synchronous plan's
+            await self._group_policies(graph, hier, runs, clients)
         if batch != t.batch_size:  # every group reads batches of its own size; validation: the same windows, in smaller batches
             self.data_spec = replace(self.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
         await asyncio.gather(*(self._assign(run, addresses, states, load, codec) for run in runs.values()))
@@ -159,6 +163,17 @@ class HierarchicalMixin:
         return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
                        current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
                        pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start)
+
+    async def _group_policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
+        from fusionllm.control.adatopk import adatopk_policy
+        from fusionllm.schedule.plan import Request
+
+        cost = await self._cost(graph, clients)
+        for g in hier.groups:
+            req = Request(self._group_batch(), self.train.seq_len, g.plan.micro_batches)
+            runs[g.index].policy, _ = await asyncio.to_thread(adatopk_policy, g.plan, cost, req)
+            slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in runs[g.index].policy.ratios().items() if r < 1}
+            self.say(f"  group {g.index} adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
 
     async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
         from fusionllm.control.hierarchy_planning import choose_hier_plan
@@ -286,7 +301,8 @@ class HierarchicalMixin:
     async def _inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, metrics: JsonlWriter) -> None:
         t = self.train
         batch = self.task.batch(data_step) if run.fed else None
-        calls = {w: self._call_step(run, w, Step(data_step, lr, self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None))
+        calls = {w: self._call_step(run, w, Step(data_step, lr, self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None,
+                                                 ratios_of(run.policy, w)))
                  for w in run.plan.workers}
         replies: dict[int, StepDone] = await self._step_calls(run, calls)
         if any(rep.failed is not None or rep.aborted for rep in replies.values()):
@@ -306,6 +322,9 @@ class HierarchicalMixin:
             "grad_norm": next(iter(replies.values())).grad_norm, "step_s": round(max(rep.seconds for rep in replies.values()), 4),
             "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
         }
+        if run.policy is not None:
+            observe_policy(run.policy, replies, record, learn=g in hr.observed)  # the first step's sends also open the connections
+            hr.observed.add(g)
         hr.steps += 1
         metrics.write(record)
         self.status.step(record)

@@ -55,7 +55,7 @@ class TrainingMixin:
             batch = self.task.batch(step) if run.fed else None
             calls = {}
             for w in run.plan.workers:
-                ratios = {str(b): r for (a, b), r in self.policy.ratios().items() if a == w} if self.policy is not None else None
+                ratios = ratios_of(self.policy, w)
                 inputs = self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
                 calls[w] = self._call_step(run, w, Step(step, lr, inputs, ratios))
             replies: dict[int, StepDone] = await self._step_calls(run, calls)
@@ -104,16 +104,8 @@ class TrainingMixin:
             for dst, (nbytes, busy, *_) in rep.link_stats.items():
                 got, took = self._links.get((w, int(dst)), (0, 0.0))
                 self._links[(w, int(dst))] = (got + int(nbytes), took + busy)
-        if self.policy is None:
-            return
-        record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in self.policy.ratios().items()}
-        if step > self.start_step:  # the first step's sends also open the connections
-            for w, rep in replies.items():
-                for dst, (nbytes, busy, *messages) in rep.link_stats.items():
-                    self.policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
-                    record.setdefault("link_stats", {})[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
-        record["link_fit"] = {f"w{a}->w{b}": [round(self.policy.bps[(a, b)]), round(self.policy.fixed_s.get((a, b), 0.0), 5)]
-                              for (a, b) in self.policy.loads if (a, b) in self.policy.bps}
+        if self.policy is not None:
+            observe_policy(self.policy, replies, record, learn=step > self.start_step)  # the first step's sends also open the connections
 
     # ---- a plan gone wrong -------------------------------------------------------------------------
     def _check_plan(self, run: Run, done: int) -> None:
@@ -169,3 +161,21 @@ class TrainingMixin:
         w, info = min(failed, key=lambda f: ("Timeout" in f[1].error, f[0]))
         grid = format_grid({f"worker {k}": v for k, v in sorted(run.actions.items())}, (f"worker {w}", info.index))
         raise FusionError(f"step {step} failed on worker {w} at {info.action}: {info.error}\naction grid (the failing action is marked !):\n{grid}")
+
+
+def ratios_of(policy: Any, worker: int) -> dict[str, float] | None:
+    """What a Step tells ``worker`` about its links' AdaTopK ratios (None: no policy)."""
+    return {str(b): r for (a, b), r in policy.ratios().items() if a == worker} if policy is not None else None
+
+
+def observe_policy(policy: Any, replies: dict[int, StepDone], record: dict[str, Any], *, learn: bool) -> None:
+    """AdaTopK's policy sees the links' measured bytes and busy time (``learn``); the step record gets
+    the ratios in force and the fitted links."""
+    record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in policy.ratios().items()}
+    if learn:
+        for w, rep in replies.items():
+            for dst, (nbytes, busy, *messages) in rep.link_stats.items():
+                policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
+                record.setdefault("link_stats", {})[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
+    record["link_fit"] = {f"w{a}->w{b}": [round(policy.bps[(a, b)]), round(policy.fixed_s.get((a, b), 0.0), 5)]
+                          for (a, b) in policy.loads if (a, b) in policy.bps}
