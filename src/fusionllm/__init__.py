@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fusionllm.graph.ir import OpGraph
+    from fusionllm.models.task import Task
 
 
 def trace(module: Any, example_inputs: Any, **kwargs: Any) -> OpGraph:
@@ -17,4 +18,13 @@ def trace(module: Any, example_inputs: Any, **kwargs: Any) -> OpGraph:
     return _trace(module, example_inputs, **kwargs)
 
 
-__all__ = ["__version__", "trace"]
+def __getattr__(name: str) -> Any:
+    """``fusionllm.Task`` (models/task.py), imported on first use: a NumPy worker imports no torch."""
+    if name == "Task":
+        from fusionllm.models.task import Task
+
+        return Task
+    raise AttributeError(f"module 'fusionllm' has no attribute {name!r}")
+
+
+__all__ = ["Task", "__version__", "trace"]

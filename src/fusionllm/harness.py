@@ -32,7 +32,7 @@ from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import load_backend
 from fusionllm.runtime.worker import Worker, WorkerConfig
-from fusionllm.task import LMTask
+from fusionllm.task import run_task
 
 HOST = "127.0.0.1"
 log = get_logger("harness", "harness")
@@ -84,7 +84,7 @@ class InProcessCluster:
         self.token = secrets.token_hex(32)
         base = cluster if cluster is not None else ClusterConfig(listen=f"{HOST}:0", token=self.token, workers=count)
         self.train = train
-        self.task = task if task is not None else LMTask(train)
+        self.task = task if task is not None else run_task(train)
         self.cluster = replace(base, listen=f"{HOST}:0", token=self.token, workers=count)
         self.backends = list(backends) if backends is not None else ["torch"] * count
         if worker_options is None or isinstance(worker_options, Mapping):

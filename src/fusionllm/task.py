@@ -1,8 +1,10 @@
-"""The language-model task the coordinator runs (``control.task.RunTask`` for ``--model``).
+"""The tasks the coordinator runs (``control.task.RunTask``): ``LMTask`` for ``--task lm`` (the
+language models of ``--model``), ``UserTask`` for any other ``fusionllm.Task`` (``--task vision``,
+``--task package.module:factory``); ``run_task`` picks one.
 
-It builds the model from its spec and seed, traces it, times its ops on this machine, reads the
-corpus and draws the batches: everything the coordinator needs from torch, models and data, kept
-out of ``control`` so that the coordinator imports only the layers under it.
+They build the model from its spec and seed, trace it, time its ops on this machine, read the data
+and draw the batches: everything the coordinator needs from torch, models and data, kept out of
+``control`` so that the coordinator imports only the layers under it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,22 @@ from fusionllm.cost.work import OpWork
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models.spec import build_model
+from fusionllm.models.task import (
+    Task,
+    batch_digest,
+    build_task_model,
+    load_task,
+    task_options,
+    task_settings,
+)
 from fusionllm.runtime.checkpoint import pack_tensors
-from fusionllm.runtime.model_graph import graph_source, model_tensors, root_source, trace_lm
+from fusionllm.runtime.model_graph import (
+    graph_source,
+    model_tensors,
+    root_source,
+    trace_lm,
+    trace_task,
+)
 from fusionllm.runtime.profile import estimate, matmul_flops
 from fusionllm.runtime.worker_data import corpus_digest
 from fusionllm.transport.control import DataSpec
@@ -30,6 +46,13 @@ VAL_FRACTION = 0.1
 class LMTask:
     def __init__(self, train: TrainConfig) -> None:
         self.train = train
+
+    @property
+    def items_per_row(self) -> int:
+        return self.train.seq_len
+
+    def configure(self, train: TrainConfig) -> TrainConfig:
+        return train
 
     @functools.cached_property
     def model(self) -> torch.nn.Module:
@@ -78,3 +101,70 @@ class LMTask:
         from fusionllm.npexec.executor import can_run
 
         return can_run(graph, node_ids)
+
+
+class UserTask:
+    """Any ``fusionllm.Task`` as the coordinator's RunTask."""
+
+    def __init__(self, train: TrainConfig) -> None:
+        self.train = train
+        self.batch_size = train.batch_size
+
+    @property
+    def items_per_row(self) -> int:
+        return self.task.items_per_row
+
+    def configure(self, train: TrainConfig) -> TrainConfig:
+        return task_settings(train, self.task)
+
+    @functools.cached_property
+    def task(self) -> Task:
+        return load_task(self.train.task, task_options(self.train, self.batch_size))
+
+    @functools.cached_property
+    def model(self) -> torch.nn.Module:
+        return build_task_model(self.task, self.train.seed)
+
+    def trace(self, micro_batch_size: int) -> OpGraph:
+        return trace_task(self.task, self.model, micro_batch_size,
+                          source={"task": self.train.task, "options": task_options(self.train, self.batch_size)})
+
+    def initial_state(self) -> bytes:
+        return pack_tensors({f"param/{k}": v for k, v in model_tensors(self.model).items()})
+
+    def estimate(self, graph: OpGraph) -> dict[str, OpWork]:
+        return estimate(graph, source=graph_source(graph) or root_source(self.model), calibrate=True)
+
+    def reference_flops(self) -> float:
+        return matmul_flops("cpu", threads=1, seconds=0.5)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return self.task.digest or batch_digest(self.task)
+
+    def data_spec(self, eval_batches: int) -> DataSpec:
+        t = self.train
+        return DataSpec(source=t.data, seed=t.seed, batch_size=self.batch_size, seq_len=t.seq_len, val_fraction=0.0, digest=self.digest,
+                        eval_batches=eval_batches, task=t.task, options={k: str(v) for k, v in task_options(t, self.batch_size).items()
+                                                                         if v is not None})
+
+    def batch(self, step: int) -> tuple[np.ndarray, ...]:
+        return self.task.batch(step)
+
+    def eval_batch(self, index: int, eval_batches: int) -> tuple[np.ndarray, ...]:
+        return self.task.val(index)
+
+    def eval_count(self, eval_batches: int) -> int:
+        return min(eval_batches, self.task.val_batches)
+
+    def refused_ops(self, backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]:
+        if backend != "numpy":
+            return []
+        from fusionllm.npexec.executor import can_run
+
+        return can_run(graph, node_ids)
+
+
+def run_task(train: TrainConfig) -> LMTask | UserTask:
+    """The coordinator's task for ``--task``."""
+    return LMTask(train) if train.task == "lm" else UserTask(train)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from fusionllm.cli.common import console, user_errors
-from fusionllm.cli.options import ModelOpt, SeedOpt
+from fusionllm.cli.options import DataOpt, ImageSizeOpt, ModelOpt, SeedOpt, TaskOpt
 
 
 @user_errors
@@ -20,18 +20,32 @@ def verify(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 32,
     device: Annotated[str, typer.Option(help="cpu or cuda:N (reference and stages both run there).")] = "cpu",
+    task: TaskOpt = "lm",
+    data: DataOpt = None,
+    image_size: ImageSizeOpt = 32,
 ) -> None:
-    """Split a model's OpGraph into random stages, run it through the executor, compare with autograd."""
-    from fusionllm.runtime.verify import TOLERANCE, verify_spec
+    """Split a model's OpGraph into random stages, run it through the executor, compare with autograd
+    (a task's model in training mode, its buffers included)."""
+    from fusionllm.runtime.verify import TOLERANCE, verify_spec, verify_task
 
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/dim]")
 
-    report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device, progress=say)
+    if task == "lm":
+        report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device, progress=say)
+        what = "loss and every parameter gradient"
+    else:
+        from fusionllm.models.task import build_task_model, load_task
+
+        if task == "vision" and model == "gpt-mini":
+            model = "resnet18"
+        made = load_task(task, {"model": model, "data": data, "seed": seed, "batch_size": batch_size, "seq_len": seq_len, "image_size": image_size})
+        report = verify_task(made, build_task_model(made, seed), parts=parts, seed=seed, device=device, progress=say)
+        what = "loss, every parameter gradient and every floating-point buffer, in training mode"
     worst = sorted(report.errors.items(), key=lambda kv: -kv[1])[:5]
-    print(f"model={model} ops={report.nodes} stages={report.stages} wire_bytes={report.bytes_on_wire}")
+    print(f"{'model' if task == 'lm' else 'task=' + task + ' model'}={model} ops={report.nodes} stages={report.stages} wire_bytes={report.bytes_on_wire}")
     print(f"loss reference={report.loss_reference:.6f} split={report.loss_split:.6f}")
-    print(f"compared {len(report.errors)} tensors (loss and every parameter gradient); largest errors:")
+    print(f"compared {len(report.errors)} tensors ({what}); largest errors:")
     for name, err in worst:
         print(f"  {name}: {err:.3e}")
     print("PASS" if report.ok else f"FAIL: above tolerance {TOLERANCE:g}")

@@ -9,13 +9,16 @@ import typer
 
 from fusionllm.core.errors import ConfigError
 
-ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl) or package.module:factory.")]
+ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl; resnet18 .. resnet152 with --task vision) or package.module:factory.")]
+TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the default), vision (ResNets on images) or package.module:factory returning a fusionllm.Task.")]
+ImageSizeOpt = Annotated[int, typer.Option("--image-size", help="--task vision: images are resized to this many pixels square.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
 SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
 LrOpt = Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")]
-DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source.")]
+DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source. "
+                                                "--task vision: an image folder or a CIFAR-10 binary directory; default: synthetic images.")]
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]
@@ -71,3 +74,8 @@ def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragment
     return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
             "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking,
             "group_batch": group_batch}
+
+
+def task_model(task: str, model: str) -> str:
+    """``--model`` for ``--task``: the vision task's default model is resnet18 (not the LM default)."""
+    return "resnet18" if task == "vision" and model == "gpt-micro" else model

@@ -18,6 +18,7 @@ from fusionllm.cli.options import (
     CandidatesOpt,
     CompressOpt,
     FragmentsOpt,
+    ImageSizeOpt,
     InnerStepsOpt,
     MicroOpt,
     ModelOpt,
@@ -26,6 +27,8 @@ from fusionllm.cli.options import (
     OuterMomentumOpt,
     SeqOpt,
     SyncOpt,
+    TaskOpt,
+    task_model,
 )
 
 
@@ -74,6 +77,8 @@ def plan_cmd(
     outer_codec: OuterCodecOpt = None,
     outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
+    task: TaskOpt = "lm",
+    image_size: ImageSizeOpt = 32,
 ) -> None:
     """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck,
     and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
@@ -81,15 +86,16 @@ def plan_cmd(
 
     from fusionllm.control.hierarchy_planning import describe_hier, sync_report
     from fusionllm.control.planning import describe
-    from fusionllm.planner import offline, offline_hier
-    from fusionllm.schedule.plan import Request
+    from fusionllm.planner import offline, offline_hier, task_request
 
     _check_sync(sync)
-    req = Request(batch_size, seq_len, micro_batches)
+    model = task_model(task, model)
+    req = task_request(task, model, batch_size, seq_len, micro_batches, image_size)
+    on_task = {"task": task, "image_size": image_size}
     started = time.perf_counter()
     if sync == "hierarchical":
         _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, inner_steps=inner_steps, fragments=fragments,
-                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum)
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, **on_task)
         info = describe_hier(hier, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
         if as_json:
             print(json.dumps(info, indent=1))
@@ -97,7 +103,7 @@ def plan_cmd(
             _print_hier(info)
             print(f"planned in {info['planning_seconds']:.2f} s")
         return
-    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
     info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
     if as_json:
         print(json.dumps(info, indent=1))
@@ -133,24 +139,27 @@ def simulate(
     outer_codec: OuterCodecOpt = None,
     outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
+    task: TaskOpt = "lm",
+    image_size: ImageSizeOpt = 32,
 ) -> None:
     """Simulate one training step of the plan: step time, tokens/s, bubble, busy devices and links, the
     fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""
     import json
 
     from fusionllm.control.planning import compression_aware, with_compression
-    from fusionllm.planner import offline, offline_hier
-    from fusionllm.schedule.plan import Request
+    from fusionllm.planner import offline, offline_hier, task_request
     from fusionllm.sim.gantt import plot_gantt
     from fusionllm.sim.rounds import simulate_rounds
     from fusionllm.sim.simulator import simulate as run_sim
     from fusionllm.sim.utilization import sync_utilization
 
     _check_sync(sync)
-    req = Request(batch_size, seq_len, micro_batches)
+    model = task_model(task, model)
+    req = task_request(task, model, batch_size, seq_len, micro_batches, image_size)
+    on_task = {"task": task, "image_size": image_size}
     if sync == "hierarchical":
         _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, compress=compress, inner_steps=inner_steps, fragments=fragments,
-                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum)
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, **on_task)
         rounds = simulate_rounds(hier, cost, req)
         hout = rounds.to_json() | {"sync": "hierarchical", "scheduler": scheduler, "compress": compress, "groups": [g.workers for g in hier.groups],
                                    "fragments": len(hier.fragments), "codec": hier.codec, "link_codecs": hier.link_codecs}
@@ -163,7 +172,7 @@ def simulate(
             print(f"  group {g.index} on {g.workers}: H={h}, {st:.3f} s/step, waits {wt:.3f} s/round")
         print("  device utilization: " + " ".join(f"w{k}={v:.0%}" for k, v in rounds.device_busy.items()))
         return
-    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates)
+    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
     if compress == "adatopk" and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
         plan, _ = compression_aware(plan, cost, req)
     cost = with_compression(plan, cost, req, compress)

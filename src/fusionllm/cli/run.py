@@ -26,6 +26,7 @@ from fusionllm.cli.options import (
     GroupBatchOpt,
     GroupsOpt,
     HardwareOpt,
+    ImageSizeOpt,
     InnerStepsOpt,
     LrOpt,
     MetricsOpt,
@@ -44,12 +45,14 @@ from fusionllm.cli.options import (
     SeqOpt,
     StepsOpt,
     SyncOpt,
+    TaskOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
     WarmupOpt,
     hier_fields,
+    task_model,
 )
 from fusionllm.core.errors import FusionError
 
@@ -106,18 +109,20 @@ def coordinator(
     overlap_steps: OverlapStepsOpt = None,
     blocking_sync: BlockingOpt = False,
     group_batch: GroupBatchOpt = None,
+    task: TaskOpt = "lm",
+    image_size: ImageSizeOpt = 32,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
     from fusionllm.runtime.single import TrainConfig
-    from fusionllm.task import LMTask
+    from fusionllm.task import run_task
     from fusionllm.transport.auth import load_token
     from fusionllm.transport.tls import TlsFiles
 
     train_cfg = TrainConfig(
-        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0,
+        model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size,
     )
     cluster_cfg = ClusterConfig(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
@@ -138,7 +143,7 @@ def coordinator(
         console.print(msg, highlight=False, markup=False)
 
     with bar:
-        result = run_coordinator(train_cfg, cluster_cfg, LMTask(train_cfg), say=say, on_step=on_step)
+        result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step)
     summary(train_cfg.model, result, first, train_cfg.steps)
 
 

@@ -25,6 +25,7 @@ from fusionllm.cli.options import (
     FragmentsOpt,
     GroupBatchOpt,
     GroupsOpt,
+    ImageSizeOpt,
     InnerStepsOpt,
     LrOpt,
     MetricsOpt,
@@ -43,12 +44,14 @@ from fusionllm.cli.options import (
     SeqOpt,
     StepsOpt,
     SyncOpt,
+    TaskOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
     WarmupOpt,
     hier_fields,
+    task_model,
 )
 from fusionllm.core.errors import FusionError
 
@@ -112,14 +115,16 @@ def train(
     overlap_steps: OverlapStepsOpt = None,
     blocking_sync: BlockingOpt = False,
     group_batch: GroupBatchOpt = None,
+    task: TaskOpt = "lm",
+    image_size: ImageSizeOpt = 32,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
 
     config = TrainConfig(
-        model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
-        eval_batches=eval_batches,
+        eval_batches=eval_batches, task=task, image_size=image_size,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
@@ -159,9 +164,9 @@ def train(
     if backends:
         raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")
     bar, on_step, first = progress_bar(steps, "train")
-    with bar:
-        result = train_single(config, on_step)
-    summary(model, result, first, steps)
+    with bar:  # a task's reference accumulates the micro-batches a pipeline would run (BatchNorm sees the same rows)
+        result = train_single(config, on_step, micro_batches=1 if task == "lm" else micro_batches)
+    summary(config.model, result, first, steps)
 
 
 def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]:

@@ -36,7 +36,7 @@ from .training import TrainingMixin
 class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, HierarchicalMixin, HierPauseMixin):
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
                  on_ready: Callable[[int], None] = lambda _: None) -> None:
-        self.train, self.cluster, self.task = train, cluster, task
+        self.train, self.cluster, self.task = task.configure(train), cluster, task
         self.say, self.on_step, self.on_ready = say, on_step, on_ready
         if train.batch_size % cluster.micro_batches:
             raise ConfigError(f"--batch-size {train.batch_size} must be a multiple of --micro-batches {cluster.micro_batches}")

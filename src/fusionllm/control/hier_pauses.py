@@ -36,7 +36,6 @@ A pause costs one blocking sync; a join also the copy of the outer state through
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import replace
 from typing import Any
@@ -55,6 +54,27 @@ from .config import Run
 from .limits import check_message_sizes
 
 POLL_S = 0.5  # how often the coordinator looks for workers that joined
+
+
+async def wait_notified(cond: asyncio.Condition, timeout: float) -> None:
+    """``cond.wait()`` for at most ``timeout`` seconds; the caller holds ``cond``'s lock.
+
+    Not ``asyncio.wait_for(cond.wait(), timeout)``: when the task is cancelled in the loop turn in
+    which the wait was notified, Python 3.11's ``wait_for`` returns the result and the cancellation
+    is lost, so a loop around it never ends (the coordinator's pauser hung that way when the last
+    group finished). Here the timeout is a notification from a timer task, and a cancellation
+    always reaches the caller."""
+
+    async def wake() -> None:
+        await asyncio.sleep(timeout)
+        async with cond:
+            cond.notify_all()  # the other waiters re-check their conditions: a spurious wake-up is harmless
+
+    timer = asyncio.create_task(wake())
+    try:
+        await cond.wait()
+    finally:
+        timer.cancel()
 
 
 def checkpoint_rounds(lengths: list[int], every: int) -> set[int]:
@@ -83,10 +103,9 @@ class HierPauseMixin:
     async def _pauser(self, hr: Any, metrics: JsonlWriter) -> None:
         """Schedules pauses for spares, and does each pause's work once every group waits at it."""
         ignored: set[int] = set()
-        while True:
+        while not hr.stopping:
             async with hr.changed:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(hr.changed.wait(), POLL_S)
+                await wait_notified(hr.changed, POLL_S)
             spares = sorted(self.membership.spares - ignored)
             if spares and hr.alive and hr.join_at is None:
                 k0 = max(hr.current[g] for g in hr.alive) + 1

@@ -39,7 +39,7 @@ from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
 from .config import Run, WorkerLost
-from .hier_pauses import checkpoint_rounds, resume_round
+from .hier_pauses import checkpoint_rounds, resume_round, wait_notified
 from .limits import check_message_sizes
 from .training import observe_policy, ratios_of
 
@@ -72,6 +72,7 @@ class HierRun:
     arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
+    stopping: bool = False  # the run is over: the pauser ends
 
     def expected(self, r: int) -> set[int]:
         """The live groups that take part in round ``r`` (a group that joined later does not)."""
@@ -170,7 +171,7 @@ class HierarchicalMixin:
 
         cost = await self._cost(graph, clients)
         for g in hier.groups:
-            req = Request(self._group_batch(), self.train.seq_len, g.plan.micro_batches)
+            req = Request(self._group_batch(), self.task.items_per_row, g.plan.micro_batches)
             runs[g.index].policy, _ = await asyncio.to_thread(adatopk_policy, g.plan, cost, req)
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in runs[g.index].policy.ratios().items() if r < 1}
             self.say(f"  group {g.index} adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
@@ -179,7 +180,7 @@ class HierarchicalMixin:
         from fusionllm.control.hierarchy_planning import choose_hier_plan
         from fusionllm.schedule.plan import Request
 
-        t, c = self.train, self.cluster
+        c = self.cluster
         hw = await self._hardware(clients)
         work = await asyncio.to_thread(self.task.estimate, graph)
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -187,7 +188,7 @@ class HierarchicalMixin:
         def placed(p: Any) -> Any:
             return place(graph, p, infos, lambda _: None, self.task.refused_ops)
 
-        req = Request(self._group_batch(), t.seq_len, c.micro_batches, c.schedule)
+        req = Request(self._group_batch(), self.task.items_per_row, c.micro_batches, c.schedule)
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
@@ -220,6 +221,7 @@ class HierarchicalMixin:
                     if task.done() and task.exception() is not None:
                         raise task.exception()
         finally:
+            hr.stopping = True
             for task in [*hr.loops.values(), watcher]:
                 task.cancel()
             await asyncio.gather(*hr.loops.values(), watcher, return_exceptions=True)
@@ -255,7 +257,7 @@ class HierarchicalMixin:
         total = sum(lengths)
         start = hr.first_round.get(g, 0)
         data_base = hr.data_base.get(g)
-        tokens_per_step = self._group_batch() * t.seq_len
+        tokens_per_step = self._group_batch() * self.task.items_per_row
         eval_n = self.task.eval_count(c.eval_batches) * (t.batch_size // self._group_batch()) if c.eval_every else 0
         delay = hr.hier.delay_of(gp)
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
@@ -299,7 +301,6 @@ class HierarchicalMixin:
             await self._evaluate_outer(hr, run, eval_n, end, metrics)
 
     async def _inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, metrics: JsonlWriter) -> None:
-        t = self.train
         batch = self.task.batch(data_step) if run.fed else None
         calls = {w: self._call_step(run, w, Step(data_step, lr, self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None,
                                                  ratios_of(run.policy, w)))
@@ -313,7 +314,7 @@ class HierarchicalMixin:
             raise FusionError(f"group {g} step {i}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
         loss = sum(losses[m] for m in sorted(losses)) / len(losses)
         hr.result.losses.append(loss)
-        hr.result.tokens += self._group_batch() * t.seq_len
+        hr.result.tokens += self._group_batch() * self.task.items_per_row
         elapsed = hr.elapsed()
         record: dict[str, Any] = {
             "step": hr.steps, "steps_total": sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive),
@@ -375,8 +376,7 @@ class HierarchicalMixin:
                     left = deadline - loop.time()
                     if left <= 0:
                         break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(hr.changed.wait(), left)
+                    await wait_notified(hr.changed, left)
                 got = hr.sent.get(key, {})
                 hr.decided[key] = {x: w for x, w in got.items() if x in hr.alive and w > 0}
                 late = sorted(hr.expected(r) - set(got))

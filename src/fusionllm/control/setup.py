@@ -64,7 +64,7 @@ class SetupMixin:
             from fusionllm.control.adatopk import adatopk_policy
             from fusionllm.schedule.plan import Request
 
-            self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, t.seq_len, plan.micro_batches))
+            self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, self.task.items_per_row, plan.micro_batches))
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         run = Run(graph, plan, clients, actions=programs)
@@ -154,7 +154,7 @@ class SetupMixin:
 
         t, c = self.train, self.cluster
         hw = await self._hardware(clients)
-        req = Request(t.batch_size, t.seq_len, c.micro_batches, c.schedule)
+        req = Request(t.batch_size, self.task.items_per_row, c.micro_batches, c.schedule)
         work = await asyncio.to_thread(self.task.estimate, graph)
         infos = {w: m.info for w, m in self.membership.members.items()}
 

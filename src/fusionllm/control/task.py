@@ -11,12 +11,22 @@ from typing import Protocol
 
 import numpy as np
 
+from fusionllm.core.config import TrainConfig
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import DataSpec
 
 
 class RunTask(Protocol):
+    @property
+    def items_per_row(self) -> int:
+        """What one batch row counts for in tokens/s (a language model: its sequence length)."""
+        ...
+
+    def configure(self, train: TrainConfig) -> TrainConfig:
+        """``train`` with the optimiser settings the task sets (lr, warmup, weight decay)."""
+        ...
+
     def trace(self, micro_batch_size: int) -> OpGraph:
         """The model's OpGraph for micro-batches of this many rows."""
         ...

@@ -29,12 +29,13 @@ from .config import Replan, Run, WorkerLost
 class TrainingMixin:
     """The coordinator's training half (``Coordinator`` mixes it in)."""
 
-    def _inputs_for(self, run: Run, w: int, x: np.ndarray, y: np.ndarray) -> dict[str, dict[str, bytes]]:
-        """The token and target rows of worker ``w``'s micro-batches, for a worker fed by the coordinator."""
+    def _inputs_for(self, run: Run, w: int, *arrays: np.ndarray) -> dict[str, dict[str, bytes]]:
+        """The rows of a batch's arrays (tokens and targets for a language model) that worker ``w``'s
+        micro-batches read, for a worker fed by the coordinator."""
         r = routes(run.graph, run.plan)
         stage = run.plan.stage_of_worker(w).index
-        size = x.shape[0] // run.plan.micro_batches
-        edges = [(n.outputs[0].id, data) for n, data in zip(run.graph.input_nodes, (x, y), strict=False)]
+        size = arrays[0].shape[0] // run.plan.micro_batches
+        edges = [(n.outputs[0].id, data) for n, data in zip(run.graph.input_nodes, arrays, strict=False)]
         return {str(mb): {e: encode_array(np.ascontiguousarray(d[mb * size : (mb + 1) * size])) for e, d in edges if stage in r.consumers.get(e, [])}
                 for mb in run.plan.mbs_of(w)}
 
@@ -67,7 +68,7 @@ class TrainingMixin:
                 raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
             loss = sum(losses[m] for m in sorted(losses)) / len(losses)
             result.losses.append(loss)
-            result.tokens = (step + 1 - self.start_step) * t.batch_size * t.seq_len
+            result.tokens = (step + 1 - self.start_step) * t.batch_size * self.task.items_per_row
             elapsed = time.perf_counter() - started
             record: dict[str, Any] = {
                 "step": step, "loss": loss, "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
@@ -128,21 +129,28 @@ class TrainingMixin:
         """Every worker's reply, watching heartbeats meanwhile: a dead or hung worker is lost
         within dead_after_s (killed processes at once: their calls fail)."""
         tasks = {w: asyncio.create_task(call) for w, call in calls.items()}
+        aborting: asyncio.Future | None = None
         try:
             while True:
-                _, pending = await asyncio.wait(tasks.values(), timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+                _, pending = await asyncio.wait(tasks.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 errors = [t.exception() for t in tasks.values() if t.done() and not t.cancelled() and t.exception() is not None]
                 if errors:
                     await self._raise_if_lost(run, str(errors[0]))
                     raise errors[0]  # type: ignore[misc]
                 if not pending:
                     return {w: t.result() for w, t in tasks.items()}
+                failed = [w for w, t in tasks.items() if t.done() and getattr(t.result(), "failed", None) is not None]
+                if failed and aborting is None:  # the others would wait for its tensors until the step timeout: abort them now
+                    waiting = [w for w, t in tasks.items() if not t.done()]
+                    aborting = asyncio.gather(*(run.clients[w].call("Abort", {}, timeout=10) for w in waiting), return_exceptions=True)
                 stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
                 if stale:
                     raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
         finally:
             for t in tasks.values():
                 t.cancel()
+            if aborting is not None:
+                await aborting
 
     def _link_bytes(self, run: Run, replies: dict[int, StepDone]) -> dict[str, int]:
         out = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from fusionllm.core.errors import ConfigError
 
@@ -24,6 +25,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     threads: int | None = None
+    task: str = "lm"  # lm, vision or package.module:factory (models/task.py)
+    image_size: int = 32  # --task vision: images are resized to this many pixels square
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -42,6 +45,7 @@ class TrainResult:
     tokens: int = 0
     elapsed_s: float = 0.0
     num_params: int = 0
+    model: Any = field(default=None, repr=False)  # a single-process run's trained module (for a caller that compares it)
 
 
 def lr_at(step: int, *, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:

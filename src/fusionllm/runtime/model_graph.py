@@ -5,14 +5,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
+from fusionllm.core.errors import ConfigError
 from fusionllm.graph import registry
 from fusionllm.graph.ir import OpGraph
 from fusionllm.graph.trace import trace
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
+from fusionllm.models.task import Task
 
 
 def trace_lm(
@@ -66,4 +69,39 @@ def graph_source(graph: OpGraph) -> registry.SourceProvider | None:
     src = graph.meta.get("source")
     if not src:
         return None
+    if "task" in src:
+        return task_source(str(src["task"]), dict(src.get("options") or {}))
     return spec_source(str(src["model"]), int(src["vocab_size"]))
+
+
+def task_source(spec: str, options: dict) -> registry.SourceProvider:
+    """Modules of ``submodule`` nodes rebuilt from a task's model, on meta (a worker's path)."""
+    from fusionllm.models.task import build_task_model, load_task
+
+    module_name = spec.partition(":")[0]
+    if ":" in spec and module_name:
+        registry.allow_import(module_name)
+
+    @functools.cache
+    def meta_model() -> nn.Module:
+        return build_task_model(load_task(spec, options), 0, device="meta")
+
+    return lambda path: meta_model().get_submodule(path)
+
+
+def trace_task(task: Task, model: torch.nn.Module, micro_batch_size: int, *, source: dict | None = None) -> OpGraph:
+    """The task's model and loss traced on the first ``micro_batch_size`` rows of training batch 0.
+    Tracing runs the model once: buffers a forward updates (BatchNorm's running statistics) are put back."""
+    arrays = task.batch(0)
+    if arrays[0].shape[0] < micro_batch_size:
+        raise ConfigError(f"the task's batches hold {arrays[0].shape[0]} rows, fewer than a micro-batch of {micro_batch_size}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # meta for planning: shapes only
+    tensors = [torch.from_numpy(np.ascontiguousarray(a[:micro_batch_size])).to(device) for a in arrays]
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    try:
+        return trace(model, tensors[: task.inputs], loss=task.loss, loss_inputs=tensors[task.inputs :],
+                     input_names=task.array_names(len(arrays)), source=source)
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(saved[k])

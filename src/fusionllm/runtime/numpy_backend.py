@@ -32,7 +32,7 @@ class NumpyStage:
 
     # ---- tensors <-> host arrays: they are host arrays -------------------------------------------
     def to_host(self, t: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(t)
+        return np.ascontiguousarray(t).reshape(np.shape(t))  # a 0-d array stays 0-d
 
     def from_host(self, array: np.ndarray, dtype: str) -> np.ndarray:
         if dtype == "bfloat16":

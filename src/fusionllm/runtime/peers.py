@@ -121,7 +121,7 @@ class PeerNet:
         elif encoded is not None:
             payload, meta = encoded[1], {"dtype": "float32", "shape": list(array.shape), "codec": encoded[0]}
         else:
-            a = np.ascontiguousarray(array)
+            a = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array (a loss term) 1-d
             payload = memoryview(a).cast("B") if a.size else b""
             meta = {"dtype": dtype or a.dtype.name, "shape": list(a.shape), "codec": "raw"}
         frames = list(tensor_frames({**header, **meta, "epoch": self.epoch}, payload))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from fusionllm.core.config import TrainConfig, TrainResult, lr_at
@@ -18,10 +20,12 @@ from fusionllm.runtime.optim import make_adamw
 StepCallback = Callable[[dict], None]
 
 
-def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None) -> TrainResult:
-    """Train `config.model` in this process; one metrics record per optimizer step."""
+def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1) -> TrainResult:
+    """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.task != "lm":
+        return train_single_task(config, on_step, micro_batches=micro_batches)
     tokenizer = ByteTokenizer()
     corpus = load_corpus(config.data)
     train_tokens, val_tokens = corpus.split(0.1)
@@ -73,3 +77,70 @@ def evaluate(model: torch.nn.Module, batches: Batcher, max_batches: int) -> floa
     losses = [float(lm_loss(model(x), y)) for x, y in whole]
     model.train()
     return sum(losses) / len(losses)
+
+
+def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1) -> TrainResult:
+    """A ``fusionllm.Task`` trained in this process. With ``micro_batches`` each batch is cut into
+    that many equal micro-batches whose gradients add up (loss / micro_batches each), as a pipeline
+    runs them: layers whose result depends on the micro-batch (BatchNorm) then see the same rows."""
+    from fusionllm.models.task import build_task_model, load_task, task_options, task_settings
+
+    task = load_task(config.task, task_options(config))
+    config = task_settings(config, task)
+    model = build_task_model(task, config.seed)
+    lr0, warmup = config.lr, config.warmup
+    optimizer = make_adamw(model.named_parameters(), lr0, config.weight_decay)
+    result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
+    started = time.perf_counter()
+    with JsonlWriter(config.metrics) as metrics:
+        for step in range(config.steps):
+            model.train()
+            lr = lr_at(step, lr=lr0, steps=config.steps, warmup=warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in task.batch(step)]
+            rows = arrays[0].shape[0]
+            if rows % micro_batches:
+                raise ConfigError(f"the task's batch of {rows} rows does not split into {micro_batches} micro-batches")
+            size = rows // micro_batches
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for mb in range(micro_batches):
+                part = [a[mb * size : (mb + 1) * size] for a in arrays]
+                loss = task.loss(model(*part[: task.inputs]), *part[task.inputs :])
+                (loss / micro_batches).backward()
+                total += float(loss.detach()) / micro_batches
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf")))
+            optimizer.step()
+            result.tokens += rows * task.items_per_row
+            result.losses.append(total)
+            elapsed = time.perf_counter() - started
+            record = {
+                "step": step, "loss": total, "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
+                "lr": lr, "grad_norm": grad_norm, "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1),
+            }
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
+                record["val_loss"], metric = evaluate_task(model, task, config.eval_batches)
+                if metric is not None:
+                    record[f"val_{task.metric_name}"] = metric
+                result.val_losses.append((step, record["val_loss"]))
+            metrics.write(record)
+            on_step(record)
+    result.elapsed_s = time.perf_counter() - started
+    result.model = model  # the trained module, for a caller that compares it
+    return result
+
+
+@torch.no_grad()
+def evaluate_task(model: torch.nn.Module, task: Any, max_batches: int) -> tuple[float, float | None]:
+    """Mean validation loss (and metric) over ``min(max_batches, task.val_batches)`` batches."""
+    model.eval()
+    losses, metrics = [], []
+    for j in range(min(max_batches, task.val_batches)):
+        arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in task.val(j)]
+        out = model(*arrays[: task.inputs])
+        losses.append(float(task.loss(out, *arrays[task.inputs :])))
+        if task.metric is not None:
+            metrics.append(float(task.metric(out, *arrays[task.inputs :])))
+    model.train()
+    return sum(losses) / max(len(losses), 1), (sum(metrics) / len(metrics) if metrics else None)

@@ -93,8 +93,8 @@ class StageRuntime:
             raise FusionError(f"worker {worker}: its program holds actions of another stage than {self.stage.index}")
         self.eval_actions = [a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]  # the forward-only program
         self._sent = {a.mb: a.edges() for a in self.actions if a.kind == "SEND_F"}  # per micro-batch, the outputs a SEND_F takes
-        tok, tgt = (n.outputs[0].id for n in graph.input_nodes)
-        self._batch_edges = [(e, i) for i, e in enumerate((tok, tgt)) if e in self.executor.entering]
+        inputs = [n.outputs[0].id for n in graph.input_nodes]  # a batch's arrays, in order: the model's inputs, then the targets
+        self._batch_edges = [(e, i) for i, e in enumerate(inputs) if e in self.executor.entering]
         if optimizer_state:
             self.backend.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
@@ -112,10 +112,12 @@ class StageRuntime:
         return {group: names for group, names, _ in shared_groups(self.graph, self.plan).get(self.worker, [])}
 
     # ---- one step --------------------------------------------------------------------------------
-    def feeds(self, x: np.ndarray, y: np.ndarray) -> dict[int, dict[str, Any]]:
-        """This worker's micro-batches of a batch ``(x, y)``: the token or target rows its stage reads."""
-        size = x.shape[0] // self.plan.micro_batches
-        return {mb: {e: self.backend.from_host((x, y)[i][mb * size : (mb + 1) * size], self.edges[e].meta.dtype) for e, i in self._batch_edges}
+    def feeds(self, *arrays: np.ndarray) -> dict[int, dict[str, Any]]:
+        """This worker's micro-batches of a batch (its arrays in input order: tokens and targets for
+        a language model): the rows of the arrays its stage reads."""
+        size = arrays[0].shape[0] // self.plan.micro_batches
+        return {mb: {e: self.backend.from_host(np.ascontiguousarray(arrays[i][mb * size : (mb + 1) * size]), self.edges[e].meta.dtype)
+                     for e, i in self._batch_edges}
                 for mb in self.plan.mbs_of(self.worker)}
 
     async def _run(self, program: list[Action], st: _StepState) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,9 +14,16 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
+from fusionllm.models.task import Task
 from fusionllm.runtime.executor import StageExecutor
 from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.model_graph import graph_source, model_tensors, root_source, trace_lm
+from fusionllm.runtime.model_graph import (
+    graph_source,
+    model_tensors,
+    root_source,
+    trace_lm,
+    trace_task,
+)
 
 TOLERANCE = 1e-5
 
@@ -126,3 +134,45 @@ def verify_model(
 def verify_spec(spec: str, *, parts: int, seed: int, batch_size: int = 2, seq_len: int = 32, vocab_size: int = 256, device: str = "cpu", progress: Callable[[str], None] = lambda _: None) -> VerifyReport:
     model = build_model(spec, vocab_size, seed=seed)
     return verify_model(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size, spec=spec, device=device, progress=progress)
+
+
+def verify_task(task: Task, model: nn.Module, *, parts: int, seed: int, device: str = "cpu",
+                progress: Callable[[str], None] = lambda _: None) -> VerifyReport:
+    """Compare the split run of a task's model (in training mode: BatchNorm normalises with the
+    batch's statistics and updates its running ones) with plain autograd on training batch 0: the
+    loss, every gradient, and every buffer the forward updated. A model with dropout or other
+    random ops differs by design here (each run draws its own masks)."""
+    arrays = [torch.from_numpy(a).to(device) for a in task.batch(0)]
+    model = model.to(device)
+    ref = copy.deepcopy(model).train()
+    progress("reference: plain autograd (training mode)")
+    ref_loss = task.loss(ref(*arrays[: task.inputs]), *arrays[task.inputs :])
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    progress("tracing")
+    graph = trace_task(task, model, arrays[0].shape[0])
+    graph = OpGraph.from_json(graph.to_json())
+    plan = random_partition(graph, parts, seed)
+    progress(f"{len(graph.compute_nodes)} ops in {len(plan)} stages of {[len(p) for p in plan]} ops")
+    tensors = {k: v.clone() for k, v in model_tensors(model).items()}
+    stages = [StageExecutor(graph, ids, tensors, device=device, source=root_source(model), name=f"stage{i}").train(True)
+              for i, ids in enumerate(plan)]
+    split = LocalSplit(graph, stages)
+    feeds = {n.outputs[0].id: a for n, a in zip(graph.input_nodes, arrays, strict=True)}
+    progress("split forward + backward")
+    loss = split.step(feeds)
+    grads = split.param_grads()
+    report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
+    report.errors["loss"] = rel_err(loss.cpu(), ref_loss.detach().cpu())
+    for name, want in ref_grads.items():
+        got = grads.get(name)
+        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got.cpu(), want.cpu())
+    for name in grads.keys() - ref_grads.keys():
+        report.errors[f"grad:{name}"] = float("inf")
+    buffers = dict(ref.named_buffers())
+    for s in stages:  # every stage's copy of a buffer it updated
+        for name, value in s.params.items():
+            if name in buffers and value.is_floating_point():
+                report.errors[f"buffer:{name}"] = rel_err(value.detach().cpu(), buffers[name].detach().cpu())
+    report.bytes_on_wire = split.bytes_sent
+    return report

@@ -42,11 +42,33 @@ class WorkerData:
         return self.val.eval_arrays(index, self.spec.eval_batches)
 
 
-def try_worker_data(spec: DataSpec | None) -> tuple[WorkerData | None, str]:
+class TaskData:
+    """A task's batches (``models/task.py``), made here from the task's name and the run's options."""
+
+    def __init__(self, spec: DataSpec) -> None:
+        from fusionllm.models.task import batch_digest, load_task, parse_options
+
+        self.spec = spec
+        try:
+            self.task = load_task(spec.task or "", parse_options(spec.options))
+            digest = self.task.digest or batch_digest(self.task)
+        except Exception as exc:  # a user's task: whatever it raises means this worker cannot read its data
+            raise FusionError(f"cannot make the run's task {spec.task!r} here: {type(exc).__name__}: {exc}") from None
+        if digest != spec.digest:
+            raise FusionError(f"the task {spec.task!r} gives other batches here than on the coordinator (another data file or version)")
+
+    def step(self, step: int) -> tuple[np.ndarray, ...]:
+        return self.task.batch(step)
+
+    def eval_batch(self, index: int) -> tuple[np.ndarray, ...]:
+        return self.task.val(index)
+
+
+def try_worker_data(spec: DataSpec | None) -> tuple[WorkerData | TaskData | None, str]:
     """(the data, "own") or (None, why the coordinator must feed this worker)."""
     if spec is None:
         return None, "the coordinator sent no data spec"
     try:
-        return WorkerData(spec), "own"
+        return (TaskData(spec) if spec.task else WorkerData(spec)), "own"
     except FusionError as exc:
         return None, str(exc)

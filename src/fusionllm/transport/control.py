@@ -165,6 +165,8 @@ class DataSpec(Message):
     val_fraction: float
     digest: str  # sha256 of the training tokens, as the coordinator loaded them
     eval_batches: int
+    task: str | None = None  # a task other than lm (models/task.py): the worker makes it with ``options`` and reads its batches
+    options: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
