@@ -106,3 +106,48 @@ def test_a_task_whose_batches_are_malformed_fails_with_one_line() -> None:
     ragged = Task(model=TwoInputs, train_batch=lambda i: (np.zeros((4, 5)), np.zeros(3)), val_batch=lambda j: (), loss=hinge_and_l2)
     with pytest.raises(ConfigError, match="same number of rows"):
         ragged.batch(0)
+
+
+class WithDropout(nn.Module):
+    """Dropout as a module, as a function and inside a user module (whose forward calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 16)
+        self.inner = Noisy()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.relu(self.b(self.drop(F.relu(self.a(x))))), 0.3, training=self.training)
+        return self.head(self.inner(h))
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.lin(x), 0.2, training=self.training) + x
+
+
+def dropout_task(seed: int = 0, batch_size: int = 8) -> Task:
+    def batch(i: int, split: int = 0) -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng([seed, split, i])
+        x = rng.normal(size=(batch_size, 6)).astype(np.float32)
+        return x, (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
+
+    return Task(model=WithDropout, train_batch=batch, val_batch=lambda j: batch(j, 1), loss=F.cross_entropy, val_batches=1, lr=1e-2, warmup=0)
+
+
+def test_dropout_draws_the_same_masks_on_any_split() -> None:
+    """Random ops are seeded by (run seed, step, op, micro-batch): one, two and three stages give the
+    same losses; another run seed draws other masks. Fails with dropout on the process's own generator
+    (the in-process workers would draw from one shared generator in whatever order they run)."""
+    train = TrainConfig(task="tests.test_tasks:dropout_task", steps=4, batch_size=8, eval_every=0, warmup=0)
+    runs = [run_in_process(train, cluster_config(n, micro_batches=2))[0].losses for n in (1, 2, 3)]
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+    np.testing.assert_allclose(runs[2], runs[0], rtol=1e-5)
+    other = run_in_process(TrainConfig(task="tests.test_tasks:dropout_task", steps=4, batch_size=8, eval_every=0, warmup=0, seed=1),
+                           cluster_config(1, micro_batches=2))[0].losses
+    assert not np.allclose(other, runs[0], rtol=1e-3)

@@ -6,10 +6,16 @@ node whose inputs are present, and hands out the tensors that leave it. Backward
 tensor's gradient goes out as soon as every leaving tensor that depends on it has had its
 gradient, so stages may depend on each other in both directions (non-contiguous splits).
 Parameter gradients accumulate in the stage's own parameters, tied ones once.
+
+Random ops (dropout and the like, found by ``may_be_random``) draw from a generator seeded by the
+run's seed, the step, the op and the micro-batch (``random_key``), so a split run draws the same
+masks as an unsplit one, on whichever stage the op lands.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +30,25 @@ from fusionllm.graph.ir import Edge, Node, OpGraph
 from fusionllm.runtime.tensors import torch_dtype
 
 OpFn = Callable[[list[Any], dict[str, Any]], Any]
+_RANDOM_NAME = re.compile(r"dropout|rand|bernoulli|multinomial|normal|poisson|rrelu|exponential_|geometric_|cauchy_|log_normal_", re.I)
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
+
+
+def may_be_random(node: Node, module: nn.Module | None) -> bool:
+    """Whether an op may draw random numbers in training mode: a random function or method by name,
+    a torch.nn module that holds a dropout (or RReLU), and any module of the user's own (its forward
+    may call one)."""
+    if module is not None:
+        if node.kind.startswith("module:torch.nn."):
+            return any(isinstance(m, _RANDOM_MODULES) for m in module.modules())
+        return True
+    return bool(_RANDOM_NAME.search(node.name) or _RANDOM_NAME.search(str(node.config.get("target", ""))))
+
+
+def op_seed(seed: int, step: int, node_id: str, micro_batch: int) -> int:
+    """The seed of one random op's draw: the same for the same (run seed, step, op, micro-batch)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{micro_batch}:{node_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -67,6 +92,8 @@ class StageExecutor:
         self._build(tensors or {}, source)
         self._mbs: dict[int, _MicroBatch] = {}
         self.training = True
+        self.random_key: tuple[int, int] | None = None  # (run seed, step): random ops seeded per op and micro-batch
+        self._random = {n.id for n in self.nodes if may_be_random(n, self.modules.get(n.id))}
 
     # ---- construction -----------------------------------------------------------------------
     def _build(self, tensors: Mapping[str, torch.Tensor], source: registry.SourceProvider | None) -> None:
@@ -148,7 +175,7 @@ class StageExecutor:
             for n in self.nodes:
                 if n.id in mb.ran or any(e not in mb.values for e in n.inputs):
                     continue
-                self._run(n, mb)
+                self._run(n, mb, micro_batch)
                 mb.ran.add(n.id)
                 for out in n.outputs:
                     if out.id in self.leaving:
@@ -159,12 +186,19 @@ class StageExecutor:
         mb = self._mbs.get(micro_batch)
         return mb is not None and len(mb.ran) == len(self.nodes)
 
-    def _run(self, node: Node, mb: _MicroBatch) -> None:
+    def _run(self, node: Node, mb: _MicroBatch, micro_batch: int) -> None:
         inputs = [mb.values[e] for e in node.inputs]
         args = template.decode(node.call.get("args", []), inputs, self.device)
         kwargs = template.decode(node.call.get("kwargs", {}), inputs, self.device)
+        handler = _HANDLERS[_handler_key(node.kind)]
         try:
-            out = _HANDLERS[_handler_key(node.kind)](self, node, args, kwargs)
+            if self.random_key is not None and self.training and node.id in self._random:
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+                    torch.manual_seed(op_seed(*self.random_key, node.id, micro_batch))
+                    out = handler(self, node, args, kwargs)
+            else:
+                out = handler(self, node, args, kwargs)
         except Exception as exc:
             raise GraphError(f"{self.name}: op {node.id} ({node.name}, {node.kind}) failed: {type(exc).__name__}: {exc}") from exc
         produced = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]

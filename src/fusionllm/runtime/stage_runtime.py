@@ -136,6 +136,8 @@ class StageRuntime:
 
     async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, Any]], ratios: dict[int, float] | None = None) -> StepDone:
         st = _StepState(step, lr, inputs)
+        if hasattr(self.executor, "random_key"):  # the torch executor: dropout masks as any split draws them
+            self.executor.random_key = (self.hyper.seed, step)
         if ratios is not None:
             self.ratios = ratios
         started = time.perf_counter()

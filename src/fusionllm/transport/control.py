@@ -177,6 +177,7 @@ class Hyper(Message):
     recv_timeout: float = 600.0
     compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
     compress_roles: str = "act,grad,reduce"  # which traffic the codec applies to (an experiment knob)
+    seed: int = 0  # the run's seed: random ops (dropout) draw from (seed, step, op, micro-batch)
 
 
 @dataclass
