@@ -268,3 +268,24 @@ def test_entropy_coded_header_declaring_a_huge_tensor_is_refused_before_inflatin
     struct.pack_into("<Q", buf, 44, 1 << 40)  # the first shape entry
     with pytest.raises(WireError, match="too large|inconsistent"):
         decode("eq", bytes(buf), x.shape)
+
+
+def test_4d_activations_share_a_scale_per_channel_plane() -> None:
+    """A CNN's (N, C, H, W) activations: the per-row codecs scale each channel's H x W plane, so a
+    4x4 plane costs one scale per 16 values, not one per 4 (the last dimension); a channel of large
+    values does not coarsen a quiet one."""
+    from fusionllm.compress.codecs import CodecSpec, decode, encode
+    from fusionllm.compress.sparse import row_len
+
+    assert row_len((8, 64, 4, 4)) == 16 and row_len((8, 128, 768)) == 768 and row_len(()) == 1
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16, 4, 4)).astype(np.float32)
+    x[:, 0] *= 1000.0  # a loud channel
+    for spec in (CodecSpec("q6"), CodecSpec("eq", step=0.5)):
+        tag, payload = encode(x, spec)
+        y = decode(tag, payload, x.shape)
+        assert y.shape == x.shape
+        quiet = np.abs(y[:, 1:] - x[:, 1:]).max() / np.abs(x[:, 1:]).max()
+        assert quiet < 0.2, (spec, quiet)
+    q6 = len(encode(x, CodecSpec("q6"))[1])
+    assert q6 < 4 * x.size * 6 / 32 + 2 * (x.size // 16) + 128  # one fp16 scale per plane of 16

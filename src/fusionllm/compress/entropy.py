@@ -23,7 +23,7 @@ import zlib
 
 import numpy as np
 
-from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
+from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
 from fusionllm.core.errors import WireError
 
 _HEAD = struct.Struct("<2sBBQQQQ")
@@ -47,7 +47,7 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
     if not MIN_STEP <= step <= MAX_STEP:
         raise ValueError(f"step must be in [{MIN_STEP}, {MAX_STEP}]")
     shape = tuple(x.shape)
-    cols = shape[-1] if shape else 1
+    cols = row_len(shape)
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     rms = np.sqrt(np.mean(np.square(rows2d, dtype=np.float64), axis=1)).astype(np.float32)
     scale_bits = to_bf16_bits(rms * np.float32(step))
@@ -78,7 +78,7 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
         raise WireError("entropy-coded tensor truncated inside its shape")
     shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
     n = math.prod(shape)
-    if n > max_elements or rows * cols != n or (shape and shape[-1] != cols) or n_out > n:
+    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or n_out > n:
         raise WireError(f"entropy-coded tensor declares shape {list(shape)} as {rows} x {cols} with {n_out} outliers: inconsistent or too large")
     need = off + 2 * rows + 12 * n_out + body_len
     if len(view) != need:

@@ -16,6 +16,7 @@ import struct
 
 import numpy as np
 
+from fusionllm.compress.sparse import row_len
 from fusionllm.core.errors import WireError
 
 _HEAD = struct.Struct("<2sBBQQ")
@@ -37,7 +38,7 @@ def encode_quant(x: np.ndarray, bits: int) -> bytes:
     if not 2 <= bits <= 8:
         raise ValueError("bits must be 2 to 8")
     shape = tuple(x.shape)
-    cols = shape[-1] if shape else 1
+    cols = row_len(shape)
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     qmax = 2 ** (bits - 1) - 1
     scale = np.abs(rows2d).max(axis=1) / qmax
@@ -63,7 +64,7 @@ def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.n
     n = 1
     for d in shape:
         n *= d
-    if n > max_elements or rows * cols != n or (shape and shape[-1] != cols):
+    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols):
         raise WireError(f"quantised tensor declares shape {list(shape)} as {rows} x {cols}: inconsistent or too large")
     body = n if bits == 8 else (n * bits + 7) // 8
     if len(view) != off + 2 * rows + body:

@@ -123,3 +123,11 @@ def decode_sparse(buf: bytes | memoryview, *, max_elements: int = MAX_ELEMENTS) 
     out = np.zeros(n, dtype=np.float32)
     out[positions] = values
     return out.reshape(shape)
+
+
+def row_len(shape: tuple[int, ...] | list[int]) -> int:
+    """The values that share one scale in the per-row codecs: a row of the last dimension (a
+    token's features), but for 4-D tensors (a CNN's N, C, H, W activations) one channel's plane."""
+    if not shape:
+        return 1
+    return int(shape[-1]) * int(shape[-2]) if len(shape) == 4 else int(shape[-1])

@@ -25,6 +25,7 @@ import numpy as np
 
 from fusionllm.compress.codecs import adaptive_codec, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
+from fusionllm.compress.sparse import row_len
 from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
@@ -190,7 +191,7 @@ class StageRuntime:
         assert x is not None
         spec, ratio = self.codec, self._ratio(dst)
         if spec.kind == "adatopk":  # the link's byte target -> the most accurate codec that meets it
-            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, x.shape[-1] if x.ndim else 1)
+            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, row_len(x.shape))
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             if feedback_key is None:
