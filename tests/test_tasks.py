@@ -88,6 +88,8 @@ def test_distributed_training_of_a_user_task_equals_one_process() -> None:
     dist, workers = run_in_process(train, cluster_config(3, micro_batches=2, eval_every=3, eval_batches=2))
     np.testing.assert_allclose(dist.losses, single.losses, rtol=1e-5)
     np.testing.assert_allclose([v for _, v in dist.val_losses], [v for _, v in single.val_losses], rtol=1e-5)
+    assert len(dist.val_metrics) == len(single.val_metrics) == 2  # the accuracy, computed on the loss's stage
+    np.testing.assert_allclose([v for _, v in dist.val_metrics], [v for _, v in single.val_metrics], rtol=1e-6)
     reference = dict(single.model.state_dict())
     seen = set()
     for w in workers:

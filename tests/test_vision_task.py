@@ -90,3 +90,10 @@ def test_vision_options_reach_the_task_and_bad_ones_fail_in_one_line() -> None:
         load_task("vision", {"model": "resnet7", "seed": 0, "batch_size": 4, "image_size": 16})
     with pytest.raises(ConfigError, match="does not exist"):
         load_task("vision", {"model": "resnet18", "data": "/nonexistent/images", "seed": 0, "batch_size": 4, "image_size": 16})
+
+
+def test_numpy_workers_are_refused_a_cnn_in_one_line() -> None:
+    from fusionllm.core.errors import FusionError
+
+    with pytest.raises(FusionError, match=r"no worker can run op kinds .*Conv2d.*start a torch worker"):
+        run_in_process(TrainConfig(steps=1, **BASE), cluster_config(2, micro_batches=2), backends=["numpy", "numpy"])

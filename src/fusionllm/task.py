@@ -51,6 +51,10 @@ class LMTask:
     def items_per_row(self) -> int:
         return self.train.seq_len
 
+    @property
+    def metric_name(self) -> str:
+        return "perplexity"  # not computed in the pipeline: exp(val_loss)
+
     def configure(self, train: TrainConfig) -> TrainConfig:
         return train
 
@@ -113,6 +117,10 @@ class UserTask:
     @property
     def items_per_row(self) -> int:
         return self.task.items_per_row
+
+    @property
+    def metric_name(self) -> str:
+        return self.task.metric_name
 
     def configure(self, train: TrainConfig) -> TrainConfig:
         return task_settings(train, self.task)

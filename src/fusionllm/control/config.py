@@ -116,6 +116,7 @@ class Run:
     bytes_before: dict[str, int] = field(default_factory=dict)
     fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches
     hier: str | None = None  # hierarchical mode: the HierPlan's JSON, sent with every assignment (``plan`` is the group's)
+    val_metric: float | None = None  # the last evaluation's task metric (accuracy), when the workers computed it
     policy: Any = None  # hierarchical mode with --compress adatopk: this group's LinkPolicy (the synchronous run's is the coordinator's)
 
 

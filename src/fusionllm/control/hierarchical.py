@@ -391,5 +391,8 @@ class HierarchicalMixin:
         hr.paused += time.perf_counter() - paused
         hr.result.val_losses.append((hr.steps, val))
         record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": hr.result.tokens, "elapsed_s": round(hr.elapsed(), 4)}
+        if run.val_metric is not None:
+            record[f"val_{self.task.metric_name}"] = run.val_metric
+            hr.result.val_metrics.append((hr.steps, run.val_metric))
         metrics.write(record)
         self.status.event(record)

@@ -71,6 +71,9 @@ class StateMixin:
         losses = [v for r in replies.values() for per_mb in r.losses.values() for v in per_mb.values()]
         if len(losses) != batches * run.plan.micro_batches:
             raise FusionError(f"evaluation: got {len(losses)} micro-batch losses, expected {batches * run.plan.micro_batches}")
+        metrics = [v for r in replies.values() for per_mb in r.metrics.values() for v in per_mb.values()]
+        # a task's metric (accuracy) where the loss's stage computed it for every micro-batch
+        run.val_metric = sum(metrics) / len(metrics) if len(metrics) == len(losses) else None
         return sum(losses) / len(losses)
 
     async def _checkpoint(self, run: Run, done: int, *, outer: bool = False, extra: dict | None = None, plan_json: str | None = None) -> None:

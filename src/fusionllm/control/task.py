@@ -23,6 +23,11 @@ class RunTask(Protocol):
         """What one batch row counts for in tokens/s (a language model: its sequence length)."""
         ...
 
+    @property
+    def metric_name(self) -> str:
+        """The name of the task's validation metric (``val_<name>`` in the metrics), if it has one."""
+        ...
+
     def configure(self, train: TrainConfig) -> TrainConfig:
         """``train`` with the optimiser settings the task sets (lr, warmup, weight decay)."""
         ...

@@ -86,6 +86,9 @@ class TrainingMixin:
                 paused = time.perf_counter()
                 record["val_loss"] = await self._guard(run, self._evaluate(run, eval_n, step + 1))
                 result.val_losses.append((step, record["val_loss"]))
+                if run.val_metric is not None:
+                    record[f"val_{self.task.metric_name}"] = run.val_metric
+                    result.val_metrics.append((step, run.val_metric))
                 started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
             metrics.write(record)
             self.status.step(record)

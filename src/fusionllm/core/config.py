@@ -42,6 +42,7 @@ class TrainConfig:
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_metrics: list[tuple[int, float]] = field(default_factory=list)  # a task's metric (accuracy) at each evaluation
     tokens: int = 0
     elapsed_s: float = 0.0
     num_params: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from fusionllm.runtime.tensors import torch_dtype
 
 OpFn = Callable[[list[Any], dict[str, Any]], Any]
 _RANDOM_NAME = re.compile(r"dropout|rand|bernoulli|multinomial|normal|poisson|rrelu|exponential_|geometric_|cauchy_|log_normal_", re.I)
+_RNG_LOCK = threading.Lock()  # the seeded draws use torch's process-wide generator: one op at a time (stages run in threads)
 _RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
 
 
@@ -182,6 +184,11 @@ class StageExecutor:
                         made[out.id] = mb.values[out.id]
         return made
 
+    def values(self, micro_batch: int) -> Mapping[str, torch.Tensor]:
+        """The tensors a micro-batch's forward holds now (fed and made), by edge."""
+        mb = self._mbs.get(micro_batch)
+        return mb.values if mb is not None else {}
+
     def forward_done(self, micro_batch: int) -> bool:
         mb = self._mbs.get(micro_batch)
         return mb is not None and len(mb.ran) == len(self.nodes)
@@ -194,7 +201,7 @@ class StageExecutor:
         try:
             if self.random_key is not None and self.training and node.id in self._random:
                 devices = [self.device] if self.device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+                with _RNG_LOCK, torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
                     torch.manual_seed(op_seed(*self.random_key, node.id, micro_batch))
                     out = handler(self, node, args, kwargs)
             else:

@@ -123,6 +123,7 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
                 record["val_loss"], metric = evaluate_task(model, task, config.eval_batches)
                 if metric is not None:
                     record[f"val_{task.metric_name}"] = metric
+                    result.val_metrics.append((step, metric))
                 result.val_losses.append((step, record["val_loss"]))
             metrics.write(record)
             on_step(record)

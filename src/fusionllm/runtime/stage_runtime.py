@@ -151,19 +151,27 @@ class StageRuntime:
             link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
         )
 
-    async def run_eval(self, key: int, inputs: dict[int, dict[str, Any]]) -> dict[int, float]:
+    async def run_eval(self, key: int, inputs: dict[int, dict[str, Any]],
+                       metric: Callable[[int, Mapping[str, Any]], float | None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
         """The forward-only program on one validation batch (tensors tagged ``key``, a negative
-        step number no training step uses); the loss of each micro-batch whose loss this stage holds."""
+        step number no training step uses); the loss of each micro-batch whose loss this stage holds,
+        and ``metric(micro-batch, its tensors)`` of each micro-batch for which it gives a value."""
         st = _StepState(key, 0.0, inputs)
         self.executor.train(False)
+        metrics: dict[int, float] = {}
         try:
             await self._run(self.eval_actions, st)
             await asyncio.gather(*st.sends)  # every activation has reached the next stage
+            if metric is not None:
+                for mb in range(self.plan.micro_batches):
+                    value = metric(mb, self.executor.values(mb))
+                    if value is not None:
+                        metrics[mb] = value
         finally:
             for mb in range(self.plan.micro_batches):
                 self.executor.release(mb)
             self.executor.train(True)
-        return st.losses
+        return st.losses, metrics
 
     # ---- compression ---------------------------------------------------------------------------------
     def _ratio(self, dst: int) -> float | None:

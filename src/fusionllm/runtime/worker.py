@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,15 +416,39 @@ class Worker:
             else:
                 raise FusionError("evaluation: this worker reads no data and none was sent")
             try:
-                losses = await self._cancellable(runtime.run_eval(-(req.at_step * 1000 + j + 1), inputs))
+                done = await self._cancellable(runtime.run_eval(-(req.at_step * 1000 + j + 1), inputs, self._metric(runtime, j)))
             except StepFailure as exc:
                 self.log.error("evaluation: %s", exc)
                 return Evaluated(failed=exc.message()).to_wire()
-            if losses is None:
+            if done is None:
                 return Evaluated().to_wire()
+            losses, metrics = done
             if losses:
                 out.losses[str(j)] = {str(mb): v for mb, v in losses.items()}
+            if metrics:
+                out.metrics[str(j)] = {str(mb): v for mb, v in metrics.items()}
         return out.to_wire()
+
+    def _metric(self, runtime: StageRuntime, j: int) -> Any:
+        """A task's metric on validation batch ``j``, computed by the stage that makes the model's
+        output, with the targets from this worker's own copy of the batch (None: no metric here)."""
+        task = getattr(self.data_source, "task", None)
+        graph = runtime.graph
+        if task is None or task.metric is None or not graph.outputs or self.backend.name != "torch":
+            return None
+        out = graph.outputs[0]
+        if not any(e.id == out for n in runtime.executor.nodes for e in n.outputs):
+            return None
+        targets = self.data_source.eval_batch(j)[task.inputs :]
+        size = targets[0].shape[0] // runtime.plan.micro_batches
+
+        def value(mb: int, tensors: Mapping[str, Any]) -> float | None:
+            if out not in tensors:
+                return None
+            rows = [runtime.backend.from_host(np.ascontiguousarray(a[mb * size : (mb + 1) * size]), a.dtype.name) for a in targets]
+            return float(task.metric(tensors[out], *rows))
+
+        return value
 
     @staticmethod
     def _outer_blob(runtime: StageRuntime, outer: OuterState) -> bytes:

@@ -281,6 +281,7 @@ class Regroup(Message):
 class Evaluated(Message):
     losses: dict[str, dict[str, float]] = field(default_factory=dict)  # per batch, per micro-batch: held by the loss's stage
     failed: Failure | None = None
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # a task's metric, where this stage holds its output and targets
 
 
 @dataclass
