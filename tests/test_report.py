@@ -51,3 +51,13 @@ def test_report_cli_and_bad_input(tmp_path: Path) -> None:
         write_report(tmp_path / "absent.jsonl", tmp_path / "x")
     bad = subprocess.run([sys.executable, "-m", "fusionllm", "report", str(tmp_path / "absent.jsonl")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no such metrics file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_tasks_metric_is_reported_next_to_the_loss(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    rows = [{"step": i, "loss": 2.3 - 0.01 * i, "tokens": 16 * (i + 1), "elapsed_s": 0.5 * (i + 1), "tokens_per_s": 32.0} for i in range(6)]
+    rows[2] |= {"val_loss": 2.2, "val_accuracy": 0.25}
+    rows[5] |= {"val_loss": 2.1, "val_accuracy": 0.375}
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(metrics, tmp_path / "out").read_text()
+    assert "| validation accuracy | 0.3750 at step 5 |" in text and "| validation loss | 2.1000 at step 5 |" in text

@@ -59,6 +59,8 @@ def write_report(metrics: Path, out: Path) -> Path:
               f"| steps | {len(ordered)} (step {first['step']} to {final['step']}) |",
               f"| loss | {first['loss']:.4f} at the first step, {statistics.fmean(r['loss'] for r in ordered[-10:]):.4f} over the last 10 |",
               f"| validation loss | {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']} |" if vals else "| validation loss | not measured (`--eval-every`) |",
+              *[f"| validation {key.removeprefix('val_')} | {vals[-1][key]:.4f} at step {vals[-1]['step']} |"
+                for key in sorted(k for k in (vals[-1] if vals else {}) if k.startswith("val_") and k != "val_loss")],
               f"| tokens/s | {final.get('tokens_per_s', 0):,.0f} overall; median step {statistics.median(times):.3f} s |" if times else "| tokens/s | - |",
               f"| predicted step | {final['predicted_step_s']:.3f} s |" if final.get("predicted_step_s") else "| predicted step | - (no scheduler) |",
               f"| compression | {final.get('compress', 'none')} |", ""]
@@ -101,6 +103,13 @@ def _plots(steps: list[dict[str, Any]], out: Path) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
+    metric = next((k for r in vals for k in r if k.startswith("val_") and k != "val_loss"), None)
+    if metric:  # a task's metric (accuracy) next to the loss, on its own axis
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in vals if metric in r], [r[metric] for r in vals if metric in r], "s--", color="tab:green",
+                 label=metric.removeprefix("val_"))
+        ax2.set_ylabel(metric.removeprefix("val_"))
+        ax2.legend(loc="center right")
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -25,7 +25,7 @@ class RunStatus:
         self.events: list[dict[str, Any]] = []
 
     def step(self, record: dict[str, Any]) -> None:
-        self.records.append({k: v for k, v in record.items() if k in ("step", "loss", "val_loss", "elapsed_s", "tokens_per_s", "step_s", "predicted_step_s")})
+        self.records.append({k: v for k, v in record.items() if k in ("step", "loss", "val_loss", "val_accuracy", "elapsed_s", "tokens_per_s", "step_s", "predicted_step_s")})
         for link, nbytes in record.get("bytes", {}).items():
             self.links.setdefault(link, {})["bytes_last_step"] = nbytes
         for link, ratio in record.get("ratios", {}).items():
