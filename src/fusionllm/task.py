@@ -43,7 +43,30 @@ from fusionllm.transport.control import DataSpec
 VAL_FRACTION = 0.1
 
 
-class LMTask:
+class _ModelTask:
+    """What every task does the same way once it has its ``model``: initial weights, op timing, the
+    NumPy backend's refusals."""
+
+    model: torch.nn.Module
+
+    def initial_state(self) -> bytes:
+        return pack_tensors({f"param/{k}": v for k, v in model_tensors(self.model).items()})
+
+    def estimate(self, graph: OpGraph) -> dict[str, OpWork]:
+        return estimate(graph, source=graph_source(graph) or root_source(self.model), calibrate=True)
+
+    def reference_flops(self) -> float:
+        return matmul_flops("cpu", threads=1, seconds=0.5)
+
+    def refused_ops(self, backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]:
+        if backend != "numpy":
+            return []
+        from fusionllm.npexec.executor import can_run
+
+        return can_run(graph, node_ids)
+
+
+class LMTask(_ModelTask):
     def __init__(self, train: TrainConfig) -> None:
         self.train = train
 
@@ -70,14 +93,6 @@ class LMTask:
     def trace(self, micro_batch_size: int) -> OpGraph:
         return trace_lm(self.model, micro_batch_size, self.train.seq_len, spec=self.train.model)
 
-    def initial_state(self) -> bytes:
-        return pack_tensors({f"param/{k}": v for k, v in model_tensors(self.model).items()})
-
-    def estimate(self, graph: OpGraph) -> dict[str, OpWork]:
-        return estimate(graph, source=graph_source(graph) or root_source(self.model), calibrate=True)
-
-    def reference_flops(self) -> float:
-        return matmul_flops("cpu", threads=1, seconds=0.5)
 
     @functools.cached_property
     def _batches(self) -> tuple[Batcher, Batcher, str]:
@@ -99,15 +114,9 @@ class LMTask:
     def eval_count(self, eval_batches: int) -> int:
         return len(self._batches[1].eval_starts(eval_batches))
 
-    def refused_ops(self, backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]:
-        if backend != "numpy":
-            return []
-        from fusionllm.npexec.executor import can_run
-
-        return can_run(graph, node_ids)
 
 
-class UserTask:
+class UserTask(_ModelTask):
     """Any ``fusionllm.Task`` as the coordinator's RunTask."""
 
     def __init__(self, train: TrainConfig) -> None:
@@ -137,14 +146,6 @@ class UserTask:
         return trace_task(self.task, self.model, micro_batch_size,
                           source={"task": self.train.task, "options": task_options(self.train, self.batch_size)})
 
-    def initial_state(self) -> bytes:
-        return pack_tensors({f"param/{k}": v for k, v in model_tensors(self.model).items()})
-
-    def estimate(self, graph: OpGraph) -> dict[str, OpWork]:
-        return estimate(graph, source=graph_source(graph) or root_source(self.model), calibrate=True)
-
-    def reference_flops(self) -> float:
-        return matmul_flops("cpu", threads=1, seconds=0.5)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -165,12 +166,6 @@ class UserTask:
     def eval_count(self, eval_batches: int) -> int:
         return min(eval_batches, self.task.val_batches)
 
-    def refused_ops(self, backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]:
-        if backend != "numpy":
-            return []
-        from fusionllm.npexec.executor import can_run
-
-        return can_run(graph, node_ids)
 
 
 def run_task(train: TrainConfig) -> LMTask | UserTask:
