@@ -8,7 +8,10 @@ that exchange compressed pseudo-gradients every round, sim/rounds.py). Every pla
 the fraction of the cluster's aggregate compute doing training work (sim/utilization.py); the issue's
 goal is at least 50%. Writes paper_scale.json, paper_scale.md and paper_scale.png.
 
-    python benchmarks/paper_scale.py [--out benchmarks/results] [--quick]
+    python benchmarks/paper_scale.py [--out benchmarks/results] [--quick] [--models gpt2 resnet101 ...]
+
+ResNet models (``--task vision``: ResNet-101 at 224x224, the paper's) count images where the GPT
+rows count tokens (their "tokens/s" columns are images/s); ``--image-size`` sets the resolution.
 """
 
 from __future__ import annotations
@@ -40,15 +43,19 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--models", nargs="+", default=None, help=f"default {' '.join(MODELS)}; resnet18 .. resnet152 plan the vision task")
+    ap.add_argument("--image-size", type=int, default=224)
     args = ap.parse_args()
     clusters = CLUSTERS[:1] if args.quick else CLUSTERS
-    models = MODELS[::3] if args.quick else MODELS
-    req = Request(args.batch_size, args.seq_len, args.micro_batches)
+    models = args.models or (MODELS[::3] if args.quick else MODELS)
     rows = []
     for cluster in clusters:
         for model in models:
+            vision = model.startswith("resnet")
+            req = Request(args.batch_size, 1 if vision else args.seq_len, args.micro_batches)  # a vision row is one image
             started = time.perf_counter()
-            _graph, hw, cost, opf = offline(model, str(ROOT / "examples" / "clusters" / f"{cluster}.toml"), "opfence", req, vocab_size=50257)
+            task = {"task": "vision", "image_size": args.image_size} if vision else {}
+            _graph, hw, cost, opf = offline(model, str(ROOT / "examples" / "clusters" / f"{cluster}.toml"), "opfence", req, vocab_size=50257, **task)
             plan_s = time.perf_counter() - started
             row = {"cluster": cluster, "model": model, "devices": len(hw), "opfence_plan_s": round(plan_s, 2)}
             for name in SCHEDULERS:
@@ -76,8 +83,10 @@ def main() -> int:
             h = row["hierarchical"]
             print(f"{cluster} {model}: " + ", ".join(f"{k} {row[k]['tokens_per_s']:.0f}" for k in SCHEDULERS) + f" tok/s; x{row['speedup_vs_best_baseline']} over the best baseline; "
                   f"utilization synchronous {row['opfence']['utilization']:.1%}, hierarchical {h['utilization']:.1%} ({h['groups']} groups, {h['tokens_per_s']:.0f} tok/s, {h['plan_s']} s to plan)", flush=True)
+    req = Request(args.batch_size, args.seq_len, args.micro_batches)
     table = [
-        f"Simulated tokens/s, batch {req.batch_size} x {req.seq_len} tokens, GPT-2 vocabulary; "
+        f"Simulated tokens/s, batch {req.batch_size} x {req.seq_len} tokens, GPT-2 vocabulary (ResNet rows: images/s, "
+        f"batch {req.batch_size} images of {args.image_size}x{args.image_size}, 10 classes); "
         "GPUs at 40% of nominal peak; OP-Fence chooses its own micro-batch count, baselines use "
         f"{req.micro_batches}.", "",
         "| cluster | model | opfence | uniform | params | compute | x best baseline | x worst baseline | opfence plan (s) |",
