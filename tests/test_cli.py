@@ -22,6 +22,17 @@ def test_verify_builtin_model_passes() -> None:
     assert float(last.split("=")[1]) <= 1e-5
 
 
+@pytest.mark.parametrize("task", ["vision", "tests.test_tasks:two_input_task"])
+def test_verify_a_task(task: str) -> None:
+    """`--task`: the built-in vision task (ResNet-18 in training mode) and a user's task by import path."""
+    proc = run("verify", "--task", task, "--parts", "3", "--seed", "1", "--batch-size", "2", "--image-size", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "buffer" in proc.stdout or task != "vision"  # BatchNorm's running statistics are compared too
+    assert float(proc.stdout.strip().splitlines()[-1].split("=")[1]) <= 1e-5
+    bad = run("verify", "--task", "nope")
+    assert bad.returncode != 0 and "unknown task 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2
+
+
 @pytest.mark.parametrize("spec", ["tests.zoo:dense", "tests.zoo:skip_tied"])
 def test_verify_model_defined_outside_the_package(spec: str) -> None:
     proc = run("verify", "--model", spec, "--parts", "4", "--seed", "0")
