@@ -77,5 +77,6 @@ def summary(model: str, result: Any, first: list[float], steps: int) -> None:
         f"elapsed_s={result.elapsed_s:.1f} tokens_per_s={result.tokens / max(result.elapsed_s, 1e-9):.0f} "
         f"first_loss={first[0]:.4f} final_loss={last:.4f}"
         + (f" val_loss={result.val_losses[-1][1]:.4f}" if result.val_losses else "")
+        + (f" val_metric={result.val_metrics[-1][1]:.4f}" if getattr(result, "val_metrics", None) else "")
     )
 
