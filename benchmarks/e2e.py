@@ -17,6 +17,12 @@ the other, in the same namespaces and on the same links:
    (``benchmarks/.hivemind-venv``: hivemind 1.1.12 needs numpy < 2.4); without it the system is
    skipped. Make it with ``python benchmarks/e2e.py --make-hivemind-venv``.
 
+``--task vision`` (``--model resnet18 --image-size 32`` by default) trains a ResNet of the vision
+task on its seeded synthetic images instead: the peer splits it at residual blocks
+(``peer_pipelining.py --task vision``), the fusionllm systems run ``--task vision``; tokens/s
+becomes images/s and the validation accuracy is reported next to the loss (hivemind has no vision
+task and is skipped).
+
 Reported per run: median tokens/s over the steps after warm-up, the wall time to reach a validation
 loss that every run reaches (the highest final validation loss among them), bytes per link as tc
 counts them (packet headers included, the same counter for every system), and the simulator's
@@ -24,6 +30,8 @@ predicted step time next to the measured one. Writes e2e.json, e2e.md, e2e_token
 e2e_loss_time.png. Needs root (the testbed).
 
     python benchmarks/e2e.py [--quick] [--clusters three-sites uniform random:12] [--steps 120] [--merge] [--systems peer hivemind]
+    python benchmarks/e2e.py --task vision --clusters three-sites --systems peer uniform opfence opfence+adatopk \
+        --steps 60 --eval-every 20 --eval-batches 2 --out benchmarks/results/vision
 """
 
 from __future__ import annotations
@@ -64,8 +72,21 @@ SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer; a function (a
 }
 
 
+def task_args(args: argparse.Namespace) -> list[str]:
+    return [] if args.task == "lm" else ["--task", args.task, "--image-size", str(args.image_size)]
+
+
+def items_per_row(args: argparse.Namespace) -> int:
+    """What one batch row counts for: seq_len tokens of a language model, one image for vision."""
+    return args.seq_len if args.task == "lm" else 1
+
+
+def unit(args: argparse.Namespace) -> str:
+    return "tokens" if args.task == "lm" else "images"
+
+
 def common_args(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+    return [*task_args(args), "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--seed", str(args.seed), "--warmup", str(args.lr_warmup),
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
 
@@ -209,7 +230,12 @@ def summarize_hier(rec: list[dict], link_bytes: dict) -> dict:
     }
 
 
-def model_params(model: str) -> int:
+def model_params(model: str, task: str = "lm", image_size: int = 32) -> int:
+    if task != "lm":
+        from fusionllm.models.task import build_task_model, load_task
+
+        t = load_task(task, {"model": model, "data": None, "seed": 0, "batch_size": 1, "image_size": image_size})
+        return sum(p.numel() for p in build_task_model(t, 0, device="meta").parameters())
     from fusionllm.models.spec import build_model
 
     return sum(p.numel() for p in build_model(model, 256, device="meta").parameters())
@@ -235,14 +261,16 @@ def summarize(name: str, rec: list[dict], args: argparse.Namespace, predicted: f
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
     median = statistics.median(steps)
     losses = [r["loss"] for r in rec]
+    per_step = args.batch_size * items_per_row(args)  # tokens (images for --task vision) per step
     return {
-        "system": name, "median_step_s": round(median, 4), "tokens_per_s": round(args.batch_size * args.seq_len / median, 1),
+        "system": name, "median_step_s": round(median, 4), "tokens_per_s": round(per_step / median, 1),
         # the same steps' mean: lower than the median's when some steps stall (hivemind's averaging rounds)
-        "mean_tokens_per_s": round(args.batch_size * args.seq_len / statistics.mean(steps), 1),
+        "mean_tokens_per_s": round(per_step / statistics.mean(steps), 1),
         "predicted_step_s": None if predicted is None else round(predicted, 4),
         "sim_error": None if predicted is None else round(predicted / median - 1, 4),
-        "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:]), "trained": sum(losses[-5:]) / len(losses[-5:]) < losses[0] - 0.5,
-        "final_val_loss": rec[-1].get("val_loss"), "wall_s": rec[-1]["elapsed_s"],
+        "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:]),
+        "trained": sum(losses[-5:]) / len(losses[-5:]) < losses[0] - args.trained_drop,
+        "final_val_loss": rec[-1].get("val_loss"), "final_val_accuracy": rec[-1].get("val_accuracy"), "wall_s": rec[-1]["elapsed_s"],
         "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in rec if "val_loss" in r],
         "link_bytes": {f"w{a}->w{b}": v for (a, b), v in sorted(link_bytes.items()) if v > 0},
         "plan": rec[0].get("plan", ""),
@@ -281,8 +309,8 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 predicted = None
             elif SYSTEMS[system] is None:
                 run_peer(tb, args, metrics, tmp / f"{name}-peer.log")
-                req = Request(args.batch_size, args.seq_len, args.micro_batches, schedule="gpipe")
-                _, _, cost, plan = offline(args.model, str(path), "uniform", req)
+                req = Request(args.batch_size, items_per_row(args), args.micro_batches, schedule="gpipe")
+                _, _, cost, plan = offline(args.model, str(path), "uniform", req, task=args.task, image_size=args.image_size)
                 predicted = simulate(plan, cost, req).step_time_s
             else:
                 run_fusion(tb, path, SYSTEMS[system], args, metrics, tmp / f"{name}-{system}")
@@ -298,13 +326,15 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 row = {"cluster": name, **summarize_hier(rec, sent), **extra}
             else:
                 row = {"cluster": name, **summarize(system, rec, args, predicted, sent), **extra}
-                row["val_tokens"] = [((r["step"] + 1) * args.batch_size * args.seq_len, r["val_loss"]) for r in rec if "val_loss" in r]
+                row["val_tokens"] = [((r["step"] + 1) * args.batch_size * items_per_row(args), r["val_loss"]) for r in rec if "val_loss" in r]
+            row["unit"] = unit(args)  # what tokens_per_s counts: tokens, or images for --task vision
             row["device_busy"] = device_busy(rec, spec)
             if plan_event is not None and system != "hierarchical":
                 row["plan"] = json.dumps({k: plan_event.get(k) for k in ("stages", "micro_batches", "schedule")}, sort_keys=True)
                 row["ratios"] = rec[-1].get("ratios", {})
             rows.append(row)
-            print(f"[{name}] {system}: {row['tokens_per_s']:.0f} tokens/s, val {row['final_val_loss']:.3f}, "
+            acc = "" if row.get("final_val_accuracy") is None else f", val accuracy {row['final_val_accuracy']:.3f}"
+            print(f"[{name}] {system}: {row['tokens_per_s']:.1f} {unit(args)}/s, val {row['final_val_loss']:.3f}{acc}, "
                   f"predicted {row['predicted_step_s']} s vs {row['median_step_s']} s", flush=True)
     trained = [r for r in rows if r["trained"]]
     target = max(r["final_val_loss"] for r in trained) if trained else float("nan")
@@ -327,11 +357,16 @@ def retarget(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps, seed {args.seed}, "
-             f"lr {args.lr}; tokens/s from the median step after {args.warmup} warm-up steps (and from the mean of the same steps); validation every {args.eval_every} steps on "
+    u = unit(args)
+    vision = args.task != "lm"
+    shape = f"batch {args.batch_size} images {args.image_size}x{args.image_size} (task {args.task})" if vision else f"batch {args.batch_size} x {args.seq_len}"
+    lines = [f"Model {args.model}, {shape}, {args.micro_batches} micro-batches, {args.steps} steps, seed {args.seed}, "
+             f"lr {args.lr}; {u}/s from the median step after {args.warmup} warm-up steps (and from the mean of the same steps); validation every {args.eval_every} steps on "
              f"{args.eval_batches} held-out batches (evaluation time excluded from the clock for every system). Bytes: tc's counters, all links.", "",
-             "| cluster | system | tokens/s | vs peer | tokens/s (mean step) | predicted step (s) | measured step (s) | sim error | final val loss | time to target (s) | MB sent |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| cluster | system | {u}/s | vs peer | {u}/s (mean step) | predicted step (s) | measured step (s) | sim error | final val loss |"
+             + (" final val accuracy |" if vision else "") + " time to target (s) | MB sent |",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if vision else "")]
+    fmt = ".1f" if vision else ".0f"
     for r in rows:
         peer = next((p for p in rows if p["cluster"] == r["cluster"] and p["system"] == "peer"), None)
         vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
@@ -339,9 +374,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         err = "-" if r["sim_error"] is None else f"{r['sim_error']:+.0%}"
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         trained = "" if r["trained"] else " (did not train)"
-        mean = f"{r['mean_tokens_per_s']:.0f}" if "mean_tokens_per_s" in r else "-"
-        lines.append(f"| {r['cluster']} | {r['system']}{trained} | {r['tokens_per_s']:.0f} | {vs} | {mean} | {pred} | {r['median_step_s']:.3f} | {err} | "
-                     f"{r['final_val_loss']:.3f} | {ttt} | {sum(r['link_bytes'].values()) / 1e6:.1f} |")
+        mean = f"{r['mean_tokens_per_s']:{fmt}}" if "mean_tokens_per_s" in r else "-"
+        acc = "-" if r.get("final_val_accuracy") is None else f"{r['final_val_accuracy']:.3f}"
+        lines.append(f"| {r['cluster']} | {r['system']}{trained} | {r['tokens_per_s']:{fmt}} | {vs} | {mean} | {pred} | {r['median_step_s']:.3f} | {err} | "
+                     f"{r['final_val_loss']:.3f} |" + (f" {acc} |" if vision else "") + f" {ttt} | {sum(r['link_bytes'].values()) / 1e6:.1f} |")
     clusters = dict.fromkeys(r["cluster"] for r in rows)
     lines.append("")
     for c in clusters:
@@ -362,26 +398,26 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         if r["system"] == "hierarchical" and "hierarchical" in r:
             h = r["hierarchical"]
             n = len(h["hier_plan"]["groups"])
-            params = model_params(args.model)
+            params = model_params(args.model, args.task, args.image_size)
             rows_per_step = args.group_batch or args.batch_size  # data parallelism with the groups' batch
-            dp = 8 * params * (n - 1) / (n * rows_per_step * args.seq_len)  # ring all-reduce of fp32 gradients, every step, per token
+            dp = 8 * params * (n - 1) / (n * rows_per_step * items_per_row(args))  # ring all-reduce of fp32 gradients, every step, per token
             measured = sum(r["link_bytes"].values()) / r["tokens"]
             lines += ["", f"{r['cluster']} hierarchical: {n} groups " + ", ".join(f"{g['workers']} H={g['inner_steps']}" for g in h["hier_plan"]["groups"])
                       + f", {h['hier_plan']['fragments']} fragments, codec {h['hier_plan']['codec']}, {h['hier_plan']['rounds']} rounds; "
-                      f"bytes between workers per token {measured:.1f} (tc, headers included) against {dp:.0f} for synchronous data parallelism "
+                      f"bytes between workers per {u[:-1]} {measured:.1f} (tc, headers included) against {dp:.0f} for synchronous data parallelism "
                       f"over the same groups (computed: a ring all-reduce of {params:,} fp32 gradients every step): {dp / measured:.0f}x fewer; "
                       f"groups left out of a round: {len(h['left_out'])}."]
             sync = next((x for x in rows if x["cluster"] == r["cluster"] and x["system"] == "opfence+adatopk"), None)
             if sync and sync.get("time_to_target_s") and r.get("time_to_target_s"):
                 lines.append(f"{r['cluster']}: time to the target validation loss, hierarchical {r['time_to_target_s']:.0f} s against OP-Fence + AdaTopK "
                              f"{sync['time_to_target_s']:.0f} s ({sync['time_to_target_s'] / r['time_to_target_s']:.1f}x faster).")
-    lines += ["", "OP-Fence + AdaTopK against OP-Fence alone (tokens/s; AdaTopK must never lose):", ""]
+    lines += ["", f"OP-Fence + AdaTopK against OP-Fence alone ({u}/s; AdaTopK must never lose):", ""]
     for c in clusters:
         alone = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence"), None)
         ada = next((r for r in rows if r["cluster"] == c and r["system"] == "opfence+adatopk"), None)
         if alone and ada:
             ratio = ada["tokens_per_s"] / alone["tokens_per_s"]
-            lines.append(f"- {c}: {ratio:.2f}x ({ada['tokens_per_s']:.0f} vs {alone['tokens_per_s']:.0f}; plans {'the same' if ada['plan'] == alone['plan'] else 'different'}; "
+            lines.append(f"- {c}: {ratio:.2f}x ({ada['tokens_per_s']:{fmt}} vs {alone['tokens_per_s']:{fmt}}; plans {'the same' if ada['plan'] == alone['plan'] else 'different'}; "
                          f"{sum(ada['link_bytes'].values()) / 1e6:.1f} vs {sum(alone['link_bytes'].values()) / 1e6:.1f} MB sent)")
     return lines
 
@@ -404,7 +440,11 @@ def main() -> int:
                     help="hierarchical: inner steps per round of the slowest group (default: the planner's choice)")
     ap.add_argument("--group-batch", type=int, default=None,
                     help="hierarchical: rows per inner step of every group (default --batch-size; --batch-size / groups keeps a step's tokens)")
-    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--task", default="lm", choices=("lm", "vision"), help="lm: GPTs on text; vision: ResNets on the seeded synthetic images")
+    ap.add_argument("--model", default=None, help="default gpt-micro (--task lm), resnet18 (--task vision)")
+    ap.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
+    ap.add_argument("--trained-drop", type=float, default=None,
+                    help="a run trained if its last 5 losses average this much below its first (default 0.5 for lm, 0.15 for vision)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -417,6 +457,9 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
+    args.model = args.model or ("gpt-micro" if args.task == "lm" else "resnet18")
+    if args.trained_drop is None:
+        args.trained_drop = 0.5 if args.task == "lm" else 0.15
     if args.make_hivemind_venv:
         return make_hivemind_venv()
     if args.report:  # the tables and plots again from e2e.json (targets over all its rows)
@@ -424,8 +467,11 @@ def main() -> int:
         rows = saved["results"]
         retarget(rows)
         write(args.out, "e2e", rows, table(rows, args), {"args": saved.get("args", {})})
-        _plot(rows, args.out)
+        _plot(rows, args.out, unit(args))
         return 0
+    if "hivemind" in args.systems and args.task != "lm":
+        print("hivemind: skipped, peer_hivemind.py has no --task vision")
+        args.systems = [s for s in args.systems if s != "hivemind"]
     if "hivemind" in args.systems and hivemind_python() is None:
         print(f"hivemind: skipped, no working {HIVEMIND_VENV.relative_to(ROOT)}; make it with: python benchmarks/e2e.py --make-hivemind-venv")
         args.systems = [s for s in args.systems if s != "hivemind"]
@@ -443,11 +489,11 @@ def main() -> int:
     order = {c: i for i, c in enumerate(dict.fromkeys(r["cluster"] for r in rows))}
     rows.sort(key=lambda r: (order[r["cluster"]], list(SYSTEMS).index(r["system"])))
     write(args.out, "e2e", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
-    _plot(rows, args.out)
+    _plot(rows, args.out, unit(args))
     return 0
 
 
-def _plot(rows: list[dict], out: Path) -> None:
+def _plot(rows: list[dict], out: Path, u: str = "tokens") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -461,7 +507,7 @@ def _plot(rows: list[dict], out: Path) -> None:
         vals = [next((r["tokens_per_s"] for r in rows if r["cluster"] == c and r["system"] == s), 0) for c in clusters]
         ax.bar([k + i * width for k in range(len(clusters))], vals, width, label=s)
     ax.set_xticks([k + width * (len(systems) - 1) / 2 for k in range(len(clusters))], clusters)
-    ax.set_ylabel("tokens/s (median step)")
+    ax.set_ylabel(f"{u}/s (median step)")
     ax.set_title("fusionllm vs torch.distributed.pipelining, same emulated links")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -486,7 +532,7 @@ def _plot(rows: list[dict], out: Path) -> None:
             if r["cluster"] == c and r.get("val_tokens"):
                 ax.plot([p[0] for p in r["val_tokens"]], [p[1] for p in r["val_tokens"]], marker="o", ms=3, label=r["system"])
         ax.set_title(c)
-        ax.set_xlabel("tokens trained (all groups / replicas)")
+        ax.set_xlabel(f"{u} trained (all groups / replicas)")
         ax.set_ylabel("validation loss")
         ax.legend(fontsize=8)
     fig.tight_layout()

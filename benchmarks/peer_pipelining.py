@@ -6,6 +6,7 @@ One process per rank, gloo backend, GPipe schedule, the model split into one sta
         --master-port 29531 --model gpt-micro --steps 30 --batch-size 8 --seq-len 128 \
         --micro-batches 4 --lr 3e-3 --seed 0 --warmup 20 --metrics peer.jsonl \
         [--eval-every K --eval-batches E] [--timeout 120] [--threads 1] [--data SPEC] [--verbose]
+    python benchmarks/peer_pipelining.py ... --task vision --model resnet18 --image-size 32 ...
 
 Rendezvous is ``init_method=tcp://ADDR:PORT``; ``GLOO_SOCKET_IFNAME`` is honoured by gloo itself
 when the caller sets it (this script never sets it).
@@ -56,9 +57,25 @@ Eval: torch 2.13's schedules have ``eval()`` (forward-only, losses via ``losses=
 under ``torch.no_grad()`` with the stage module in ``.eval()`` mode. Switching between eval and
 train re-initialises the schedule's stage buffers (cheap, local, excluded from timing).
 
+Vision (``--task vision --model resnet18 --image-size N``, against ``train_single_task``): the
+model is ``vision_task(model, data, seed, batch_size, image_size).model()`` built after
+``torch.manual_seed(seed)`` (``build_task_model``), batch ``step`` is ``task.batch(step)`` (images
+float32 NCHW, labels int64), the loss is the task's (``F.cross_entropy``, the schedule's
+``loss_fn``), validation is ``task.val(j)`` for ``j < min(E, task.val_batches)`` with the mean
+loss and accuracy over each whole batch; optimizer, schedule and clipping as above (no tied
+weights). Split: at ``SplitPoint.BEGINNING`` of the residual blocks (``layer1.0`` .. ``layer4.1``
+for ResNet-18) divided evenly among the ranks, the stem to the first stage and ``avgpool``/``fc``
+to the last. BatchNorm: with GPipe each micro-batch is normalised with its own statistics and
+updates the running statistics in micro-batch order on the stage that owns the layer, exactly as
+``train_single_task`` with the same ``--micro-batches``. ``pipeline()`` bakes train mode into the
+traced graph (``aten.batch_norm(..., training=True)``: ``.eval()`` on a stage does nothing), so
+evaluation uses a second pipeline traced from a fresh model in eval mode with the same split
+points; before each evaluation every rank copies its training stage's parameters and running
+statistics into its eval stage by name (local, excluded from the clock) and runs it forward-only.
+
 Output: the last rank writes one JSON line per step to ``--metrics``: ``step``, ``loss``,
 ``elapsed_s``, ``tokens``, ``tokens_per_s``, ``lr``, ``grad_norm`` and, at evaluation steps,
-``val_loss``. Nothing is printed per step unless ``--verbose``. On error one line goes to
+``val_loss`` (vision: ``tokens`` counts images, and ``val_accuracy`` is added). Nothing is printed per step unless ``--verbose``. On error one line goes to
 stderr and the exit status is 1; the process group is always destroyed.
 """
 
@@ -72,6 +89,7 @@ import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -97,7 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29531)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds, for init and collectives")
-    p.add_argument("--model", default="gpt-micro")
+    p.add_argument("--task", default="lm", choices=("lm", "vision"))
+    p.add_argument("--model", default="gpt-micro", help="gpt-* for --task lm, resnet* for --task vision")
+    p.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
     p.add_argument("--data", default=None, help="corpus spec (default: the stdlib corpus)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
@@ -119,7 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def check_args(a: argparse.Namespace) -> None:
     if a.world < 1 or not 0 <= a.rank < a.world:
         raise PeerError(f"need 0 <= --rank < --world, got rank {a.rank}, world {a.world}")
-    for name in ("steps", "batch_size", "seq_len", "micro_batches", "threads", "eval_batches"):
+    for name in ("steps", "batch_size", "seq_len", "micro_batches", "threads", "eval_batches", "image_size"):
         if getattr(a, name) < 1:
             raise PeerError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.batch_size % a.micro_batches:
@@ -149,6 +169,26 @@ def split_spec(model: nn.Module, world: int) -> dict[str, SplitPoint]:
     if world > n:
         raise PeerError(f"--world {world} exceeds the model's {n} transformer blocks")
     return {f"h.{round(i * n / world)}": SplitPoint.BEGINNING for i in range(1, world)}
+
+
+def resnet_blocks(model: nn.Module) -> list[str]:
+    """The residual blocks of a ResNet in order: ``layer1.0``, ``layer1.1``, ..., ``layer4.1``."""
+    names = []
+    for k in range(1, 5):
+        layer = getattr(model, f"layer{k}", None)
+        if not isinstance(layer, nn.Sequential):
+            raise PeerError(f"--task vision splits a ResNet's layer1..layer4; this model has no layer{k}")
+        names += [f"layer{k}.{j}" for j in range(len(layer))]
+    return names
+
+
+def vision_split_spec(model: nn.Module, world: int) -> dict[str, SplitPoint]:
+    """Split points at the beginning of residual blocks ``round(i * n / world)``, i = 1 .. world - 1."""
+    blocks = resnet_blocks(model)
+    n = len(blocks)
+    if world > n:
+        raise PeerError(f"--world {world} exceeds the model's {n} residual blocks")
+    return {blocks[round(i * n / world)]: SplitPoint.BEGINNING for i in range(1, world)}
 
 
 def sync_tied_and_clip(
@@ -187,6 +227,9 @@ def sync_tied_and_clip(
 
 def run(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
+    if a.task == "vision":
+        run_vision(a)
+        return
     first, last = a.rank == 0, a.rank == a.world - 1
 
     tokenizer = ByteTokenizer()
@@ -261,6 +304,109 @@ def run(a: argparse.Namespace) -> None:
             if a.eval_every and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
                 t0 = time.perf_counter()
                 record["val_loss"] = evaluate()
+                paused += time.perf_counter() - t0
+            if last:
+                metrics.write(record)
+                if a.verbose:
+                    print(record, file=sys.stderr, flush=True)
+
+
+def as_tensors(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    return [torch.from_numpy(np.ascontiguousarray(x)) for x in arrays]
+
+
+def copy_into_eval(train: nn.Module, evaluation: nn.Module) -> None:
+    """The training stage's parameters and running statistics into the eval-traced stage, by name."""
+    src = {**dict(train.named_parameters()), **dict(train.named_buffers())}
+    with torch.no_grad():
+        for name, t in [*evaluation.named_parameters(), *evaluation.named_buffers()]:
+            if name not in src:
+                raise PeerError(f"the eval stage has {name!r}, the training stage has not")
+            t.copy_(src[name])
+
+
+def run_vision(a: argparse.Namespace) -> None:
+    """``--task vision``: a ResNet of the vision task, split at residual blocks, GPipe."""
+    from fusionllm.models.task import build_task_model
+    from fusionllm.models.vision_task import vision_task
+
+    first, last = a.rank == 0, a.rank == a.world - 1
+    task = vision_task(a.model, a.data, a.seed, a.batch_size, a.image_size)
+    model = build_task_model(task, a.seed)
+    spec = vision_split_spec(model, a.world)
+    x0 = as_tensors(task.batch(0))[0]
+    if x0.shape[0] != a.batch_size:
+        raise PeerError(f"the task's batch has {x0.shape[0]} rows, not --batch-size {a.batch_size}")
+    mb = a.batch_size // a.micro_batches
+
+    def build(m: nn.Module) -> tuple:
+        pipe = pipeline(m, mb_args=(x0[:mb],), split_spec=spec)
+        if pipe.num_stages != a.world:
+            raise PeerError(f"pipeline() made {pipe.num_stages} stages for --world {a.world}")
+        return pipe.build_stage(a.rank, torch.device("cpu"))
+
+    stage = build(model)
+    module = stage.submod
+    del model
+    schedule = ScheduleGPipe(stage, n_microbatches=a.micro_batches, loss_fn=task.loss)
+    optimizer = make_adamw(module.named_parameters(), a.lr, a.weight_decay)
+    eval_stage = eval_schedule = None
+    if a.eval_every:  # traced in eval mode: BatchNorm with its running statistics
+        eval_model = build_task_model(task, a.seed)
+        eval_model.eval()
+        eval_stage = build(eval_model)
+        del eval_model
+        eval_schedule = ScheduleGPipe(eval_stage, n_microbatches=a.micro_batches)
+    if a.verbose:
+        n = sum(p.numel() for p in module.parameters())
+        print(f"rank {a.rank}: stage {a.rank}/{a.world}, {n} params, split {list(spec)}",
+              file=sys.stderr, flush=True)
+
+    def evaluate() -> tuple[float, float] | None:
+        assert eval_stage is not None and eval_schedule is not None
+        copy_into_eval(module, eval_stage.submod)
+        losses, accs = [], []
+        with torch.no_grad():
+            for j in range(min(a.eval_batches, task.val_batches)):
+                x, y = as_tensors(task.val(j))
+                out = eval_schedule.eval(*((x,) if first else ()))
+                if last:
+                    losses.append(float(task.loss(out, y)))
+                    accs.append(float(task.metric(out, y)) if task.metric else float("nan"))
+        if not last:
+            return None
+        return sum(losses) / len(losses), sum(accs) / len(accs)
+
+    images = 0
+    paused = 0.0
+    with JsonlWriter(a.metrics if last else None) as metrics:
+        dist.barrier()
+        started = time.perf_counter()
+        for step in range(a.steps):
+            module.train()
+            lr = lr_at(step, lr=a.lr, steps=a.steps, warmup=a.warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = as_tensors(task.batch(step))
+            optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            schedule.step(*((x,) if first else ()), return_outputs=False,
+                          **({"target": y, "losses": losses} if last else {}))
+            loss = sum(float(v.detach()) for v in losses) / len(losses) if last else None
+            grad_norm = sync_tied_and_clip(module, [], a.grad_clip, a.rank)
+            optimizer.step()
+            images += x.shape[0] * task.items_per_row
+            elapsed = time.perf_counter() - started - paused
+            record = {
+                "step": step, "loss": loss, "elapsed_s": round(elapsed, 4), "tokens": images,
+                "tokens_per_s": round(images / max(elapsed, 1e-9), 1), "lr": lr,
+                "grad_norm": grad_norm,
+            }
+            if a.eval_every and ((step + 1) % a.eval_every == 0 or step == a.steps - 1):
+                t0 = time.perf_counter()
+                got = evaluate()
+                if got is not None:
+                    record["val_loss"], record[f"val_{task.metric_name}"] = got
                 paused += time.perf_counter() - t0
             if last:
                 metrics.write(record)
