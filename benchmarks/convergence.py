@@ -16,10 +16,18 @@ the coordinator on the same held-out batches (its time is left out of tokens/s).
 - ``dp-slow``: two replicas of the whole model across 50 Mbit/s: every step all-reduces all gradients
   over the slow link.
 
-Writes convergence.json, convergence.md and convergence.png; with ``--clusters`` a subset is run and
-merged into the existing convergence.json (so each cluster can be its own run). Needs root.
+Writes convergence.json, convergence.md and convergence.png; with ``--clusters`` (or ``--codecs``) a
+subset is run and merged into the existing convergence.json, replacing the runs of the same cluster
+and codec (so each cluster, or a codec added later, can be its own run). Needs root.
+
+``--task vision`` (``--model resnet18 --image-size 32`` by default) trains a CIFAR-stem ResNet on the
+seeded synthetic images instead (10 classes): tokens/s becomes images/s and the final validation
+accuracy (in points) is reported next to the loss; results go to benchmarks/results/vision_convergence
+by default.
 
     python benchmarks/convergence.py [--clusters tri-slow dp-slow] [--steps 120] [--seeds 0 1] [--codecs none adatopk]
+    python benchmarks/convergence.py --task vision --clusters slow-link --steps 100 --batch-size 16 --lr 1e-3 --warmup 10 \
+        --eval-every 50 --eval-batches 16
 """
 
 from __future__ import annotations
@@ -104,11 +112,20 @@ def slow_links(path: Path) -> set[str]:
     return {f"w{a}->w{b}" for a in range(n) for b in range(n) if a != b and hw.bps(a, b) < FAST}
 
 
+def task_args(args: argparse.Namespace) -> list[str]:
+    return [] if args.task == "lm" else ["--task", args.task, "--image-size", str(args.image_size)]
+
+
+def unit(args: argparse.Namespace) -> str:
+    """What tokens_per_s counts: tokens of a language model, images for --task vision (one per batch row)."""
+    return "tokens" if args.task == "lm" else "images"
+
+
 def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     metrics = tmp / f"{name}-{codec.replace(':', '_')}-{seed}.jsonl"
     cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(path), *CLUSTERS[name].layout,
-           "--compress", codec, "--model", args.model, "--steps", str(args.steps),
-           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", "4", "--lr", str(args.lr),
+           *task_args(args), "--compress", codec, "--model", args.model, "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", str(args.warmup),
            "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics),
            "--run-dir", str(tmp / f"run-{name}")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -118,12 +135,16 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
     slow = slow_links(path)
     per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in rec]
     ratios = {k: [r["ratios"][k] for r in rec] for k in rec[0].get("ratios", {}) if k in slow}
+    acc = rec[-1].get("val_accuracy")
     return {
         "cluster": name, "codec": codec, "seed": seed, "final_val_loss": rec[-1]["val_loss"],
+        # in points (the metric is a fraction of the held-out images); None for a language model
+        "final_val_accuracy": None if acc is None else 100 * acc, "unit": unit(args),
         "bytes_per_step_slow": sum(per_step) / len(per_step), "wall_s": rec[-1]["elapsed_s"], "tokens_per_s": rec[-1]["tokens_per_s"],
         "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in rec if "val_loss" in r],
+        "val_accuracy_curve": [(r["step"], r["elapsed_s"], 100 * r["val_accuracy"]) for r in rec if "val_accuracy" in r],
         # per slow link: the byte target's range over the run and how often it changed
-        "ratios": {k: {"min": min(v), "max": max(v), "last": v[-1], "changes": sum(a != b for a, b in zip(v, v[1:], strict=False))}
+        "ratios": {k: {"min": min(v), "max": max(v), "last": v[-1], "mean": sum(v) / len(v), "changes": sum(a != b for a, b in zip(v, v[1:], strict=False))}
                    for k, v in ratios.items()},
     }
 
@@ -132,14 +153,18 @@ def mean_row(name: str, codec: str, runs: list[dict]) -> dict:
     def avg(key: str) -> float:
         return sum(r[key] for r in runs) / len(runs)
 
-    return {"cluster": name, "codec": codec, "final_val_loss": avg("final_val_loss"), "bytes_per_step_slow": avg("bytes_per_step_slow"),
+    accs = [r.get("final_val_accuracy") for r in runs]
+    return {"cluster": name, "codec": codec, "final_val_loss": avg("final_val_loss"),
+            "final_val_accuracy": None if None in accs else sum(accs) / len(accs), "per_seed_val_accuracy": accs, "bytes_per_step_slow": avg("bytes_per_step_slow"),
             "tokens_per_s": avg("tokens_per_s"), "wall_s": avg("wall_s"), "per_seed_val_loss": [r["final_val_loss"] for r in runs],
             "ratios": runs[-1]["ratios"]}
 
 
 def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
+    if args.task != "lm":
+        return vision_table(rows, runs, args)
     seeds = sorted({r["seed"] for r in runs})
-    lines = [f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}, 4 micro-batches, lr {args.lr}; validation loss on "
+    lines = [f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, lr {args.lr}; validation loss on "
              f"the same {args.eval_batches} held-out batches; mean of seeds {', '.join(map(str, seeds))} (per seed in the last column). "
              "Slow links: every link under 1 Gbit/s. Speed-up: tokens/s against `none` on the same cluster and plan.", "",
              "| cluster | codec | final val loss | vs none | slow-link bytes/step | fewer bytes | tokens/s | speed-up | per seed |",
@@ -159,27 +184,82 @@ def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[
     return lines
 
 
+def vision_table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
+    """Per seed and the mean: final val loss and accuracy (points), slow-link bytes, bytes none/codec, images/s and speed-up."""
+    seeds = sorted({r["seed"] for r in runs})
+    n_img = args.eval_batches * args.batch_size
+    lines = [f"{args.model} (task {args.task}, images {args.image_size}x{args.image_size}, 10 classes), {args.steps} steps, batch {args.batch_size}, "
+             f"{args.micro_batches} micro-batches, lr {args.lr}, warmup {args.warmup}; validation loss and accuracy at the end on the same "
+             f"{args.eval_batches} held-out batches ({n_img} images: one image is {100 / n_img:.2f} points); seeds {', '.join(map(str, seeds))}. "
+             "Slow links: every link under 1 Gbit/s. Bytes ratio: slow-link bytes/step of `none` over the codec's; "
+             "speed-up: images/s against `none` (same cluster, seed and plan).", "",
+             "| cluster | seed | codec | final val loss | final val accuracy (pts) | vs none (pts) | slow-link bytes/step | bytes ratio | images/s | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def line(r: dict, base: dict, seed: str) -> str:
+        fewer = base["bytes_per_step_slow"] / r["bytes_per_step_slow"] if r["bytes_per_step_slow"] else float("nan")
+        d = r["final_val_accuracy"] - base["final_val_accuracy"]
+        return (f"| {r['cluster']} | {seed} | {r['codec']} | {r['final_val_loss']:.4f} | {r['final_val_accuracy']:.2f} | {d:+.2f} | "
+                f"{r['bytes_per_step_slow'] / 1e3:.1f} kB | {fewer:.2f}x | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
+
+    for name in dict.fromkeys(r["cluster"] for r in rows):
+        for seed in seeds:
+            for r in runs:
+                base = next((b for b in runs if b["cluster"] == name and b["seed"] == seed and b["codec"] == "none"), None)
+                if r["cluster"] == name and r["seed"] == seed and base is not None:
+                    lines.append(line(r, base, str(seed)))
+        base = next((b for b in rows if b["cluster"] == name and b["codec"] == "none"), None)
+        for r in rows:
+            if r["cluster"] == name and base is not None:
+                lines.append(line(r, base, "mean"))
+    lines += ["", "Goal (issue 17): accuracy within 1 point of `none` at 10x fewer slow-link bytes (mean of the seeds):", ""]
+    for r in rows:
+        base = next((b for b in rows if b["cluster"] == r["cluster"] and b["codec"] == "none"), None)
+        if base is None or r is base or not r["bytes_per_step_slow"]:
+            continue
+        d = r["final_val_accuracy"] - base["final_val_accuracy"]
+        fewer = base["bytes_per_step_slow"] / r["bytes_per_step_slow"]
+        met = d >= -1.0  # higher accuracy than none counts as within
+        lines.append(f"- {r['cluster']} {r['codec']}: accuracy {d:+.2f} points ({'within' if met else 'outside'} 1 point), "
+                     f"{fewer:.2f}x fewer bytes ({'at least' if fewer >= 10 else 'short of'} 10x): goal {'met' if met and fewer >= 10 else 'not met'}")
+    lines += ["", "AdaTopK's byte target per slow link over the run (fraction of the uncompressed bytes; per seed: min-max, mean, changes between steps):", ""]
+    for r in runs:
+        if r["codec"] == "adatopk":
+            parts = [f"{k} {v['min']:g}-{v['max']:g} (mean {v.get('mean', v['last']):.3f}, {v['changes']} changes)" for k, v in sorted(r["ratios"].items())]
+            lines.append(f"- {r['cluster']} seed {r['seed']}: {', '.join(parts) or 'no slow link carried traffic'}")
+    lines += ["", "Clusters:", ""] + [f"- {n}: {CLUSTERS[n].what}" for n in dict.fromkeys(r["cluster"] for r in rows) if n in CLUSTERS]
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results (benchmarks/results/vision_convergence with --task vision)")
+    ap.add_argument("--task", default="lm", choices=("lm", "vision"), help="lm: GPTs on text; vision: ResNets on the seeded synthetic images")
+    ap.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
-    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--model", default=None, help="default gpt-micro (--task lm), resnet18 (--task vision)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=20, help="LR warmup steps (train --warmup)")
+    ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--codecs", nargs="+", default=["none", "adatopk"])
     ap.add_argument("--fresh", action="store_true", help="do not merge with the clusters already in convergence.json")
     args = ap.parse_args()
+    if args.model is None:
+        args.model = "gpt-micro" if args.task == "lm" else "resnet18"
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / ("" if args.task == "lm" else f"{args.task}_convergence")
     runs: list[dict] = []
     old = args.out / "convergence.json"
     if old.exists() and not args.fresh:
         doc = json.loads(old.read_text())
         if isinstance(doc.get("results"), dict) and "runs" in doc["results"]:
-            runs = [r for r in doc["results"]["runs"] if "cluster" in r and r["cluster"] not in args.clusters]
+            runs = [r for r in doc["results"]["runs"] if "cluster" in r and not (r["cluster"] in args.clusters and r["codec"] in args.codecs)]
     with tempfile.TemporaryDirectory(prefix="fusion-conv-") as tmpdir:
         tmp = Path(tmpdir)
         for name in args.clusters:
@@ -189,7 +269,8 @@ def main() -> int:
                 for codec in args.codecs:
                     runs.append(run(name, path, codec, seed, args, tmp))
                     r = runs[-1]
-                    print(f"[{name}] seed {seed} {codec}: val {r['final_val_loss']:.4f}, {r['tokens_per_s']:.0f} tokens/s, "
+                    acc = "" if r["final_val_accuracy"] is None else f", accuracy {r['final_val_accuracy']:.2f} pts"
+                    print(f"[{name}] seed {seed} {codec}: val {r['final_val_loss']:.4f}{acc}, {r['tokens_per_s']:.1f} {unit(args)}/s, "
                           f"{r['bytes_per_step_slow'] / 1e3:.1f} kB/step on slow links, ratios {r['ratios']}", flush=True)
     order = list(dict.fromkeys([*[n for n in CLUSTERS if any(r["cluster"] == n for r in runs)]]))
     codecs = list(dict.fromkeys(r["codec"] for r in runs))
@@ -207,12 +288,21 @@ def _plot(runs: list[dict], order: list[str], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(order), figsize=(4.2 * len(order), 3.8), squeeze=False)
+    acc = any(r.get("val_accuracy_curve") for r in runs)  # --task vision: accuracy under the loss
+    fig, axes = plt.subplots(2 if acc else 1, len(order), figsize=(4.2 * len(order), 7.2 if acc else 3.8), squeeze=False)
+    for ax, name in zip(axes[-1] if acc else [], order, strict=True):
+        for r in runs:
+            if r["cluster"] == name:
+                ax.plot([p[1] for p in r["val_accuracy_curve"]], [p[2] for p in r["val_accuracy_curve"]], marker="o", ms=2,
+                        ls="--" if r["codec"] == "none" else "-", label=f"{r['codec']} s{r['seed']}")
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("validation accuracy (points)")
+        ax.legend(fontsize=7)
     for ax, name in zip(axes[0], order, strict=True):
         for r in runs:
             if r["cluster"] == name:
                 ax.plot([p[1] for p in r["val_curve"]], [p[2] for p in r["val_curve"]], marker="o", ms=2,
-                        ls="-" if r["codec"] == "adatopk" else "--", label=f"{r['codec']} s{r['seed']}")
+                        ls="--" if r["codec"] == "none" else "-", label=f"{r['codec']} s{r['seed']}")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("validation loss")
