@@ -53,14 +53,15 @@ def root_source(root: nn.Module) -> registry.SourceProvider:
 
 def spec_source(spec: str, vocab_size: int) -> registry.SourceProvider:
     """Modules of ``submodule`` nodes rebuilt from the model spec, on meta (a worker's path)."""
+    return _meta_provider(spec, lambda: build_model(spec, vocab_size, device="meta"))
+
+
+def _meta_provider(spec: str, build: Callable[[], nn.Module]) -> registry.SourceProvider:
+    """Submodules of the model ``build`` makes (once, on first use); ``spec``'s module may be imported."""
     module_name = spec.partition(":")[0]
     if ":" in spec and module_name:
         registry.allow_import(module_name)
-
-    @functools.cache
-    def meta_model() -> nn.Module:
-        return build_model(spec, vocab_size, device="meta")
-
+    meta_model = functools.cache(build)
     provider: Callable[[str], nn.Module] = lambda path: meta_model().get_submodule(path)  # noqa: E731
     return provider
 
@@ -78,15 +79,7 @@ def task_source(spec: str, options: dict) -> registry.SourceProvider:
     """Modules of ``submodule`` nodes rebuilt from a task's model, on meta (a worker's path)."""
     from fusionllm.models.task import build_task_model, load_task
 
-    module_name = spec.partition(":")[0]
-    if ":" in spec and module_name:
-        registry.allow_import(module_name)
-
-    @functools.cache
-    def meta_model() -> nn.Module:
-        return build_task_model(load_task(spec, options), 0, device="meta")
-
-    return lambda path: meta_model().get_submodule(path)
+    return _meta_provider(spec, lambda: build_task_model(load_task(spec, options), 0, device="meta"))
 
 
 def trace_task(task: Task, model: torch.nn.Module, micro_batch_size: int, *, source: dict | None = None) -> OpGraph:

@@ -121,12 +121,7 @@ def verify_model(
     grads = split.param_grads()
 
     report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
-    report.errors["loss"] = rel_err(loss.cpu(), ref_loss.detach().cpu())
-    for name, ref in ref_grads.items():
-        got = grads.get(name)
-        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got.cpu(), ref.cpu())
-    for name in grads.keys() - ref_grads.keys():
-        report.errors[f"grad:{name}"] = float("inf")  # the split has a gradient the reference has not
+    _compare(report, loss, ref_loss, grads, ref_grads)
     report.bytes_on_wire = split.bytes_sent
     return report
 
@@ -163,12 +158,7 @@ def verify_task(task: Task, model: nn.Module, *, parts: int, seed: int, device: 
     loss = split.step(feeds)
     grads = split.param_grads()
     report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
-    report.errors["loss"] = rel_err(loss.cpu(), ref_loss.detach().cpu())
-    for name, want in ref_grads.items():
-        got = grads.get(name)
-        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got.cpu(), want.cpu())
-    for name in grads.keys() - ref_grads.keys():
-        report.errors[f"grad:{name}"] = float("inf")
+    _compare(report, loss, ref_loss, grads, ref_grads)
     buffers = dict(ref.named_buffers())
     for s in stages:  # every stage's copy of a buffer it updated
         for name, value in s.params.items():
@@ -176,3 +166,13 @@ def verify_task(task: Task, model: nn.Module, *, parts: int, seed: int, device: 
                 report.errors[f"buffer:{name}"] = rel_err(value.detach().cpu(), buffers[name].detach().cpu())
     report.bytes_on_wire = split.bytes_sent
     return report
+
+
+def _compare(report: VerifyReport, loss: torch.Tensor, ref_loss: torch.Tensor, grads: dict, ref_grads: dict) -> None:
+    """The loss's and every gradient's relative error into ``report`` (inf: missing on one side)."""
+    report.errors["loss"] = rel_err(loss.cpu(), ref_loss.detach().cpu())
+    for name, want in ref_grads.items():
+        got = grads.get(name)
+        report.errors[f"grad:{name}"] = float("inf") if got is None else rel_err(got.cpu(), want.cpu())
+    for name in grads.keys() - ref_grads.keys():
+        report.errors[f"grad:{name}"] = float("inf")  # the split has a gradient the reference has not
