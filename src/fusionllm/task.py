@@ -17,9 +17,10 @@ import torch
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.work import OpWork
-from fusionllm.data import Batcher, ByteTokenizer, load_corpus
+from fusionllm.data import Batcher
+from fusionllm.data.lm_tokens import LMTokens, load_lm_tokens
 from fusionllm.graph.ir import OpGraph
-from fusionllm.models.spec import build_model
+from fusionllm.models.spec import build_lm, lm_tokenizer
 from fusionllm.models.task import (
     Task,
     batch_digest,
@@ -37,7 +38,6 @@ from fusionllm.runtime.model_graph import (
     trace_task,
 )
 from fusionllm.runtime.profile import estimate, matmul_flops
-from fusionllm.runtime.worker_data import corpus_digest
 from fusionllm.transport.control import DataSpec
 
 VAL_FRACTION = 0.1
@@ -84,7 +84,7 @@ class LMTask(_ModelTask):
     @functools.cached_property
     def model(self) -> torch.nn.Module:
         t = self.train
-        model = build_model(t.model, ByteTokenizer().vocab_size, seed=t.seed)
+        model = build_lm(t.model, self._tokens.vocab_size, seed=t.seed, init_from=t.init_from)
         block = getattr(getattr(model, "config", None), "block_size", None)
         if isinstance(block, int) and t.seq_len > block:
             raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
@@ -95,15 +95,22 @@ class LMTask(_ModelTask):
 
 
     @functools.cached_property
+    def tokenizer(self) -> str | None:
+        return lm_tokenizer(self.train.tokenizer, self.train.init_from)
+
+    @functools.cached_property
+    def _tokens(self) -> LMTokens:
+        return load_lm_tokens(self.train.data, self.tokenizer, VAL_FRACTION)
+
+    @functools.cached_property
     def _batches(self) -> tuple[Batcher, Batcher, str]:
-        t = self.train
-        train_tokens, val_tokens = load_corpus(t.data).split(VAL_FRACTION)
-        return Batcher(train_tokens, t.batch_size, t.seq_len, t.seed), Batcher(val_tokens, t.batch_size, t.seq_len, t.seed), corpus_digest(train_tokens)
+        t, tokens = self.train, self._tokens
+        return Batcher(tokens.train, t.batch_size, t.seq_len, t.seed), Batcher(tokens.val, t.batch_size, t.seq_len, t.seed), tokens.digest
 
     def data_spec(self, eval_batches: int) -> DataSpec:
         t = self.train
         return DataSpec(source=t.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len, val_fraction=VAL_FRACTION,
-                        digest=self._batches[2], eval_batches=eval_batches)
+                        digest=self._batches[2], eval_batches=eval_batches, tokenizer=self.tokenizer)
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         return self._batches[0].arrays(step)

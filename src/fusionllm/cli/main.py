@@ -13,6 +13,7 @@ import typer
 from fusionllm import __version__
 from fusionllm.cli.common import DEBUG
 from fusionllm.cli.graph import models, trace_cmd, verify
+from fusionllm.cli.llm import data_app, export, tokenizer_app
 from fusionllm.cli.options import DEFAULT_PLAN_CANDIDATES  # noqa: F401  (read from here by tests/test_cli.py)
 from fusionllm.cli.plan import plan_cmd, simulate
 from fusionllm.cli.run import coordinator, worker
@@ -48,6 +49,9 @@ app.command()(models)
 app.command("plan")(plan_cmd)
 app.command()(simulate)
 app.add_typer(testbed_app, name="testbed")
+app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(data_app, name="data")
+app.command()(export)
 app.command()(token)
 app.command()(report)
 # every option, known or not, goes on to benchmarks/e2e.py

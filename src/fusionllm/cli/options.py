@@ -11,6 +11,8 @@ from fusionllm.core.errors import ConfigError
 
 ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl; resnet18 .. resnet152 with --task vision) or package.module:factory.")]
 TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the default), vision (ResNets on images) or package.module:factory returning a fusionllm.Task.")]
+TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="bytes (the default), a tokenizer.json, or a directory holding one (fusionllm tokenizer train makes one). Default with --init-from: the checkpoint's own.")]
+InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from this Hugging Face checkpoint directory (config.json + *.safetensors, GPT-2 architecture); --model is then ignored.")]
 ImageSizeOpt = Annotated[int, typer.Option("--image-size", help="--task vision: images are resized to this many pixels square.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]

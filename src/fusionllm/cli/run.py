@@ -27,6 +27,7 @@ from fusionllm.cli.options import (
     GroupsOpt,
     HardwareOpt,
     ImageSizeOpt,
+    InitFromOpt,
     InnerStepsOpt,
     LrOpt,
     MetricsOpt,
@@ -50,6 +51,7 @@ from fusionllm.cli.options import (
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
+    TokenizerOpt,
     WarmupOpt,
     hier_fields,
     task_model,
@@ -111,6 +113,8 @@ def coordinator(
     group_batch: GroupBatchOpt = None,
     task: TaskOpt = "lm",
     image_size: ImageSizeOpt = 32,
+    tokenizer: TokenizerOpt = None,
+    init_from: InitFromOpt = None,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -122,7 +126,7 @@ def coordinator(
 
     train_cfg = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
     )
     cluster_cfg = ClusterConfig(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,

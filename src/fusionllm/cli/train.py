@@ -26,6 +26,7 @@ from fusionllm.cli.options import (
     GroupBatchOpt,
     GroupsOpt,
     ImageSizeOpt,
+    InitFromOpt,
     InnerStepsOpt,
     LrOpt,
     MetricsOpt,
@@ -49,6 +50,7 @@ from fusionllm.cli.options import (
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
+    TokenizerOpt,
     WarmupOpt,
     hier_fields,
     task_model,
@@ -117,6 +119,8 @@ def train(
     group_batch: GroupBatchOpt = None,
     task: TaskOpt = "lm",
     image_size: ImageSizeOpt = 32,
+    tokenizer: TokenizerOpt = None,
+    init_from: InitFromOpt = None,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -124,7 +128,7 @@ def train(
     config = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
-        eval_batches=eval_batches, task=task, image_size=image_size,
+        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
@@ -166,7 +170,7 @@ def train(
     bar, on_step, first = progress_bar(steps, "train")
     with bar:  # a task's reference accumulates the micro-batches a pipeline would run (BatchNorm sees the same rows)
         result = train_single(config, on_step, micro_batches=1 if task == "lm" else micro_batches)
-    summary(config.model, result, first, steps)
+    summary(config.init_from or config.model, result, first, steps)
 
 
 def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]:

@@ -27,6 +27,8 @@ class TrainConfig:
     threads: int | None = None
     task: str = "lm"  # lm, vision or package.module:factory (models/task.py)
     image_size: int = 32  # --task vision: images are resized to this many pixels square
+    tokenizer: str | None = None  # bytes (None), a tokenizer.json or a directory with one (data/bpe.py)
+    init_from: str | None = None  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):

@@ -20,7 +20,8 @@ class Batcher:
     """Draw ``(x, y)`` batches of token windows; ``y`` is ``x`` shifted one token to the left."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
-        tokens = np.asarray(tokens)
+        if not hasattr(tokens, "parts"):  # a shards.TokenStream stays memory-mapped
+            tokens = np.asarray(tokens)
         if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
             raise DataError(
                 f"tokens must be a 1-D array of integer token ids, got shape {tokens.shape} "

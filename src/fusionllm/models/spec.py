@@ -69,3 +69,22 @@ def build_model(
     if not isinstance(model, nn.Module):
         raise RegistryError(f"model factory {spec!r} returned {type(model).__name__}, not nn.Module")
     return model
+
+
+def lm_tokenizer(tokenizer: str | None, init_from: str | None) -> str | None:
+    """The tokenizer a language model run uses: ``--tokenizer``, else the ``--init-from`` directory's
+    own ``tokenizer.json`` when it holds one, else None (bytes, or the prepared shards' own)."""
+    from pathlib import Path
+
+    if tokenizer is None and init_from and (Path(init_from) / "tokenizer.json").is_file():
+        return str(Path(init_from) / "tokenizer.json")
+    return tokenizer
+
+
+def build_lm(spec: str, vocab_size: int, *, seed: int, init_from: str | None = None) -> nn.Module:
+    """``--model`` freshly initialised from ``seed``, or the checkpoint of ``--init-from`` (models/hf.py)."""
+    if init_from:
+        from fusionllm.models.hf import from_pretrained
+
+        return from_pretrained(init_from, vocab_size=vocab_size)
+    return build_model(spec, vocab_size, seed=seed)

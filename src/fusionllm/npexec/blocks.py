@@ -46,8 +46,8 @@ def self_attention_backward(
 
 
 class GPTBlock(Op):
-    def __init__(self, x: Ref, n_head: int, eps: float, has_bias: bool) -> None:
-        self.x, self.n_head, self.eps, self.has_bias = x, n_head, eps, has_bias
+    def __init__(self, x: Ref, n_head: int, eps: float, has_bias: bool, approximate: str = "none") -> None:
+        self.x, self.n_head, self.eps, self.has_bias, self.approximate = x, n_head, eps, has_bias, approximate
 
     def forward(self, xs: Arrays, params: Params) -> tuple[list[np.ndarray], Any]:
         p = params
@@ -59,7 +59,7 @@ class GPTBlock(Op):
         x1 = x + a
         h2, ln2 = K.layer_norm_forward(x1, p["ln_2.weight"], p.get("ln_2.bias"), self.eps)
         f = K.linear_forward(h2, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias"))  # (B, T, 4C)
-        g, act = K.gelu_forward(f)  # (B, T, 4C)
+        g, act = K.gelu_forward(f, self.approximate)  # (B, T, 4C)
         out = x1 + K.linear_forward(g, p["mlp.c_proj.weight"], p.get("mlp.c_proj.bias"))
         return [out], (ln1, attn, ln2, h2, act, g)
 
@@ -69,7 +69,7 @@ class GPTBlock(Op):
         ln1, attn, ln2, h2, act, g = saved
         grads: dict[str, np.ndarray | None] = {}
         dg, grads["mlp.c_proj.weight"], grads["mlp.c_proj.bias"] = K.linear_backward(gy, g, p["mlp.c_proj.weight"], self.has_bias)
-        df = K.gelu_backward(dg, act)
+        df = K.gelu_backward(dg, act, self.approximate)
         dh2, grads["mlp.c_fc.weight"], grads["mlp.c_fc.bias"] = K.linear_backward(df, h2, p["mlp.c_fc.weight"], self.has_bias)
         dln2, grads["ln_2.weight"], grads["ln_2.bias"] = K.layer_norm_backward(dh2, ln2, p["ln_2.weight"], self.has_bias)
         dx1 = gy + dln2
@@ -86,7 +86,10 @@ def _block(call: Call) -> Op:
     shape = call.inputs[x.index].shape
     if len(shape) != 3 or shape[-1] != cfg["n_embd"]:
         raise call.refuse(f"a Block's input must be (B, T, {cfg['n_embd']}), got {list(shape)}")
-    return GPTBlock(x, int(cfg["n_head"]), 1e-5, bool(cfg.get("bias", True)))
+    approximate = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}.get(str(cfg.get("activation", "gelu")))
+    if approximate is None:
+        raise call.refuse(f"a Block's activation {cfg.get('activation')!r} is not one the NumPy backend runs (gelu, gelu_new)")
+    return GPTBlock(x, int(cfg["n_head"]), float(cfg.get("layer_norm_eps", 1e-5)), bool(cfg.get("bias", True)), approximate)
 
 
 FACTORIES: dict[str, Callable[[Call], Op]] = {"module:fusionllm.models.gpt.Block": _block}

@@ -13,9 +13,10 @@ import torch
 from fusionllm.core.config import TrainConfig, TrainResult, lr_at
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.data import Batcher, ByteTokenizer, load_corpus
+from fusionllm.data import Batcher
+from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
-from fusionllm.models.spec import build_model
+from fusionllm.models.spec import build_lm, lm_tokenizer
 from fusionllm.runtime.optim import make_adamw
 
 StepCallback = Callable[[dict], None]
@@ -42,12 +43,10 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
         torch.set_num_threads(config.threads)
     if config.task != "lm":
         return train_single_task(config, on_step, micro_batches=micro_batches)
-    tokenizer = ByteTokenizer()
-    corpus = load_corpus(config.data)
-    train_tokens, val_tokens = corpus.split(0.1)
-    train_batches = Batcher(train_tokens, config.batch_size, config.seq_len, config.seed)
-    val_batches = Batcher(val_tokens, config.batch_size, config.seq_len, config.seed)
-    model = build_model(config.model, tokenizer.vocab_size, seed=config.seed)
+    tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
+    train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
+    val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
+    model = build_lm(config.model, tokens.vocab_size, seed=config.seed, init_from=config.init_from)
     block = getattr(getattr(model, "config", None), "block_size", None)
     if isinstance(block, int) and config.seq_len > block:
         raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
@@ -80,6 +79,7 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             metrics.write(record)
             on_step(record)
     result.elapsed_s = time.perf_counter() - started
+    result.model = model
     return result
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from fusionllm.core.errors import DataError, FusionError
 from fusionllm.data.batching import Batcher
-from fusionllm.data.corpus import load_corpus
+from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.transport.control import DataSpec
 
 
@@ -27,10 +27,11 @@ class WorkerData:
     def __init__(self, spec: DataSpec) -> None:
         self.spec = spec
         try:
-            train, val = load_corpus(spec.source).split(spec.val_fraction)
+            tokens = load_lm_tokens(spec.source, spec.tokenizer, spec.val_fraction)
         except (DataError, OSError) as exc:
             raise FusionError(f"cannot load the run's data {spec.source or '(embedded default)'}: {exc}") from None
-        if corpus_digest(train) != spec.digest:
+        train, val = tokens.train, tokens.val
+        if tokens.digest != spec.digest:
             raise FusionError(f"the data {spec.source or '(embedded default)'} differs from the coordinator's (another file or Python version)")
         self.train = Batcher(train, spec.batch_size, spec.seq_len, spec.seed)
         self.val = Batcher(val, spec.batch_size, spec.seq_len, spec.seed)

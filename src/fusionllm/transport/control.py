@@ -167,6 +167,7 @@ class DataSpec(Message):
     eval_batches: int
     task: str | None = None  # a task other than lm (models/task.py): the worker makes it with ``options`` and reads its batches
     options: dict[str, str] = field(default_factory=dict)
+    tokenizer: str | None = None  # --tokenizer (None: bytes, or the prepared shards' own)
 
 
 @dataclass
