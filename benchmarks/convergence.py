@@ -27,7 +27,7 @@ by default.
 
     python benchmarks/convergence.py [--clusters tri-slow dp-slow] [--steps 120] [--seeds 0 1] [--codecs none adatopk]
     python benchmarks/convergence.py --task vision --clusters slow-link --steps 400 --batch-size 16 --lr 1e-3 --warmup 10 \
-        --eval-every 40 --eval-batches 32 --accuracy-over 3 --codecs none adatopk eq:0.7 --fresh
+        --eval-every 50 --eval-batches 64 --accuracy-over 3 --codecs none adatopk eq:0.7 --fresh
 """
 
 from __future__ import annotations

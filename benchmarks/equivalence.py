@@ -105,7 +105,7 @@ def distributed(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[di
                 state.setdefault(key.removeprefix("param/"), value)  # a replica's copy: the first
     rec = records(metrics)
     event = next((r for r in reversed(rec) if r.get("event") == "plan"), {})
-    plan = f"{event.get('schedule', '?')}, {event.get('micro_batches', '?')} mb: " + " | ".join(
+    plan = f"{event.get('schedule', '?')}, {event.get('micro_batches', '?')} mb: " + "; ".join(
         "+".join(f"w{w}" for w in s["workers"]) + f" {s['ops']} ops" for s in event.get("stages", []))
     return [r for r in rec if "step" in r], state, plan, int(event.get("micro_batches") or args.micro_batches)
 
