@@ -27,7 +27,15 @@ used while it ran (this process's tree is put in a cpuacct cgroup of its own); a
 while others used more than --quiet-cores is marked. Needs root (the testbed). Writes
 sim_vs_real.json, sim_vs_real.md and sim_vs_real.png (predicted vs measured, with the 15% band).
 
+``--task vision`` (``--model resnet18 --image-size 32`` by default) runs a ResNet of the built-in
+vision task on its seeded synthetic images instead: every `fusionllm train` gets ``--task vision
+--image-size N``, and the in-process planning (the predictions, the hierarchical plan) plans that
+task's model with its request (``planner.task_request``: a batch row is one image, so tokens/s
+becomes images/s). Its results go to benchmarks/results/sim_vs_real_resnet unless --out says otherwise.
+
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py [--rows examples|sweep|random|hier|all] [--merge]
+    sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py --task vision --model resnet18 --image-size 32 \
+        --rows examples --batch-size 16 --steps 12 --warmup 3 [--cluster NAME ...] [--merge]
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
-from fusionllm.planner import offline  # noqa: E402
+from fusionllm.planner import offline, task_request  # noqa: E402
 from fusionllm.schedule.plan import Plan, Request, StagePlan  # noqa: E402
 from fusionllm.schedule.schedulers import SCHEDULERS  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402
@@ -71,6 +79,31 @@ def rows(which: str) -> list[Row]:
     sweep = [Row("uniform", "opfence", 4)] + [Row(c, "uniform", m) for c in ("uniform", "three-sites") for m in (1, 2, 4, 8, 16)]
     rand = [Row(f"random-cpu-{seed}", s, m) for seed in RANDOM_SEEDS for s, m in (("opfence", 4), ("uniform", 2), ("uniform", 8))]
     return {"examples": examples, "sweep": sweep, "random": rand, "hier": [], "all": examples + sweep + rand}[which]
+
+
+def task_args(args: argparse.Namespace) -> list[str]:
+    """What `fusionllm train` gets for --task (nothing for lm, its default)."""
+    return [] if args.task == "lm" else ["--task", args.task, "--image-size", str(args.image_size)]
+
+
+def on_task(args: argparse.Namespace) -> dict:
+    """What the in-process planner (``offline``, ``offline_hier``) gets for --task."""
+    return {"task": args.task, "image_size": args.image_size}
+
+
+def request(args: argparse.Namespace, micro_batches: int) -> Request:
+    """The planning request of --task: a language model's rows are --seq-len tokens, a vision row one image."""
+    return task_request(args.task, args.model, args.batch_size, args.seq_len, micro_batches, args.image_size)
+
+
+def unit(args: argparse.Namespace) -> str:
+    """What a batch row's items are: tokens (--task lm), images (--task vision)."""
+    return "tokens" if args.task == "lm" else "images"
+
+
+def shape(args: argparse.Namespace) -> str:
+    return f"batch {args.batch_size} x {args.seq_len}" if args.task == "lm" else \
+        f"batch {args.batch_size} images {args.image_size}x{args.image_size} (task {args.task})"
 
 
 def is_hier(r: dict) -> bool:
@@ -131,7 +164,7 @@ def measure(cluster: Path, row: Row, args: argparse.Namespace, tmp: Path, load: 
     """The coordinator's prediction for the plan it ran, the measured median step, the steps,
     its plan line, and the other processes' load while the steps ran."""
     metrics = tmp / f"{cluster.stem}-{row.scheduler}-{row.micro_batches}.jsonl"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--scheduler", row.scheduler, "--model", args.model,
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--scheduler", row.scheduler, *task_args(args), "--model", args.model,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
            "--micro-batches", str(row.micro_batches), "--eval-every", "0", "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -160,8 +193,8 @@ def predict(model: str, cluster: Path, args: argparse.Namespace, traced_m: int, 
     """The simulator's step for the plan that ran (contiguous stages of so many ops, its M), with
     the graph traced and calibrated at ``traced_m`` micro-batches: with the M asked for, what the
     coordinator predicts; with 4, what `fusionllm plan` predicts for that layout and M."""
-    req = Request(args.batch_size, args.seq_len, traced_m)
-    graph, _, cost, _ = offline(model, str(cluster), "uniform", req)
+    req = request(args, traced_m)
+    graph, _, cost, _ = offline(model, str(cluster), "uniform", req, **on_task(args))
     ids = [n.id for n in graph.compute_nodes]
     stages, at = [], 0
     for i, (ops, workers) in enumerate(ran["stages"]):
@@ -176,8 +209,8 @@ def hier_predict(model: str, cluster: Path, args: argparse.Namespace) -> tuple[d
     from fusionllm.planner import offline_hier
     from fusionllm.sim.rounds import simulate_rounds
 
-    req = Request(args.batch_size, args.seq_len, TRACED_M)
-    _, _, cost, hier = offline_hier(model, str(cluster), "opfence", req)
+    req = request(args, TRACED_M)
+    _, _, cost, hier = offline_hier(model, str(cluster), "opfence", req, **on_task(args))
     r = simulate_rounds(hier, cost, req)
     plan = {"groups": [[g.workers, g.inner_steps] for g in hier.groups], "fragments": len(hier.fragments), "codec": hier.codec,
             "delay_steps": hier.delay_steps}
@@ -186,9 +219,10 @@ def hier_predict(model: str, cluster: Path, args: argparse.Namespace) -> tuple[d
 
 
 def hier_summary(records: list[dict], tokens_per_step: int) -> dict:
-    """What a hierarchical run's metrics say: tokens/s over the run and in the rounds after the first,
-    per group its median inner step (gaps between step records with no outer sync between them),
-    its worker's median step_s, its round times and its OuterSync seconds per round."""
+    """What a hierarchical run's metrics say: tokens/s over the run and in the rounds after the first
+    (``tokens``: a batch row's items, images for --task vision; ``tokens_per_step``: a step's), per
+    group its median inner step (gaps between step records with no outer sync between them), its
+    worker's median step_s, its round times and its OuterSync seconds per round."""
     ran = next(r for r in records if r.get("event") == "plan")
     steps = [r for r in records if "step" in r and "group" in r and "event" not in r]
     outer = [r for r in records if r.get("event") == "outer"]
@@ -233,7 +267,7 @@ def hier_measure(name: str, cluster: Path, args: argparse.Namespace, tmp: Path, 
     plan, _ = hier_predict(args.model, cluster, args)
     steps = args.hier_rounds * max(h for _, h in plan["groups"])
     metrics = tmp / f"{cluster.stem}-hier.jsonl"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--sync", "hierarchical", "--model", args.model,
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--sync", "hierarchical", *task_args(args), "--model", args.model,
            "--steps", str(steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-every", "0",
            "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -245,7 +279,7 @@ def hier_measure(name: str, cluster: Path, args: argparse.Namespace, tmp: Path, 
     stderr = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
-    got = hier_summary([json.loads(line) for line in metrics.read_text().splitlines()], args.batch_size * args.seq_len)
+    got = hier_summary([json.loads(line) for line in metrics.read_text().splitlines()], request(args, TRACED_M).tokens)
     got["other_cores"] = OtherLoad.cores(mark, load.sample()) if mark else float("nan")
     got["steps_asked"] = steps
     return got
@@ -302,14 +336,21 @@ def repredict(r: dict, args: argparse.Namespace, tmp: Path) -> dict:
     return r
 
 
+def meta(args: argparse.Namespace) -> dict:
+    out = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "task": args.task, "batch_size": args.batch_size}
+    return out | ({"seq_len": args.seq_len} if args.task == "lm" else {"image_size": args.image_size, "unit": unit(args)})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results (benchmarks/results/sim_vs_real_resnet with --task vision)")
+    ap.add_argument("--task", default="lm", choices=("lm", "vision"), help="lm: GPTs on text; vision: ResNets on the seeded synthetic images")
+    ap.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
+    ap.add_argument("--model", default=None, help="default gpt-micro (--task lm), resnet18 (--task vision)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128, help="--task lm: tokens per batch row")
     ap.add_argument("--rows", choices=("examples", "sweep", "random", "hier", "all"), default="all",
                     help="hier: the hierarchical rows only (three-sites and the random clusters); all: every row")
     ap.add_argument("--hier-rounds", type=int, default=3, help="hierarchical rows: rounds per run (--steps: the largest H times this)")
@@ -320,6 +361,9 @@ def main() -> int:
     ap.add_argument("--quiet-cores", type=float, default=0.3, help="wait (up to --patience s) until other processes use less than this")
     ap.add_argument("--patience", type=float, default=120.0)
     args = ap.parse_args()
+    args.model = args.model or ("gpt-micro" if args.task == "lm" else "resnet18")
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / ("" if args.task == "lm" else "sim_vs_real_resnet")
     results: list[dict] = []
     old = args.out / "sim_vs_real.json"
     if (args.merge or args.repredict) and old.exists():
@@ -329,8 +373,8 @@ def main() -> int:
             for r in results:
                 (hier_repredict if is_hier(r) else repredict)(r, args, Path(tmpdir))
         table = report(results, args)
-        write(args.out, "sim_vs_real", results, table, {"model": args.model, "steps": args.steps, "warmup": args.warmup})
-        _plot(results, args.out / "sim_vs_real.png")
+        write(args.out, "sim_vs_real", results, table, meta(args))
+        _plot(results, args.out / "sim_vs_real.png", unit(args))
         return 0
     load = OtherLoad()
     try:
@@ -368,14 +412,14 @@ def main() -> int:
                 results[-1] = hier_quieter(results[-1], same)
                 r = hier_repredict(results[-1], args, tmp)
                 m, pr = r["measured"], r["predicted"]
-                print(f"{name} hierarchical: predicted {pr['tokens_per_s']:.0f} tokens/s, round {pr['round_s']:.2f} s; measured "
-                      f"{m['tokens_per_s']:.0f} tokens/s over the run ({r['error']['tokens_per_s_run']:+.0%}), round {m['round_s'] or float('nan'):.2f} s; "
+                print(f"{name} hierarchical: predicted {pr['tokens_per_s']:.0f} {unit(args)}/s, round {pr['round_s']:.2f} s; measured "
+                      f"{m['tokens_per_s']:.0f} {unit(args)}/s over the run ({r['error']['tokens_per_s_run']:+.0%}), round {m['round_s'] or float('nan'):.2f} s; "
                       f"others used {r['other_cores']:.2f} cores", flush=True)
     finally:
         load.close()
     table = report(results, args)
-    write(args.out, "sim_vs_real", results, table, {"model": args.model, "steps": args.steps, "warmup": args.warmup})
-    _plot(results, args.out / "sim_vs_real.png")
+    write(args.out, "sim_vs_real", results, table, meta(args))
+    _plot(results, args.out / "sim_vs_real.png", unit(args))
     return 0
 
 
@@ -388,15 +432,15 @@ def report(results: list[dict], args: argparse.Namespace) -> list[str]:
 def hier_report(rows_: list[dict], args: argparse.Namespace) -> list[str]:
     table = [
         "", "## Hierarchical (`--sync hierarchical`, the round simulator)", "",
-        f"Model {args.model}, batch {args.batch_size} x {args.seq_len} per inner step, the planner's groups and H, the largest H times "
+        f"Model {args.model}, {shape(args)} per inner step, the planner's groups and H, the largest H times "
         "--hier-rounds as --steps. Predicted: `sim/rounds.py simulate_rounds` (steady state) for the plan `fusionllm plan --sync "
-        "hierarchical` makes on the cluster file (the one that ran unless marked !). Measured: tokens/s over the whole run (start-up "
-        "and the last syncs included) and in the rounds after the first (the groups' tokens of a round / the round); a group's step: "
+        f"hierarchical` makes on the cluster file (the one that ran unless marked !). Measured: {unit(args)}/s over the whole run (start-up "
+        f"and the last syncs included) and in the rounds after the first (the groups' {unit(args)} of a round / the round); a group's step: "
         "the median gap between its step records with no outer sync between them; round: the slowest group's mean round after the "
         "first. Outer s/round: the group's OuterSync calls (sends + applies, an apply includes waiting for the other groups).",
         f"Measured {min(r['measured_at'] for r in rows_)} to {max(r['measured_at'] for r in rows_)}; predicted "
         f"{max(r['predicted_on'] for r in rows_)} with the cost model of that commit.", "",
-        "| cluster | groups (workers: H) | predicted tokens/s | measured, run | error | measured, rounds | error | predicted round (s) | measured | error | others (cores) |",
+        f"| cluster | groups (workers: H) | predicted {unit(args)}/s | measured, run | error | measured, rounds | error | predicted round (s) | measured | error | others (cores) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows_:
@@ -416,22 +460,22 @@ def hier_report(rows_: list[dict], args: argparse.Namespace) -> list[str]:
                          f"{g['median_step_s']:.3f} | {err:+.0%} | {g['median_worker_step_s']:.3f} | {' '.join(f'{x:.1f}' for x in g['round_s'])} | "
                          f"{g['send_s_per_round']:.2f} | {g['apply_s_per_round']:.2f} | {r['predicted']['waits_s'][i]:.2f} |")
     worst = max(rows_, key=lambda r: abs(r["error"]["tokens_per_s_run"]))
-    table += ["", f"Hierarchical tokens/s over the run: largest error {worst['error']['tokens_per_s_run']:+.0%} ({worst['cluster']}), "
+    table += ["", f"Hierarchical {unit(args)}/s over the run: largest error {worst['error']['tokens_per_s_run']:+.0%} ({worst['cluster']}), "
               f"over {len(rows_)} rows."]
     return table
 
 
 def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
-    req = Request(args.batch_size, args.seq_len, TRACED_M)
+    req = request(args, TRACED_M)
     table = [
-        f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, median step after {args.warmup} warm-up steps.",
+        f"Model {args.model}, {shape(args)}, {args.steps} steps, median step after {args.warmup} warm-up steps.",
         "Predicted: the simulator's step for the plan that ran, from the graph traced at the M asked for (the coordinator's",
         "prediction). Traced at 4: the same plan predicted from a graph traced at 4 micro-batches (op times interpolated between",
         "the calibrated sizes, as OP-Fence weighs every M). Others: cores that processes outside the benchmark used while the",
         "steps ran (the machine has 2; the testbed's quotas add up to 2); * marks more than --quiet-cores.",
         f"Measured {min(r['measured_at'] for r in results)} to {max(r['measured_at'] for r in results)}; "
         f"predicted {max(r['predicted_on'] for r in results)} with the cost model of that commit.", "",
-        "| cluster | scheduler | plan (as the coordinator made it) | M | predicted (s) | measured (s) | error | traced at 4 (s) | error | others (cores) | measured tokens/s |",
+        f"| cluster | scheduler | plan (as the coordinator made it) | M | predicted (s) | measured (s) | error | traced at 4 (s) | error | others (cores) | measured {unit(args)}/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -457,7 +501,7 @@ def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
         mine = {r["scheduler"]: r["measured_s"] for r in results if r["cluster"] == name and r["micro_batches_asked"] == TRACED_M}
         if "opfence" in mine and len(mine) > 1:
             best_base = min(v for k, v in mine.items() if k != "opfence")
-            table.append(f"{name}: OP-Fence measured {best_base / mine['opfence']:.2f}x the tokens/s of the best baseline measured here.")
+            table.append(f"{name}: OP-Fence measured {best_base / mine['opfence']:.2f}x the {unit(args)}/s of the best baseline measured here.")
     sweep = sorted((r["micro_batches"], r["measured_s"], r["predicted_traced_at_4_s"]) for r in results if r["cluster"] == "uniform" and r["scheduler"] == "uniform")
     if sweep:
         best_measured = min(sweep, key=lambda x: x[1])[0]
@@ -466,7 +510,7 @@ def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
     return table
 
 
-def _plot(all_rows: list[dict], path: Path) -> None:
+def _plot(all_rows: list[dict], path: Path, unit: str = "tokens") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -478,7 +522,7 @@ def _plot(all_rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5), squeeze=False)
     ax = axes[0][0]
     if hier:
-        _plot_hier(hier, axes[0][-1])
+        _plot_hier(hier, axes[0][-1], unit)
     if not rows_:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -504,8 +548,8 @@ def _plot(all_rows: list[dict], path: Path) -> None:
 
 
 
-def _plot_hier(rows_: list[dict], ax: object) -> None:
-    """Hierarchical rows: predicted against measured tokens/s (over the run: filled, rounds after the first: open)."""
+def _plot_hier(rows_: list[dict], ax: object, unit: str = "tokens") -> None:
+    """Hierarchical rows: predicted against measured tokens/s (images/s for --task vision) (over the run: filled, rounds after the first: open)."""
     pts = [(r["measured"]["tokens_per_s"], r["predicted"]["tokens_per_s"], r["cluster"], True) for r in rows_]
     pts += [(r["measured"]["steady_tokens_per_s"], r["predicted"]["tokens_per_s"], r["cluster"], False) for r in rows_ if r["measured"]["steady_tokens_per_s"]]
     top = max(max(x, y) for x, y, _, _ in pts) * 1.15
@@ -519,8 +563,8 @@ def _plot_hier(rows_: list[dict], ax: object) -> None:
         ax.annotate(f"{name}{'' if run else ' (rounds)'}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
-    ax.set_xlabel("measured tokens/s (filled: whole run, open: rounds after the first)")
-    ax.set_ylabel("simulated tokens/s (simulate_rounds)")
+    ax.set_xlabel(f"measured {unit}/s (filled: whole run, open: rounds after the first)")
+    ax.set_ylabel(f"simulated {unit}/s (simulate_rounds)")
     ax.set_title("hierarchical: round simulator vs testbed")
     ax.legend(loc="upper left")
 

@@ -126,3 +126,50 @@ def test_the_readme_fine_tuning_walkthrough_end_to_end(tmp_path: Path) -> None:
         assert not torch.allclose(ours(x), from_pretrained(d).eval()(x))  # and training moved them
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "finetuned"))
     assert tok.decode(tok("the lazy fox")["input_ids"]) == "the lazy fox"
+
+
+def hf_llama(root: Path, *, tie: bool = False, vocab: int = 256) -> Path:
+    """A Llama with grouped-query attention (4 query heads, 2 key/value heads), RoPE, RMSNorm, SwiGLU."""
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # the RMSNorm weights away from 1, so a norm left out shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_llama_checkpoint_loads_and_exports_with_the_logits_of_transformers(tmp_path: Path, tie: bool) -> None:
+    d = hf_llama(tmp_path / "m", tie=tie)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))
+    ours = from_pretrained(d).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(ours(x).numpy(), hf_logits(d, x).numpy(), rtol=1e-5, atol=1e-5)
+    export(dict(ours.named_parameters(remove_duplicate=False)), ours.config, tmp_path / "out")
+    np.testing.assert_allclose(hf_logits(tmp_path / "out", x).numpy(), hf_logits(d, x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_trains_in_three_stages_as_in_one_process(tmp_path: Path) -> None:
+    """Fails when a stage boundary loses a gradient of grouped-query attention or of the untied LM head."""
+    from fusionllm.harness import cluster_config, run_in_process
+
+    d = hf_llama(tmp_path / "m")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(9)) for i in range(400)))
+    train = TrainConfig(steps=3, batch_size=4, seq_len=32, data=str(corpus), init_from=str(d), eval_every=3, eval_batches=1, warmup=0, lr=1e-3)
+    single = train_single(train)
+    dist, workers = run_in_process(train, cluster_config(3, micro_batches=1, eval_every=3, eval_batches=1))
+    np.testing.assert_allclose(dist.losses, single.losses, rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in dist.val_losses], [v for _, v in single.val_losses], rtol=1e-5)
+    reference = dict(single.model.named_parameters())
+    seen = set()
+    for w in workers:
+        for key, value in w.runtime.state_tensors().items():
+            if key.startswith("param/"):
+                seen.add(key.removeprefix("param/"))
+                np.testing.assert_allclose(value.numpy(), reference[key.removeprefix("param/")].detach().numpy(), rtol=1e-5, atol=1e-7)
+    assert seen == set(reference)

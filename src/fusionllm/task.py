@@ -20,7 +20,7 @@ from fusionllm.cost.work import OpWork
 from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import LMTokens, load_lm_tokens
 from fusionllm.graph.ir import OpGraph
-from fusionllm.models.spec import build_lm, lm_tokenizer
+from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
 from fusionllm.models.task import (
     Task,
     batch_digest,
@@ -85,7 +85,7 @@ class LMTask(_ModelTask):
     def model(self) -> torch.nn.Module:
         t = self.train
         model = build_lm(t.model, self._tokens.vocab_size, seed=t.seed, init_from=t.init_from)
-        block = getattr(getattr(model, "config", None), "block_size", None)
+        block = context_length(model)
         if isinstance(block, int) and t.seq_len > block:
             raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
         return model

@@ -87,6 +87,7 @@ def export(
 
     from fusionllm.core.checkpoints import latest_checkpoint
     from fusionllm.models.gpt import GPTConfig
+    from fusionllm.models.llama import LlamaConfig
     from fusionllm.models.hf import export as write_hf
 
     step = checkpoint_dir if (checkpoint_dir / "state.json").is_file() else latest_checkpoint(checkpoint_dir)
@@ -96,10 +97,16 @@ def export(
     if state.get("train", {}).get("task", "lm") != "lm":
         raise FusionError(f"{step}: a checkpoint of task {state['train']['task']!r}; export --hf writes language models")
     graph = json.loads((step / "graph.json").read_text())
-    blocks = [n["config"] for n in graph.get("nodes", []) if str(n.get("kind", "")).endswith("fusionllm.models.gpt.Block")]
-    if not blocks:
-        raise FusionError(f"{step}: the model is not this project's GPT (no gpt.Block ops); export --hf writes GPT-2 checkpoints")
-    config = GPTConfig(**{**blocks[0], "n_layer": len(blocks)})
+    kinds = [(str(n.get("kind", "")), n.get("config", {})) for n in graph.get("nodes", [])]
+    blocks = [c for k, c in kinds if k.endswith("fusionllm.models.gpt.Block")]
+    layers = [c for k, c in kinds if k.endswith("fusionllm.models.llama.DecoderLayer")]
+    if blocks:
+        config = GPTConfig(**{**blocks[0], "n_layer": len(blocks)})
+    elif layers:
+        config = LlamaConfig(**{**layers[0], "num_hidden_layers": len(layers)})
+    else:
+        raise FusionError(f"{step}: the model is neither this project's GPT nor its Llama (no gpt.Block or llama.DecoderLayer ops); "
+                          "export --hf writes those two")
     params = {}
     for shard in sorted(step.glob("stage-*.safetensors")):
         params.update({k.removeprefix("param/"): v for k, v in load_file(str(shard)).items() if k.startswith("param/")})
@@ -110,7 +117,7 @@ def export(
 
         eos = load_tokenizer(tokenizer).eos_id
     out = write_hf(params, config, hf, tokenizer=tokenizer, eos_id=eos)
-    console.print(f"{step} -> {out} (GPT-2, {config.n_layer} layers, vocabulary {config.vocab_size}"
+    console.print(f"{step} -> {out} ({type(config).__name__.removesuffix('Config')}, vocabulary {config.vocab_size}"
                   f"{', tokenizer ' + tokenizer if tokenizer else ', no tokenizer: the run used bytes'})", highlight=False)
 
 

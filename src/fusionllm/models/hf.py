@@ -1,10 +1,12 @@
-"""Hugging Face checkpoint directories in and out, for the GPT-2 architecture.
+"""Hugging Face checkpoint directories in and out, for the GPT-2 and Llama architectures.
 
-In: ``config.json`` (``model_type: gpt2``) becomes a ``GPTConfig`` and the weights of
+In: ``config.json`` (``model_type: gpt2`` or ``llama``) becomes a ``GPTConfig`` or ``LlamaConfig``
+and the weights of
 ``model.safetensors`` (or the shards a ``model.safetensors.index.json`` lists) are read tensor by
 tensor (``safe_open``: only the tensors asked for) under this project's names: GPT-2's ``Conv1D``
 weights are stored (in, out) and are transposed to ``nn.Linear``'s (out, in); the LM head is tied
-to the token embedding, as in GPT-2. Out: the inverse, with a ``config.json`` that
+to the token embedding, as in GPT-2. The Llama here has ``LlamaForCausalLM``'s names and layout
+(its LM head tied only when ``tie_word_embeddings`` says so). Out: the inverse, with a ``config.json`` that
 ``transformers``' ``AutoModelForCausalLM`` reads, and the run's tokenizer when it has one.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from fusionllm.core.errors import ConfigError
 from fusionllm.models.gpt import GELUS, GPT, GPTConfig
+from fusionllm.models.llama import Llama, LlamaConfig
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 IGNORED = (".attn.bias", ".attn.masked_bias")  # GPT-2's causal-mask buffers in older checkpoints
@@ -37,9 +40,6 @@ def read_config(directory: str | Path) -> dict[str, Any]:
 
 
 def gpt_config(hf: dict[str, Any], where: str) -> GPTConfig:
-    kind = hf.get("model_type")
-    if kind != "gpt2":
-        raise ConfigError(f"--init-from {where}: model_type {kind!r}; this fusionllm loads gpt2 checkpoints")
     n_embd = int(hf.get("n_embd", 768))
     if hf.get("n_inner") not in (None, 4 * n_embd):
         raise ConfigError(f"--init-from {where}: n_inner {hf['n_inner']} (the GPT here has a 4 x n_embd MLP)")
@@ -56,9 +56,53 @@ def gpt_config(hf: dict[str, Any], where: str) -> GPTConfig:
                      layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
-def hf_name(name: str) -> str:
-    """This GPT's parameter name -> GPT-2's in a Hugging Face checkpoint."""
+def llama_config(hf: dict[str, Any], where: str) -> LlamaConfig:
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"--init-from {where}: rope type {rope.get('rope_type', rope.get('type'))!r}; this Llama has the default rotary embedding")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("pretraining_tp", 1) != 1:
+        raise ConfigError(f"--init-from {where}: hidden_act {hf.get('hidden_act')!r} / pretraining_tp {hf.get('pretraining_tp')}; this Llama has SiLU and tp 1")
+    heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or 0)
+    return LlamaConfig(vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), intermediate_size=int(hf["intermediate_size"]),
+                       num_hidden_layers=int(hf["num_hidden_layers"]), num_attention_heads=heads,
+                       num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+                       head_dim=0 if head_dim == int(hf["hidden_size"]) // heads else head_dim,
+                       max_position_embeddings=int(hf.get("max_position_embeddings", 2048)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)))
+
+
+def model_config(hf: dict[str, Any], where: str) -> GPTConfig | LlamaConfig:
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        return gpt_config(hf, where)
+    if kind == "llama":
+        return llama_config(hf, where)
+    raise ConfigError(f"--init-from {where}: model_type {kind!r}; this fusionllm loads gpt2 and llama checkpoints")
+
+
+def build(config: GPTConfig | LlamaConfig) -> GPT | Llama:
+    return GPT(config) if isinstance(config, GPTConfig) else Llama(config)
+
+
+def tied(model: torch.nn.Module) -> str | None:
+    """The name of the LM head's weight when it is the token embedding (left out of the files)."""
+    if isinstance(model, GPT) or (isinstance(model, Llama) and model.config.tie_word_embeddings):
+        return "lm_head.weight"
+    return None
+
+
+def hf_name(name: str, model: torch.nn.Module | None = None) -> str:
+    """This project's parameter name -> the checkpoint's (GPT-2: under ``transformer.``; Llama: the same)."""
+    if isinstance(model, Llama):
+        return name
     return TOP.get(name) or f"transformer.{name}"
+
+
+def _transposed(model: torch.nn.Module, name: str) -> bool:
+    return isinstance(model, GPT) and name.endswith(CONV1D)
 
 
 class SafetensorsDir:
@@ -88,14 +132,15 @@ class SafetensorsDir:
             return fh.get_tensor(name)
 
 
-def load_weights(model: GPT, directory: str | Path) -> None:
+def load_weights(model: GPT | Llama, directory: str | Path) -> None:
     """Copy the checkpoint's weights into ``model`` by name; a missing or unexpected key is an error naming it."""
     files = SafetensorsDir(directory)
-    ours = {n: p for n, p in model.named_parameters() if n != "lm_head.weight"}  # tied to wte
-    wanted = {hf_name(n): n for n in ours}
+    skip = tied(model)
+    ours = {n: p for n, p in model.named_parameters(remove_duplicate=False) if n != skip}
+    wanted = {hf_name(n, model): n for n in ours}
     stored = {k: k for k in files.where}
     missing = sorted(set(wanted) - set(stored))
-    unexpected = sorted(k for k in set(stored) - set(wanted) if k != "lm_head.weight" and not k.endswith(IGNORED))
+    unexpected = sorted(k for k in set(stored) - set(wanted) if k != skip and not k.endswith(IGNORED))
     if missing or unexpected:
         raise ConfigError(f"--init-from {directory}: the checkpoint does not match its config.json: "
                           f"missing {', '.join(missing[:5]) or 'none'}{' ...' if len(missing) > 5 else ''}; "
@@ -103,7 +148,7 @@ def load_weights(model: GPT, directory: str | Path) -> None:
     with torch.no_grad():
         for key, name in wanted.items():
             value = files.get(stored[key])
-            if name.endswith(CONV1D):
+            if _transposed(model, name):
                 value = value.t()
             target = ours[name]
             if tuple(value.shape) != tuple(target.shape):
@@ -111,23 +156,33 @@ def load_weights(model: GPT, directory: str | Path) -> None:
             target.copy_(value.to(target.dtype))
 
 
-def from_pretrained(directory: str | Path, *, vocab_size: int | None = None, dropout: float | None = None) -> GPT:
-    """The GPT of ``directory`` with its weights. ``vocab_size``: the tokenizer's, which must fit the embedding."""
-    config = gpt_config(read_config(directory), str(directory))
+def from_pretrained(directory: str | Path, *, vocab_size: int | None = None, dropout: float | None = None) -> GPT | Llama:
+    """The model of ``directory`` with its weights. ``vocab_size``: the tokenizer's, which must fit the embedding."""
+    config = model_config(read_config(directory), str(directory))
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"--init-from {directory}: the tokenizer has {vocab_size} tokens, the checkpoint's embedding {config.vocab_size}; "
                           "use the checkpoint's own tokenizer")
-    if dropout is not None:
+    if dropout is not None and isinstance(config, GPTConfig):
         config = replace(config, dropout=dropout)
     with torch.device("meta"):
-        model = GPT(config)
+        model = build(config)
     model = model.to_empty(device="cpu")
-    model.lm_head.weight = model.wte.weight
+    if isinstance(model, GPT):
+        model.lm_head.weight = model.wte.weight
+    elif config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, directory)
     return model
 
 
-def hf_config(config: GPTConfig, *, eos_id: int | None = None) -> dict[str, Any]:
+def hf_config(config: GPTConfig | LlamaConfig, *, eos_id: int | None = None) -> dict[str, Any]:
+    if isinstance(config, LlamaConfig):
+        c = config
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_size, "max_position_embeddings": c.max_position_embeddings,
+                "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu", "tie_word_embeddings": c.tie_word_embeddings,
+                "attention_bias": c.attention_bias, "mlp_bias": c.mlp_bias, "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32"}
     if not config.bias:
         raise ConfigError("export --hf: GPT-2 checkpoints have biases; this model was built without them")
     eos = config.vocab_size - 1 if eos_id is None else eos_id
@@ -138,28 +193,30 @@ def hf_config(config: GPTConfig, *, eos_id: int | None = None) -> dict[str, Any]
             "scale_attn_weights": True, "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "float32"}
 
 
-def export(params: dict[str, torch.Tensor], config: GPTConfig, out: str | Path, *, tokenizer: str | None = None,
+def export(params: dict[str, torch.Tensor], config: GPTConfig | LlamaConfig, out: str | Path, *, tokenizer: str | None = None,
            eos_id: int | None = None) -> Path:
-    """Write ``params`` (this GPT's names: a checkpoint's ``param/<name>`` without the prefix) as a
-    Hugging Face GPT-2 directory ``out``: config.json, model.safetensors, and tokenizer.json with
-    its tokenizer_config.json when ``tokenizer`` names a tokenizer.json."""
+    """Write ``params`` (this project's names: a checkpoint's ``param/<name>`` without the prefix) as
+    a Hugging Face directory ``out``: config.json, model.safetensors, and tokenizer.json with its
+    tokenizer_config.json when ``tokenizer`` names a tokenizer.json."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        expected = {n for n, _ in GPT(config).named_parameters()} - {"lm_head.weight"}
+        model = build(config)
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {tied(model)}
     missing = sorted(expected - set(params))
     if missing:
         raise ConfigError(f"export: the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (a shard missing?)")
     tensors = {}
     for name in sorted(expected):
         value = params[name].detach().to(torch.float32)
-        tensors[hf_name(name)] = (value.t() if name.endswith(CONV1D) else value).contiguous()
+        tensors[hf_name(name, model)] = (value.t() if _transposed(model, name) else value).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(config, eos_id=eos_id), indent=1))
+    context = config.block_size if isinstance(config, GPTConfig) else config.max_position_embeddings
     if tokenizer is not None and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                                                                "bos_token": "<|endoftext|>", "model_max_length": config.block_size}, indent=1))
+                                                                "bos_token": "<|endoftext|>", "model_max_length": context}, indent=1))
     return out

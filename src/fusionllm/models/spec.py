@@ -16,14 +16,18 @@ from torch import nn
 
 from fusionllm.core.errors import RegistryError
 from fusionllm.models.gpt import CONFIGS, gpt
+from fusionllm.models.llama import CONFIGS as LLAMA_CONFIGS
+from fusionllm.models.llama import llama
 
-MODEL_NAMES: tuple[str, ...] = tuple(CONFIGS)
+MODEL_NAMES: tuple[str, ...] = (*CONFIGS, *LLAMA_CONFIGS)
 
 
 def resolve_factory(spec: str) -> Callable[..., nn.Module]:
     """Return a callable `factory(vocab_size)` for a model spec."""
     if spec in CONFIGS:
         return lambda vocab_size=256: gpt(spec, vocab_size=vocab_size)
+    if spec in LLAMA_CONFIGS:
+        return lambda vocab_size=256: llama(spec, vocab_size=vocab_size)
     if ":" not in spec:
         raise RegistryError(
             f"unknown model {spec!r}: use one of {', '.join(MODEL_NAMES)} or 'package.module:factory'"
@@ -88,3 +92,13 @@ def build_lm(spec: str, vocab_size: int, *, seed: int, init_from: str | None = N
 
         return from_pretrained(init_from, vocab_size=vocab_size)
     return build_model(spec, vocab_size, seed=seed)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest sequence a built-in language model takes (GPT: block_size; Llama: max_position_embeddings)."""
+    config = getattr(model, "config", None)
+    for name in ("block_size", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None

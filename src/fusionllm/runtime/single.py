@@ -16,7 +16,7 @@ from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
-from fusionllm.models.spec import build_lm, lm_tokenizer
+from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
 from fusionllm.runtime.optim import make_adamw
 
 StepCallback = Callable[[dict], None]
@@ -47,7 +47,7 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
     train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
     val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
     model = build_lm(config.model, tokens.vocab_size, seed=config.seed, init_from=config.init_from)
-    block = getattr(getattr(model, "config", None), "block_size", None)
+    block = context_length(model)
     if isinstance(block, int) and config.seq_len > block:
         raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
     optimizer = make_adamw(model.named_parameters(), config.lr, config.weight_decay)
