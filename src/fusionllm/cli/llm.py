@@ -87,8 +87,8 @@ def export(
 
     from fusionllm.core.checkpoints import latest_checkpoint
     from fusionllm.models.gpt import GPTConfig
-    from fusionllm.models.llama import LlamaConfig
     from fusionllm.models.hf import export as write_hf
+    from fusionllm.models.llama import LlamaConfig
 
     step = checkpoint_dir if (checkpoint_dir / "state.json").is_file() else latest_checkpoint(checkpoint_dir)
     if step is None:

@@ -13,6 +13,7 @@ ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano 
 TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the default), vision (ResNets on images) or package.module:factory returning a fusionllm.Task.")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="bytes (the default), a tokenizer.json, or a directory holding one (fusionllm tokenizer train makes one). Default with --init-from: the checkpoint's own.")]
 InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from this Hugging Face checkpoint directory (config.json + *.safetensors, GPT-2 architecture); --model is then ignored.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, or bf16: compute under autocast with fp32 master weights and AdamW state; activations and gradients cross the network as bf16 (unless --compress says otherwise).")]
 ImageSizeOpt = Annotated[int, typer.Option("--image-size", help="--task vision: images are resized to this many pixels square.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]
@@ -81,3 +82,8 @@ def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragment
 def task_model(task: str, model: str) -> str:
     """``--model`` for ``--task``: the vision task's default model is resnet18 (not the LM default)."""
     return "resnet18" if task == "vision" and model == "gpt-micro" else model
+
+
+def wire_codec(compress: str, precision: str) -> str:
+    """``--precision bf16`` sends activations and gradients as bf16 unless ``--compress`` names a codec."""
+    return "bf16" if precision == "bf16" and compress == "none" else compress

@@ -37,6 +37,7 @@ from fusionllm.cli.options import (
     OuterLrOpt,
     OuterMomentumOpt,
     OverlapStepsOpt,
+    PrecisionOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -55,6 +56,7 @@ from fusionllm.cli.options import (
     WarmupOpt,
     hier_fields,
     task_model,
+    wire_codec,
 )
 from fusionllm.core.errors import FusionError
 
@@ -115,6 +117,7 @@ def coordinator(
     image_size: ImageSizeOpt = 32,
     tokenizer: TokenizerOpt = None,
     init_from: InitFromOpt = None,
+    precision: PrecisionOpt = "fp32",
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -126,13 +129,13 @@ def coordinator(
 
     train_cfg = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision,
     )
     cluster_cfg = ClusterConfig(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
-        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
+        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
         **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )

@@ -36,6 +36,7 @@ from fusionllm.cli.options import (
     OuterLrOpt,
     OuterMomentumOpt,
     OverlapStepsOpt,
+    PrecisionOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -54,6 +55,7 @@ from fusionllm.cli.options import (
     WarmupOpt,
     hier_fields,
     task_model,
+    wire_codec,
 )
 from fusionllm.core.errors import FusionError
 
@@ -121,6 +123,7 @@ def train(
     image_size: ImageSizeOpt = 32,
     tokenizer: TokenizerOpt = None,
     init_from: InitFromOpt = None,
+    precision: PrecisionOpt = "fp32",
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -128,7 +131,7 @@ def train(
     config = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
-        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
+        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
@@ -147,7 +150,7 @@ def train(
         run = RunConfig(config, ClusterConfig(
             listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=_replicas(replicas),
             checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every, resume=resume,
-            scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=compress, eval_every=eval_every,
+            scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             dashboard=dashboard, compress_roles=compress_roles,
             **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),

@@ -78,7 +78,7 @@ class SetupMixin:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
-                      compress_roles=c.compress_roles, seed=t.seed)
+                      compress_roles=c.compress_roles, seed=t.seed, precision=t.precision)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
         infos = {w: m.info for w, m in self.membership.members.items()}

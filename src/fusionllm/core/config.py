@@ -29,6 +29,7 @@ class TrainConfig:
     image_size: int = 32  # --task vision: images are resized to this many pixels square
     tokenizer: str | None = None  # bytes (None), a tokenizer.json or a directory with one (data/bpe.py)
     init_from: str | None = None  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
+    precision: str = "fp32"  # fp32, or bf16: autocast compute with fp32 master weights and AdamW state
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -36,8 +37,13 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision {self.precision!r}: choose {' or '.join(PRECISIONS)}")
         if self.warmup < 0 or self.eval_every < 0 or self.grad_clip < 0:
             raise ConfigError("--warmup, --eval-every and --grad-clip must be >= 0")
+
+
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass

@@ -95,6 +95,7 @@ class StageExecutor:
         self._mbs: dict[int, _MicroBatch] = {}
         self.training = True
         self.random_key: tuple[int, int] | None = None  # (run seed, step): random ops seeded per op and micro-batch
+        self.autocast: str | None = None  # "bfloat16": ops compute under autocast; their outputs keep the traced dtypes
         self._random = {n.id for n in self.nodes if may_be_random(n, self.modules.get(n.id))}
 
     # ---- construction -----------------------------------------------------------------------
@@ -173,7 +174,8 @@ class StageExecutor:
                 mb.leaves[edge_id] = value
             mb.values[edge_id] = value
         made: dict[str, torch.Tensor] = {}
-        with torch.set_grad_enabled(self.training):
+        cast = torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "bfloat16"), enabled=self.autocast is not None)
+        with torch.set_grad_enabled(self.training), cast:
             for n in self.nodes:
                 if n.id in mb.ran or any(e not in mb.values for e in n.inputs):
                     continue
@@ -212,6 +214,8 @@ class StageExecutor:
         if len(produced) != len(node.outputs):
             raise GraphError(f"{self.name}: op {node.id} ({node.name}) made {len(produced)} tensors, the graph says {len(node.outputs)}")
         for edge, t in zip(node.outputs, produced, strict=True):
+            if self.autocast is not None and t.is_floating_point():
+                t = t.to(torch_dtype(edge.meta.dtype))  # (differentiable) the residual stream and every boundary stay as traced
             mb.values[edge.id] = t
 
     def backward(self, micro_batch: int, grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:

@@ -37,6 +37,11 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return total
 
 
+def autocast(config: TrainConfig) -> torch.autocast:
+    """``--precision bf16``: the forward under CPU/CUDA autocast (weights and AdamW state stay fp32)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision == "bf16")
+
+
 def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1) -> TrainResult:
     """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step."""
     if config.threads:
@@ -60,7 +65,9 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = train_batches.get(step)
-            loss = lm_loss(model(x), y)
+            with autocast(config):
+                logits = model(x)
+            loss = lm_loss(logits.float(), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = clip_grad_norm(model, config.grad_clip)
@@ -123,7 +130,9 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
             total = 0.0
             for mb in range(micro_batches):
                 part = [a[mb * size : (mb + 1) * size] for a in arrays]
-                loss = task.loss(model(*part[: task.inputs]), *part[task.inputs :])
+                with autocast(config):
+                    out = model(*part[: task.inputs])
+                loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
                 (loss / micro_batches).backward()
                 total += float(loss.detach()) / micro_batches
             grad_norm = clip_grad_norm(model, config.grad_clip)

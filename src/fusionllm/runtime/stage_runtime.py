@@ -88,6 +88,10 @@ class StageRuntime:
             graph, self.stage.nodes, tensors, lr=hyper.lr, weight_decay=hyper.weight_decay, device=device, name=f"w{worker}/stage{self.stage.index}",
         )
         self.executor = self.backend.executor
+        if hyper.precision == "bf16":
+            if not hasattr(self.executor, "autocast"):
+                raise FusionError(f"worker {worker}: --precision bf16 needs the torch backend (this worker runs {type(self.executor).__name__})")
+            self.executor.autocast = "bfloat16"
         self._groups = self._shared_groups()
         self.actions = program if program is not None else worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
         if any(a.stage != self.stage.index for a in self.actions):
