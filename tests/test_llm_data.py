@@ -136,3 +136,29 @@ def test_text_with_a_bpe_tokenizer_is_tokenised_once_and_names_its_tokens(tmp_pa
     a, b = load_lm_tokens(corpus, str(tok_file)), load_lm_tokens(corpus, str(tok_file))
     assert a.digest == b.digest and a.vocab_size == load_tokenizer(tok_file).vocab_size and a.train.dtype == np.uint32
     assert load_lm_tokens(corpus).digest != a.digest and load_lm_tokens(corpus).vocab_size == 256
+
+
+def test_a_long_document_cut_into_pieces_tokenises_as_a_whole(tok_file: Path) -> None:
+    """Fails when a cut lands where GPT-2's pre-tokenizer does not split (inside indentation, say)."""
+    from fusionllm.data.prepare import pieces
+
+    rng = np.random.default_rng(1)
+    lines = [(" " * int(rng.integers(0, 8))) + " ".join(rng.choice(WORDS, 6)) + ("  " if i % 5 == 0 else "") for i in range(3000)]
+    doc = "\n".join(lines) + "\n\n  tail\n\n\"\"\"quoted\n\n\nend"
+    parts = pieces(doc, size=300)
+    assert len(parts) > 20 and "".join(parts) == doc
+    tok = load_tokenizer(tok_file)
+    np.testing.assert_array_equal(np.concatenate([tok.encode(p) for p in parts]), tok.encode(doc))
+
+
+def test_python_source_cut_into_pieces_tokenises_as_a_whole() -> None:
+    """Blank lines, indentation and docstrings: where a cut after any newline before a non-space
+    (not only one between non-spaces) changes the tokens."""
+    from fusionllm.data.corpus import load_corpus
+    from fusionllm.data.prepare import pieces
+
+    text = load_corpus(None, max_bytes=300_000).tokens.tobytes().decode("utf-8", errors="replace")
+    parts = pieces(text, size=1000)
+    tok = train_bpe([text], 2048)  # merges of newlines and indentation (its own text's)
+    assert len(parts) > 10 and tok.tok.token_to_id("ĊĊ") is not None
+    np.testing.assert_array_equal(np.concatenate([tok.encode(p) for p in parts]), tok.encode(text))

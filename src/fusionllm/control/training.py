@@ -76,6 +76,7 @@ class TrainingMixin:
                 "grad_norm": next(iter(replies.values())).grad_norm,
                 "step_s": round(max(rep.seconds for rep in replies.values()), 4),
                 "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
+                "rss": {str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
             }
             if "predicted_step_s" in run.plan.meta:
                 record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)

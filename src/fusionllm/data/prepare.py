@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -25,6 +26,27 @@ from fusionllm.data.documents import documents, sources
 from fusionllm.data.shards import MANIFEST, VERSION, manifest_digest
 
 GROUP_BYTES = 4 << 20  # documents encoded together
+PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces, cut at a lone newline between non-spaces
+_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+
+
+def pieces(doc: str, size: int = PIECE_CHARS) -> list[str]:
+    """``doc`` cut after newlines with a non-whitespace character on both sides, into pieces of
+    about ``size`` characters. GPT-2's byte-level pre-tokenizer already splits there (such a
+    newline is a pre-token of its own; one in a longer run of whitespace is not), so the pieces'
+    tokens are the whole document's; the pieces let the tokenizer's batch encoding use every core
+    on one large file."""
+    if len(doc) <= size:
+        return [doc]
+    out, start = [], 0
+    while len(doc) - start > size:
+        m = _CUT.search(doc, start + size)
+        if m is None:
+            break
+        out.append(doc[start : m.end()])
+        start = m.end()
+    out.append(doc[start:])
+    return out
 
 
 class _Writer:
@@ -87,8 +109,10 @@ def prepare(tokenizer: str | None, data: str, out: str | Path, *, field: str = "
 
     def flush() -> None:
         nonlocal group, group_bytes, last_report
-        for ids in tok.encode_batch(group):
-            writer.write(np.concatenate([ids, sep]))
+        cut = [pieces(doc) for doc in group]
+        encoded = iter(tok.encode_batch([p for parts in cut for p in parts]))
+        for parts in cut:
+            writer.write(np.concatenate([next(encoded) for _ in parts] + [sep]))
         group, group_bytes = [], 0
         now = time.perf_counter()
         if now - last_report >= 2.0:

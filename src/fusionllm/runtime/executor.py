@@ -14,6 +14,8 @@ masks as an unsplit one, on whichever stage the op lands.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import re
 import threading
@@ -174,7 +176,7 @@ class StageExecutor:
                 mb.leaves[edge_id] = value
             mb.values[edge_id] = value
         made: dict[str, torch.Tensor] = {}
-        cast = torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "bfloat16"), enabled=self.autocast is not None)
+        cast = torch.autocast(self.device.type, dtype=getattr(torch, self.autocast)) if self.autocast else contextlib.nullcontext()
         with torch.set_grad_enabled(self.training), cast:
             for n in self.nodes:
                 if n.id in mb.ran or any(e not in mb.values for e in n.inputs):

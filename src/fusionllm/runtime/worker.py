@@ -119,6 +119,7 @@ class Worker:
         self._step_task: asyncio.Task | None = None
         self.data_source: WorkerData | None = None
         self._state_blob: bytes | None = None
+        self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -245,6 +246,7 @@ class Worker:
         if first is None:
             raise WireError("empty assignment")
         msg = Assign.from_wire(unpack(first))
+        self._rss_base = current_rss()
         if not 0 <= msg.nbytes <= MAX_WEIGHTS:
             raise WireError(f"assignment declares {msg.nbytes} bytes of weights")
         buf = bytearray(msg.nbytes)
@@ -364,6 +366,7 @@ class Worker:
         if done is None:
             return StepDone(aborted=True).to_wire()
         done.cpu_s = round(time.process_time(), 4)
+        done.rss_base, done.rss_peak = self._rss_base, peak_rss()
         return done.to_wire()
 
     async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -495,3 +498,19 @@ class Worker:
 
 def run_worker(config: WorkerConfig) -> int:
     return asyncio.run(Worker(config).run())
+
+
+def current_rss() -> int:
+    """Bytes resident now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss() -> int:
+    """The most bytes resident at once since the process began (getrusage; kilobytes on Linux)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

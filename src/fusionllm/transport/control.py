@@ -234,6 +234,8 @@ class StepDone(Message):
     failed: Failure | None = None
     aborted: bool = False
     cpu_s: float = 0.0  # the worker process's CPU seconds so far (its device's busy time, for utilisation)
+    rss_base: int = 0  # bytes resident when the stage was assigned (before its weights), and the peak since the process began:
+    rss_peak: int = 0  # peak - base is what the stage holds at its busiest (benchmarks/memory.py)
 
 
 @dataclass
