@@ -133,7 +133,8 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
         raise RuntimeError(f"{name} {codec} seed {seed}: {proc.stderr[-2000:]}")
     rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
     slow = slow_links(path)
-    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in rec]
+    # a training step's bytes: the step after an evaluation also carries the evaluation's forward passes
+    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for i, r in enumerate(rec) if i == 0 or "val_loss" not in rec[i - 1]]
     ratios = {k: [r["ratios"][k] for r in rec] for k in rec[0].get("ratios", {}) if k in slow}
     accs = [r["val_accuracy"] for r in rec if "val_accuracy" in r][-args.accuracy_over:]
     acc = sum(accs) / len(accs) if accs else None  # the mean of the last --accuracy-over evaluations

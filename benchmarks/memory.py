@@ -10,7 +10,8 @@ For each model, side by side in one run:
   (``rss`` in the metrics); the stage's memory is peak - base;
 - **predicted**: ``schedule.validate.worker_memory`` for the same plan (``make_plan`` on the graph
   traced at the run's micro-batch size): 4x the stage's parameter bytes (weights, gradients, AdamW's
-  two moments) plus the activations its peak micro-batches in flight keep.
+  two moments), what autograd saves for the backward (measured per op) times its peak micro-batches
+  in flight, and the process's own runtime (``CostModel.runtime_bytes``).
 
 Writes memory.json, memory.md and memory.png. The goal (issue 18): predicted within 20% of measured.
 
@@ -46,7 +47,7 @@ def single_child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     base = current_rss()
     config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
-                         warmup=0, precision=args.precision, tokenizer=args.tokenizer)
+                         warmup=args.warmup, lr=args.lr, precision=args.precision, tokenizer=args.tokenizer)
     result = train_single(config)
     print(json.dumps({"base": base, "peak": peak_rss(), "tokens_per_s": result.tokens / result.elapsed_s,
                       "loss_first": result.losses[0], "loss_last": result.losses[-1]}))
@@ -80,7 +81,7 @@ def distributed(model: str, workers: int, args: argparse.Namespace, tmp: Path) -
     metrics = tmp / f"{model}.jsonl"
     cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", f"local:{workers}", "--model", model, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches),
-           "--eval-every", "0", "--warmup", "0", "--precision", args.precision, "--metrics", str(metrics), "--run-dir", str(tmp / f"run-{model}")]
+           "--eval-every", "0", "--warmup", str(args.warmup), "--lr", str(args.lr), "--precision", args.precision, "--metrics", str(metrics), "--run-dir", str(tmp / f"run-{model}")]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     print(f"[{model}] local:{workers}", flush=True)
@@ -97,7 +98,8 @@ def distributed(model: str, workers: int, args: argparse.Namespace, tmp: Path) -
 
 def one_process(model: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child-single", "--model", model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-           "--seq-len", str(args.seq_len), "--precision", args.precision, "--threads", str(args.threads)]
+           "--seq-len", str(args.seq_len), "--precision", args.precision, "--threads", str(args.threads), "--lr", str(args.lr),
+           "--warmup", str(args.warmup)]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     print(f"[{model}] one process", flush=True)
@@ -108,10 +110,12 @@ def one_process(model: str, args: argparse.Namespace) -> dict:
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    vocab = f"tokenizer {Path(args.tokenizer).name}" if args.tokenizer else "byte tokenizer (vocabulary 256)"
     lines = [f"{args.steps} steps, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches (local:N), precision {args.precision}, "
-             "AdamW. Measured: peak resident bytes less the bytes resident before the model (one process) or before the stage's "
-             "assignment (a worker). Predicted: `worker_memory` of the same plan (4x parameter bytes plus the activations kept "
-             "for backward by the peak micro-batches in flight).", "",
+             f"{vocab}, the embedded corpus, AdamW lr {args.lr} (warmup {args.warmup}). Measured: peak resident bytes less the bytes resident before the model (one process) or before the stage's "
+             "assignment (a worker). Predicted: `worker_memory` of the same plan (the runtime's own 115 MiB, 4x parameter bytes, "
+             "and the tensors autograd saves for backward times the peak micro-batches in flight). Tokens/s of local:N is the "
+             "pipeline's; the machine was shared with another benchmark.", "",
              "| model | process | predicted | measured | predicted / measured | within 20% | tokens/s | loss first -> last |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for p in r["processes"]:
@@ -156,6 +160,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json: its vocabulary sizes the embedding")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)

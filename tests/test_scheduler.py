@@ -99,18 +99,26 @@ def test_opfence_never_predicts_worse_than_a_baseline(micro_cost: CostModel) -> 
 
 
 def test_partitioner_respects_memory(micro_cost: CostModel) -> None:
-    req = Request(16, 128, 4)
-    tight = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 6 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
-    cost = CostModel(micro_cost.graph, micro_cost.work, tight)
     from fusionllm.control.planning import predict
-
-    plan = make_schedule("opfence", cost, req, evaluate=predict)
-
+    from fusionllm.schedule.plan import make_plan
     from fusionllm.schedule.validate import programs, worker_memory
 
-    assert max(worker_memory(plan, programs(cost.graph, plan), cost, req).values()) <= 6 << 20
-    assert len(plan.stages) > 2  # the whole model (about 13.5 MiB with AdamW) fits no single device
-    tiny = Hardware(tuple(Device(d.index, d.site, d.cpus, None, 1 << 20) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
+    req = Request(16, 128, 4)
+    graph = micro_cost.graph
+
+    def need(n: int) -> int:  # the neediest worker of a plan balanced by parameters over n devices
+        plan = make_plan(graph, n, micro_batches=4)
+        return max(worker_memory(plan, programs(graph, plan), micro_cost, req).values())
+
+    budget = need(3)
+    assert need(1) > budget  # the whole model on one device does not fit
+    tight = Hardware(tuple(Device(d.index, d.site, d.cpus, None, budget) for d in micro_cost.hw.devices), micro_cost.hw.bandwidth, micro_cost.hw.latency)
+    cost = CostModel(micro_cost.graph, micro_cost.work, tight)
+    plan = make_schedule("opfence", cost, req, evaluate=predict)
+    assert max(worker_memory(plan, programs(cost.graph, plan), cost, req).values()) <= budget
+    assert len(plan.workers) > 1  # stages or replicas share the model (replicas split the micro-batches in flight)
+    tiny = Hardware(tuple(Device(d.index, d.site, d.cpus, None, micro_cost.runtime_bytes + (1 << 20)) for d in micro_cost.hw.devices),
+                    micro_cost.hw.bandwidth, micro_cost.hw.latency)
     with pytest.raises(Exception, match="memory"):
         make_schedule("opfence", CostModel(micro_cost.graph, micro_cost.work, tiny), req)
 

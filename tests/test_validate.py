@@ -170,9 +170,9 @@ def test_a_baseline_that_does_not_fit_says_so(micro: tuple) -> None:
     from fusionllm.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"the uniform scheduler's plan does not fit: stage \d needs"):
-        make_schedule("uniform", CostModel(graph, work, cluster(2, memory=1 << 20)), Request(16, 64, 4))
+        make_schedule("uniform", CostModel(graph, work, cluster(2, memory=CostModel.runtime_bytes + (1 << 20))), Request(16, 64, 4))
     with pytest.raises(ConfigError, match=r"no plan fits the devices' memory"):
-        make_schedule("opfence", CostModel(graph, work, cluster(2, memory=1 << 20)), Request(16, 64, 4))
+        make_schedule("opfence", CostModel(graph, work, cluster(2, memory=CostModel.runtime_bytes + (1 << 20))), Request(16, 64, 4))
 
 
 def _repeer(a: Action, worker: int) -> Action:

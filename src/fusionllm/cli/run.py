@@ -174,10 +174,11 @@ def worker(
     if backend == "numpy" and threads:  # NumPy's BLAS reads its thread count once, when it loads
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(threads)
-    from fusionllm.runtime.worker import WorkerConfig, run_worker
+    from fusionllm.runtime.worker import WorkerConfig, return_freed_memory, run_worker
     from fusionllm.transport.auth import load_token
     from fusionllm.transport.tls import TlsFiles
 
+    return_freed_memory()
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
         coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,

@@ -55,6 +55,11 @@ class CostModel:
     step_overhead_s: float = 6e-3  # the coordinator's Step round trip and the norm reduction
     optimizer_bytes_per_s: float = 4e8  # AdamW over fp32 parameters on one reference thread
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)  # codec ratio per link
+    # What a worker process holds beyond its tensors once it has trained a step: torch's kernels and
+    # thread pools, the autograd engine, the allocator, gRPC and the data plane. Measured as peak -
+    # base resident bytes of gpt-micro stages and of one gpt-micro process on this CPU machine
+    # (benchmarks/memory.py: 115-117 MiB, where the tensors were 7-14 MiB).
+    runtime_bytes: int = 115 << 20
     scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # shared by scaled copies
 
@@ -160,8 +165,10 @@ class CostModel:
 
     # ---- memory ------------------------------------------------------------------------------------
     def stage_memory(self, nodes: list[str], in_flight: int) -> int:
-        """Parameters, gradients, AdamW state (4x params), plus activations kept for backward."""
+        """Parameters, gradients, AdamW state (4x params), plus what autograd keeps for backward
+        (each op's saved tensors, measured when the op was counted; its outputs where it was not),
+        plus the process's own runtime (``runtime_bytes``)."""
         names = {p for n in nodes for p in self.graph.node(n).params.values()}
         params = sum(self.graph.params[p].meta.nbytes for p in names)
-        acts = sum(self.work[n].out_bytes for n in nodes) * self.scale
-        return 4 * params + in_flight * acts
+        acts = sum(self.work[n].saved_bytes or self.work[n].out_bytes for n in nodes) * self.scale
+        return self.runtime_bytes + 4 * params + int(in_flight * acts)

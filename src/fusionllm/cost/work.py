@@ -23,6 +23,7 @@ class OpWork:
     # its micro-batch (a part of it is fixed), so the cost model interpolates between these
     fwd_at: tuple[tuple[float, float], ...] = ()
     bwd_at: tuple[tuple[float, float], ...] = ()
+    saved_bytes: int = 0  # what autograd keeps of a forward for its backward (inputs and intermediates, not weights)
 
     def to_json(self) -> dict:
         return asdict(self)

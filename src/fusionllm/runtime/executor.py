@@ -15,7 +15,6 @@ masks as an unsplit one, on whichever stage the op lands.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import re
 import threading

@@ -70,14 +70,25 @@ def _grads(graph: OpGraph, out: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {e: (torch.ones_like(t) if t.requires_grad else None) for e, t in out.items() if edges[e].requires_grad}
 
 
-def _count(graph: OpGraph, node: Node, source: SourceProvider | None) -> tuple[float, float]:
+def _count(graph: OpGraph, node: Node, source: SourceProvider | None) -> tuple[float, float, int]:
+    """Forward and backward FLOPs, and the bytes autograd saves for the backward (each tensor once,
+    views by their base; the op's weights are not counted: they are its parameters)."""
     ex = _executor(graph, node, "meta", source)
-    with FlopCounterMode(display=False) as counter:
+    weights = {id(t) for t in ex.params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in weights and id(t) not in weights:
+            saved[id(base)] = base.numel() * base.element_size()
+        return t
+
+    with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = ex.forward(0, _inputs(graph, node, "meta"))
     fwd = float(counter.get_total_flops())
     with FlopCounterMode(display=False) as counter:
         ex.backward(0, _grads(graph, out))
-    return fwd, float(counter.get_total_flops())
+    return fwd, float(counter.get_total_flops()), sum(saved.values())
 
 
 def _time(graph: OpGraph, node: Node, source: SourceProvider | None, device: str, reps: int) -> tuple[float, float]:
@@ -206,7 +217,9 @@ def estimate(
                     fwd_at = sorted([*fwd_at, (1.0, fwd)])
                     bwd_at = sorted([*bwd_at, (1.0, bwd)])
             params = sum(graph.params[p].meta.nbytes for p in dict.fromkeys(node.params.values()))
-            out[node.id] = OpWork(*counted[key], params, sum(e.meta.nbytes for e in node.outputs), fwd, bwd, tuple(fwd_at), tuple(bwd_at))
+            fwd_flops, bwd_flops, saved = counted[key]
+            out[node.id] = OpWork(fwd_flops, bwd_flops, params, sum(e.meta.nbytes for e in node.outputs), fwd, bwd, tuple(fwd_at), tuple(bwd_at),
+                                  saved)
     finally:
         torch.set_num_threads(old_threads)
     if calibrate and cache is not None:
