@@ -67,11 +67,11 @@ def predicted(model: str, workers: int, args: argparse.Namespace) -> tuple[dict[
     mb = args.batch_size // args.micro_batches
     graph = trace_lm(build_model(model, vocab, device="meta"), mb, args.seq_len, spec=model)
     work = estimate(graph, calibrate=False)
-    cost = CostModel(graph, work, None)
+    cost = CostModel(graph, work, None)  # one process: --recompute is the workers'
     req = Request(args.batch_size, args.seq_len, args.micro_batches)
     plan = make_plan(graph, workers, micro_batches=args.micro_batches)
     progs = validate_plan(graph, plan)
-    per_worker = worker_memory(plan, progs, cost, req)
+    per_worker = worker_memory(plan, progs, CostModel(graph, work, None, recompute=args.recompute), req)
     whole = make_plan(graph, 1, micro_batches=1)
     one = worker_memory(whole, validate_plan(graph, whole), cost, Request(args.batch_size, args.seq_len, 1))[0]
     return per_worker, one, [s.nodes for s in plan.stages]
@@ -84,6 +84,8 @@ def distributed(model: str, workers: int, args: argparse.Namespace, tmp: Path) -
            "--eval-every", "0", "--warmup", str(args.warmup), "--lr", str(args.lr), "--precision", args.precision, "--metrics", str(metrics), "--run-dir", str(tmp / f"run-{model}")]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
+    if args.recompute:
+        cmd += ["--recompute"]
     print(f"[{model}] local:{workers}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -112,7 +114,7 @@ def one_process(model: str, args: argparse.Namespace) -> dict:
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     vocab = f"tokenizer {Path(args.tokenizer).name}" if args.tokenizer else "byte tokenizer (vocabulary 256)"
     lines = [f"{args.steps} steps, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches (local:N), precision {args.precision}, "
-             f"{vocab}, the embedded corpus, AdamW lr {args.lr} (warmup {args.warmup}). Measured: peak resident bytes less the bytes resident before the model (one process) or before the stage's "
+             f"{vocab}, the embedded corpus, AdamW lr {args.lr} (warmup {args.warmup}){', workers with --recompute' if args.recompute else ''}. Measured: peak resident bytes less the bytes resident before the model (one process) or before the stage's "
              "assignment (a worker). Predicted: `worker_memory` of the same plan (the runtime's own 115 MiB, 4x parameter bytes, "
              "and the tensors autograd saves for backward times the peak micro-batches in flight). Tokens/s of local:N is the "
              "pipeline's; the machine was shared with another benchmark.", "",
@@ -161,6 +163,7 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--recompute", action="store_true", help="the workers checkpoint their module ops (train --recompute)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json: its vocabulary sizes the embedding")
     ap.add_argument("--threads", type=int, default=2)

@@ -59,8 +59,11 @@ def test_bad_checkpoints_are_named_in_one_line(tmp_path: Path) -> None:
         from_pretrained(tmp_path)
     d = hf_gpt2(tmp_path / "m")
     config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(ConfigError, match="model_type 'mistral'; this fusionllm loads gpt2 and llama"):
+        from_pretrained(d)
     (d / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(ConfigError, match="model_type 'llama'"):
+    with pytest.raises(ConfigError, match="config.json of a llama lacks hidden_size"):
         from_pretrained(d)
     (d / "config.json").write_text(json.dumps({**config, "n_layer": 4}))
     with pytest.raises(ConfigError, match=r"missing transformer\.h\.3\."):

@@ -87,10 +87,11 @@ def trace_cmd(
 def models() -> None:
     """List the built-in models with their sizes."""
     from fusionllm.models.gpt import CONFIGS
+    from fusionllm.models.llama import CONFIGS as LLAMA
     from fusionllm.models.spec import build_model
 
     print(f"{'name':12s} {'params (bytes, V=256)':>22s} {'params (GPT-2 V=50257)':>23s}  shape")
-    for name, cfg in CONFIGS.items():
+    for name, cfg in {**CONFIGS, **LLAMA}.items():
         sizes = [sum(p.numel() for p in build_model(name, v, device="meta").parameters()) for v in (256, 50257)]
         shape = " ".join(f"{k}={v}" for k, v in cfg.items())
         print(f"{name:12s} {sizes[0] / 1e6:21.2f}M {sizes[1] / 1e6:22.2f}M  {shape}")

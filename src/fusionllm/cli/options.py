@@ -14,6 +14,7 @@ TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the d
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="bytes (the default), a tokenizer.json, or a directory holding one (fusionllm tokenizer train makes one). Default with --init-from: the checkpoint's own.")]
 InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from this Hugging Face checkpoint directory (config.json + *.safetensors, GPT-2 architecture); --model is then ignored.")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, or bf16: compute under autocast with fp32 master weights and AdamW state; activations and gradients cross the network as bf16 (unless --compress says otherwise).")]
+RecomputeOpt = Annotated[bool, typer.Option("--recompute", help="Activation checkpointing per stage: module ops keep only their inputs and run again in the backward (less memory, about a third more compute).")]
 ImageSizeOpt = Annotated[int, typer.Option("--image-size", help="--task vision: images are resized to this many pixels square.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights, data order and splits.")]
 StepsOpt = Annotated[int, typer.Option(help="Optimizer steps.")]

@@ -38,6 +38,7 @@ from fusionllm.cli.options import (
     OuterMomentumOpt,
     OverlapStepsOpt,
     PrecisionOpt,
+    RecomputeOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -118,6 +119,7 @@ def coordinator(
     tokenizer: TokenizerOpt = None,
     init_from: InitFromOpt = None,
     precision: PrecisionOpt = "fp32",
+    recompute: RecomputeOpt = False,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -129,7 +131,7 @@ def coordinator(
 
     train_cfg = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision,
+        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision, recompute=recompute,
     )
     cluster_cfg = ClusterConfig(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,

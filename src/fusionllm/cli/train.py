@@ -37,6 +37,7 @@ from fusionllm.cli.options import (
     OuterMomentumOpt,
     OverlapStepsOpt,
     PrecisionOpt,
+    RecomputeOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -124,6 +125,7 @@ def train(
     tokenizer: TokenizerOpt = None,
     init_from: InitFromOpt = None,
     precision: PrecisionOpt = "fp32",
+    recompute: RecomputeOpt = False,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
     from fusionllm.runtime.single import TrainConfig, train_single
@@ -131,7 +133,7 @@ def train(
     config = TrainConfig(
         model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
         data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
-        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision,
+        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision, recompute=recompute,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")

@@ -69,7 +69,7 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
 
 
 def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork], say: Callable[[str], None],
-                compress: str = "none", place: Callable[[Plan], Plan] | None = None) -> tuple[Plan, CostModel]:
+                compress: str = "none", place: Callable[[Plan], Plan] | None = None, recompute: bool = False) -> tuple[Plan, CostModel]:
     """The scheduler's plan; with ``compress=adatopk``, OP-Fence also weighs plans that use slow links
     compressed. Returns the plan and the cost model without compression (AdaTopK's policy starts there).
 
@@ -77,7 +77,7 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, w
     constraint of the search, so OP-Fence judges every candidate as it will run, drops those no
     placement fits, and the prediction is the placed plan's."""
     started = time.perf_counter()
-    cost = CostModel(graph, work, hw)
+    cost = CostModel(graph, work, hw, recompute=recompute)
 
     def judge(plan: Plan, cost: CostModel, req: Request) -> float:
         if place is not None:

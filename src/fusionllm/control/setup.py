@@ -78,7 +78,8 @@ class SetupMixin:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
-                      compress_roles=c.compress_roles, seed=t.seed, precision=t.precision)
+                      compress_roles=c.compress_roles, seed=t.seed, precision=t.precision,
+                      recompute=t.recompute)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -146,7 +147,7 @@ class SetupMixin:
         from fusionllm.cost.model import CostModel
 
         hw = await self._hardware(clients)
-        return CostModel(graph, await asyncio.to_thread(self.task.estimate, graph), hw)
+        return CostModel(graph, await asyncio.to_thread(self.task.estimate, graph), hw, recompute=self.train.recompute)
 
     async def _schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
         from fusionllm.control.planning import choose_plan
@@ -162,7 +163,7 @@ class SetupMixin:
             return place(graph, p, infos, lambda _: None, self.task.refused_ops)
 
         plan, cost = await asyncio.to_thread(choose_plan, graph, hw, c.scheduler, req, work=work, say=self.say,
-                                             compress=str(parse_codec(c.compress)), place=placed)
+                                             compress=str(parse_codec(c.compress)), place=placed, recompute=t.recompute)
         if plan.micro_batches != c.micro_batches:
             if t.batch_size % plan.micro_batches:
                 raise FusionError(f"the scheduler chose {plan.micro_batches} micro-batches, which does not divide --batch-size {t.batch_size}")

@@ -30,6 +30,7 @@ class TrainConfig:
     tokenizer: str | None = None  # bytes (None), a tokenizer.json or a directory with one (data/bpe.py)
     init_from: str | None = None  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
     precision: str = "fp32"  # fp32, or bf16: autocast compute with fp32 master weights and AdamW state
+    recompute: bool = False  # activation checkpointing per stage: module ops run again in the backward
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):

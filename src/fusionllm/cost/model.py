@@ -60,6 +60,7 @@ class CostModel:
     # base resident bytes of gpt-micro stages and of one gpt-micro process on this CPU machine
     # (benchmarks/memory.py: 115-117 MiB, where the tensors were 7-14 MiB).
     runtime_bytes: int = 115 << 20
+    recompute: bool = False  # --recompute: module ops without buffers keep their inputs only and run forward again in the backward
     scale: float = 1.0  # micro-batch size / the micro-batch size the graph was traced with
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # shared by scaled copies
 
@@ -88,6 +89,16 @@ class CostModel:
     def op_seconds(self, node_id: str, device: Device, backward: bool) -> float:
         """Seconds of one op on one micro-batch (at ``scale``), at full speed (a CPU device's quota is
         applied by the simulator, see ``cpu_rate``)."""
+        if backward and self.recompute and self.recomputed(node_id):
+            return self._op_seconds(node_id, device, True) + self._op_seconds(node_id, device, False)
+        return self._op_seconds(node_id, device, backward)
+
+    def recomputed(self, node_id: str) -> bool:
+        """Whether ``--recompute`` checkpoints this op (a module whose forward updates no buffer)."""
+        node = self.graph.node(node_id)
+        return (node.kind.startswith("module:") or node.kind == "submodule") and all(self.graph.params[p].trainable for p in node.params.values())
+
+    def _op_seconds(self, node_id: str, device: Device, backward: bool) -> float:
         w = self.work[node_id]
         flops = w.bwd_flops if backward else w.fwd_flops
         if device.flops:
@@ -170,5 +181,12 @@ class CostModel:
         plus the process's own runtime (``runtime_bytes``)."""
         names = {p for n in nodes for p in self.graph.node(n).params.values()}
         params = sum(self.graph.params[p].meta.nbytes for p in names)
-        acts = sum(self.work[n].saved_bytes or self.work[n].out_bytes for n in nodes) * self.scale
-        return self.runtime_bytes + 4 * params + int(in_flight * acts)
+        saved = {n: self.work[n].saved_bytes or self.work[n].out_bytes for n in nodes}
+        rerun = 0
+        if self.recompute:  # a checkpointed op keeps its inputs; its own saved tensors live only while its backward runs
+            edges = self.graph.edges()
+            for n in nodes:
+                if self.recomputed(n):
+                    rerun = max(rerun, saved[n])
+                    saved[n] = sum(edges[e].meta.nbytes for e in dict.fromkeys(self.graph.node(n).inputs))
+        return self.runtime_bytes + 4 * params + int((in_flight * sum(saved.values()) + rerun) * self.scale)

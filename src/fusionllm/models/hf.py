@@ -57,6 +57,9 @@ def gpt_config(hf: dict[str, Any], where: str) -> GPTConfig:
 
 
 def llama_config(hf: dict[str, Any], where: str) -> LlamaConfig:
+    lacking = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+    if lacking:
+        raise ConfigError(f"--init-from {where}: config.json of a llama lacks {', '.join(lacking)}")
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"--init-from {where}: rope type {rope.get('rope_type', rope.get('type'))!r}; this Llama has the default rotary embedding")

@@ -97,6 +97,9 @@ class StageExecutor:
         self.training = True
         self.random_key: tuple[int, int] | None = None  # (run seed, step): random ops seeded per op and micro-batch
         self.autocast: str | None = None  # "bfloat16": ops compute under autocast; their outputs keep the traced dtypes
+        self.recompute = False  # activation checkpointing: a module op keeps its inputs only, and runs again in the backward
+        # modules whose forward changes no state (a second forward of BatchNorm would update its statistics twice)
+        self._recomputable = {n.id for n in self.nodes if n.id in self.modules and not any(True for _ in self.modules[n.id].buffers())}
         self._random = {n.id for n in self.nodes if may_be_random(n, self.modules.get(n.id))}
 
     # ---- construction -----------------------------------------------------------------------
@@ -274,7 +277,12 @@ class StageExecutor:
 
 # ---- op handlers: a dispatch table from op kind to how it runs ------------------------------------
 def _run_module(ex: StageExecutor, node: Node, args: list, kwargs: dict) -> Any:
-    return ex.modules[node.id](*args, **kwargs)
+    module = ex.modules[node.id]
+    if ex.recompute and ex.training and node.id in ex._recomputable:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(module, *args, use_reentrant=False, **kwargs)  # the RNG state is replayed: dropout draws the same masks
+    return module(*args, **kwargs)
 
 
 def _run_function(ex: StageExecutor, node: Node, args: list, kwargs: dict) -> Any:

@@ -88,6 +88,8 @@ class StageRuntime:
             graph, self.stage.nodes, tensors, lr=hyper.lr, weight_decay=hyper.weight_decay, device=device, name=f"w{worker}/stage{self.stage.index}",
         )
         self.executor = self.backend.executor
+        if hyper.recompute and hasattr(self.executor, "recompute"):
+            self.executor.recompute = True
         if hyper.precision == "bf16":
             if not hasattr(self.executor, "autocast"):
                 raise FusionError(f"worker {worker}: --precision bf16 needs the torch backend (this worker runs {type(self.executor).__name__})")
