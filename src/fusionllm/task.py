@@ -39,6 +39,7 @@ from fusionllm.runtime.model_graph import (
 )
 from fusionllm.runtime.profile import estimate, matmul_flops
 from fusionllm.transport.control import DataSpec
+from fusionllm.transport.shards import TensorSource
 
 VAL_FRACTION = 0.1
 
@@ -84,7 +85,12 @@ class LMTask(_ModelTask):
     @functools.cached_property
     def model(self) -> torch.nn.Module:
         t = self.train
-        model = build_lm(t.model, self._tokens.vocab_size, seed=t.seed, init_from=t.init_from)
+        if t.init_from:  # traced on the meta device; the weights are read by stage (initial_state)
+            from fusionllm.models.hf import from_pretrained
+
+            model = from_pretrained(t.init_from, vocab_size=self._tokens.vocab_size, weights=False)
+        else:
+            model = build_lm(t.model, self._tokens.vocab_size, seed=t.seed)
         block = context_length(model)
         if isinstance(block, int) and t.seq_len > block:
             raise ConfigError(f"--seq-len {t.seq_len} exceeds the model's block size {block}")
@@ -92,6 +98,13 @@ class LMTask(_ModelTask):
 
     def trace(self, micro_batch_size: int) -> OpGraph:
         return trace_lm(self.model, micro_batch_size, self.train.seq_len, spec=self.train.model)
+
+    def initial_state(self) -> bytes | TensorSource:
+        if self.train.init_from:  # each stage's tensors read from the checkpoint's files when that stage is assigned
+            from fusionllm.models.hf import HFWeights
+
+            return HFWeights(self.model, self.train.init_from)
+        return super().initial_state()
 
 
     @functools.cached_property

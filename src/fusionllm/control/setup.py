@@ -35,7 +35,7 @@ class SetupMixin:
     async def _setup(self, *, recover: bool = False, carry: tuple[list[bytes], int] | None = None) -> Run:
         t, c = self.train, self.cluster
         graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
-        states: list[bytes] = []  # safetensors blobs holding every tensor; each stage gets its own by name
+        states: list[Any] = []  # safetensors blobs (or TensorSources) holding every tensor; each stage gets its own by name
         load: str | None = None
         self.start_step = 0
         if carry is not None:  # a re-plan: the weights and AdamW state as they are now
@@ -74,7 +74,7 @@ class SetupMixin:
         self.status.event(self.plan_record)
         return run
 
-    async def _assign(self, run: Run, addresses: dict[int, str], states: list[bytes], load: str | None, codec: Any) -> None:
+    async def _assign(self, run: Run, addresses: dict[int, str], states: list[Any], load: str | None, codec: Any) -> None:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),

@@ -15,6 +15,7 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import DataSpec
+from fusionllm.transport.shards import TensorSource
 
 
 class RunTask(Protocol):
@@ -36,8 +37,9 @@ class RunTask(Protocol):
         """The model's OpGraph for micro-batches of this many rows."""
         ...
 
-    def initial_state(self) -> bytes:
-        """The freshly initialised weights (``param/<name>``), one safetensors blob."""
+    def initial_state(self) -> bytes | TensorSource:
+        """The freshly initialised weights (``param/<name>``): one safetensors blob, or a source that
+        reads each stage's tensors when it is assigned (a checkpoint of ``--init-from``)."""
         ...
 
     def estimate(self, graph: OpGraph) -> dict[str, OpWork]:

@@ -135,32 +135,63 @@ class SafetensorsDir:
             return fh.get_tensor(name)
 
 
+class HFWeights:
+    """The weights of a checkpoint directory under ``model``'s names (``param/<name>``), each read,
+    converted (GPT-2's ``Conv1D`` transposed, the model's dtype) and handed out when asked for: a
+    ``transport.shards.TensorSource``, so each stage's tensors are read from the files for that
+    stage alone and no process holds the whole checkpoint. Checked against the model on creation:
+    a missing or unexpected key, or one of another shape, is an error naming it."""
+
+    def __init__(self, model: GPT | Llama, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.files, self.directory = SafetensorsDir(directory), directory
+        skip = tied(model)
+        ours = {n: p for n, p in model.named_parameters(remove_duplicate=False) if n != skip}
+        self.names = {n: hf_name(n, model) for n in ours}  # a tied name (GPT-2's lm_head) is absent: it is the embedding
+        self.transpose = {n for n in ours if _transposed(model, n)}
+        self.shapes = {n: tuple(p.shape) for n, p in ours.items()}
+        self.dtype = next(iter(ours.values())).dtype
+        wanted, stored = set(self.names.values()), set(self.files.where)
+        missing = sorted(wanted - stored)
+        unexpected = sorted(k for k in stored - wanted if k != skip and not k.endswith(IGNORED))
+        if missing or unexpected:
+            raise ConfigError(f"--init-from {directory}: the checkpoint does not match its config.json: "
+                              f"missing {', '.join(missing[:5]) or 'none'}{' ...' if len(missing) > 5 else ''}; "
+                              f"unexpected {', '.join(unexpected[:5]) or 'none'}{' ...' if len(unexpected) > 5 else ''}")
+        for name, key in self.names.items():  # shapes from the headers alone
+            with safe_open(str(self.files.root / self.files.where[key]), framework="pt") as fh:
+                shape = tuple(fh.get_slice(key).get_shape())
+            shape = shape[::-1] if name in self.transpose else shape
+            if shape != self.shapes[name]:
+                raise ConfigError(f"--init-from {directory}: {key} has shape {list(shape)}, the config says {list(self.shapes[name])}")
+
+    def get(self, name: str) -> torch.Tensor:
+        value = self.files.get(self.names[name])
+        return (value.t() if name in self.transpose else value).to(self.dtype).contiguous()
+
+    def tensors(self, keep: Any) -> Any:
+        for name in self.names:
+            if keep(f"param/{name}"):
+                value = self.get(name)
+                yield f"param/{name}", _ST_DTYPES[value.dtype], list(value.shape), value.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}  # safetensors' names
+
+
 def load_weights(model: GPT | Llama, directory: str | Path) -> None:
     """Copy the checkpoint's weights into ``model`` by name; a missing or unexpected key is an error naming it."""
-    files = SafetensorsDir(directory)
-    skip = tied(model)
-    ours = {n: p for n, p in model.named_parameters(remove_duplicate=False) if n != skip}
-    wanted = {hf_name(n, model): n for n in ours}
-    stored = {k: k for k in files.where}
-    missing = sorted(set(wanted) - set(stored))
-    unexpected = sorted(k for k in set(stored) - set(wanted) if k != skip and not k.endswith(IGNORED))
-    if missing or unexpected:
-        raise ConfigError(f"--init-from {directory}: the checkpoint does not match its config.json: "
-                          f"missing {', '.join(missing[:5]) or 'none'}{' ...' if len(missing) > 5 else ''}; "
-                          f"unexpected {', '.join(unexpected[:5]) or 'none'}{' ...' if len(unexpected) > 5 else ''}")
+    weights = HFWeights(model, directory)
+    params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for key, name in wanted.items():
-            value = files.get(stored[key])
-            if _transposed(model, name):
-                value = value.t()
-            target = ours[name]
-            if tuple(value.shape) != tuple(target.shape):
-                raise ConfigError(f"--init-from {directory}: {key} has shape {list(value.shape)}, the config says {list(target.shape)}")
-            target.copy_(value.to(target.dtype))
+        for name in weights.names:
+            params[name].copy_(weights.get(name))
 
 
-def from_pretrained(directory: str | Path, *, vocab_size: int | None = None, dropout: float | None = None) -> GPT | Llama:
-    """The model of ``directory`` with its weights. ``vocab_size``: the tokenizer's, which must fit the embedding."""
+def from_pretrained(directory: str | Path, *, vocab_size: int | None = None, dropout: float | None = None, weights: bool = True) -> GPT | Llama:
+    """The model of ``directory`` with its weights (``weights=False``: on the meta device, for tracing,
+    with ``HFWeights`` to read them by stage). ``vocab_size``: the tokenizer's, which must fit the embedding."""
     config = model_config(read_config(directory), str(directory))
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"--init-from {directory}: the tokenizer has {vocab_size} tokens, the checkpoint's embedding {config.vocab_size}; "
@@ -169,6 +200,8 @@ def from_pretrained(directory: str | Path, *, vocab_size: int | None = None, dro
         config = replace(config, dropout=dropout)
     with torch.device("meta"):
         model = build(config)
+    if not weights:
+        return model
     model = model.to_empty(device="cpu")
     if isinstance(model, GPT):
         model.lm_head.weight = model.wte.weight

@@ -18,6 +18,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from fusionllm.core.errors import ConfigError, WireError
 
@@ -60,13 +61,29 @@ def shard_keys(path: Path) -> list[str]:
     return [k for k in head if k != "__metadata__"]
 
 
-def read_selected(paths: Iterable[Path | bytes], keep: Callable[[str], bool]) -> bytes:
-    """The tensors whose names ``keep`` accepts, from all ``paths`` (files, or safetensors blobs in
-    memory), as one safetensors blob."""
+@runtime_checkable
+class TensorSource(Protocol):
+    """Tensors made on demand (a checkpoint in another layout, read and converted one at a time)."""
+
+    def tensors(self, keep: Callable[[str], bool]) -> Iterable[tuple[str, str, list[int], bytes]]:
+        """(name, safetensors dtype, shape, raw little-endian bytes) of every tensor ``keep`` accepts."""
+        ...
+
+
+def read_selected(paths: Iterable[Path | bytes | TensorSource], keep: Callable[[str], bool]) -> bytes:
+    """The tensors whose names ``keep`` accepts, from all ``paths`` (files, safetensors blobs in
+    memory, or ``TensorSource``s), as one safetensors blob."""
     entries: dict[str, dict] = {}
     chunks: list[bytes] = []
     offset = 0
     for path in paths:
+        if isinstance(path, TensorSource):
+            for name, dtype, shape, data in path.tensors(keep):
+                if name not in entries:
+                    entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+                    chunks.append(data)
+                    offset += len(data)
+            continue
         with (io.BytesIO(path) if isinstance(path, bytes) else open(path, "rb")) as fh:
             size = len(path) if isinstance(path, bytes) else os.fstat(fh.fileno()).st_size
             path = Path("<memory>") if isinstance(path, bytes) else path
