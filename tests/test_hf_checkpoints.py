@@ -176,3 +176,21 @@ def test_a_llama_trains_in_three_stages_as_in_one_process(tmp_path: Path) -> Non
                 seen.add(key.removeprefix("param/"))
                 np.testing.assert_allclose(value.numpy(), reference[key.removeprefix("param/")].detach().numpy(), rtol=1e-5, atol=1e-7)
     assert seen == set(reference)
+
+
+def test_each_stage_reads_only_its_own_tensors_from_the_checkpoint_files(tmp_path: Path) -> None:
+    """What the coordinator sends a stage (read_selected over HFWeights) holds that stage's tensors
+    alone, converted (GPT-2's Conv1D transposed) exactly as a whole load converts them."""
+    from safetensors.torch import load
+
+    from fusionllm.models.hf import HFWeights
+    from fusionllm.transport.shards import read_selected, stage_keep
+
+    d = hf_gpt2(tmp_path / "m")
+    meta = from_pretrained(d, weights=False)
+    assert all(p.is_meta for p in meta.parameters())
+    blob = load(read_selected([HFWeights(meta, d)], stage_keep({"h.1.attn.c_attn.weight", "h.1.ln_1.bias", "wte.weight"})))
+    assert set(blob) == {"param/h.1.attn.c_attn.weight", "param/h.1.ln_1.bias", "param/wte.weight"}
+    whole = dict(from_pretrained(d).named_parameters())
+    for key, value in blob.items():
+        assert torch.equal(value, whole[key.removeprefix("param/")].detach())

@@ -153,7 +153,7 @@ def coordinator(
 
     with bar:
         result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step)
-    summary(train_cfg.model, result, first, train_cfg.steps)
+    summary(train_cfg.init_from or train_cfg.model, result, first, train_cfg.steps)
 
 
 @user_errors
