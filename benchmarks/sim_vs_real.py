@@ -3,7 +3,8 @@
 
 Each row is a cluster, a scheduler and a micro-batch count: plan (as the coordinator does with
 `--hardware FILE`), simulate, then train for real inside the testbed (`fusionllm train --cluster
-FILE --scheduler S --micro-batches M`) and take the median wall time of a step after warm-up. The
+FILE --scheduler S --micro-batches M --replan-factor 0`: the coordinator keeps the plan it made, even
+when steps take twice what it predicted) and take the median wall time of a step after warm-up. The
 rows cover the example clusters with every scheduler, the micro-batch count varied from 1 to 16
 (where an extra micro-batch's fixed costs decide the step), and random CPU clusters
 (`fusionllm.cluster.random`, drawn by seed) that the cost model was never looked at on.
@@ -166,7 +167,7 @@ def measure(cluster: Path, row: Row, args: argparse.Namespace, tmp: Path, load: 
     metrics = tmp / f"{cluster.stem}-{row.scheduler}-{row.micro_batches}.jsonl"
     cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--scheduler", row.scheduler, *task_args(args), "--model", args.model,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--micro-batches", str(row.micro_batches), "--eval-every", "0", "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
+           "--micro-batches", str(row.micro_batches), "--eval-every", "0", "--replan-factor", "0", "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marks: dict[int, tuple[float, float, float]] = {}
     while proc.poll() is None:  # the load while the measured steps ran: from the last warm-up step to the end
@@ -180,6 +181,8 @@ def measure(cluster: Path, row: Row, args: argparse.Namespace, tmp: Path, load: 
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if any(r.get("event") == "replan" for r in records):  # a new plan (and a new epoch's clock) mid-run: not the plan predicted
+        raise RuntimeError(f"{' '.join(cmd)} replanned; the steps measured would mix two plans")
     rec = [r for r in records if "step" in r]
     ran = next(r for r in records if r.get("event") == "plan")
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rec, rec[1:], strict=False)][args.warmup:]
