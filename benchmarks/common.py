@@ -22,3 +22,9 @@ def write(out: Path, name: str, results: Any, table: list[str], meta: dict[str, 
     header = [f"# {name}", "", f"{doc['date']}, {doc['machine']}", ""]
     (out / f"{name}.md").write_text("\n".join(header + table) + "\n")
     print("\n".join(table))
+
+
+def training_steps(records: list[dict]) -> list[dict]:
+    """Step records without the steps right after an evaluation (those also carry the evaluation's
+    forward passes in their ``bytes``)."""
+    return [r for i, r in enumerate(records) if i == 0 or "val_loss" not in records[i - 1]]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import training_steps, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 1e9  # links at least this fast are not "slow links"
@@ -134,7 +134,7 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
     rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
     slow = slow_links(path)
     # a training step's bytes: the step after an evaluation also carries the evaluation's forward passes
-    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for i, r in enumerate(rec) if i == 0 or "val_loss" not in rec[i - 1]]
+    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in training_steps(rec)]
     ratios = {k: [r["ratios"][k] for r in rec] for k in rec[0].get("ratios", {}) if k in slow}
     accs = [r["val_accuracy"] for r in rec if "val_accuracy" in r][-args.accuracy_over:]
     acc = sum(accs) / len(accs) if accs else None  # the mean of the last --accuracy-over evaluations

@@ -56,13 +56,6 @@ def common_args(args: argparse.Namespace) -> list[str]:
             "--warmup", str(args.warmup), "--seed", str(args.seed), "--eval-every", str(args.steps), "--eval-batches", str(args.eval_batches)]
 
 
-def rel_err(a, b) -> float:
-    a, b = a.double(), b.double()
-    diff = (a - b).abs().max().item() if a.numel() else 0.0
-    scale = b.abs().max().item() if b.numel() else 0.0
-    return (0.0 if diff == 0.0 else float("inf")) if scale == 0.0 else diff / scale
-
-
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -112,6 +105,8 @@ def distributed(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[di
 
 def compare(name: str, ref_rec: list[dict], ref_state: dict, rec: list[dict], state: dict, plan: str) -> dict:
     import torch
+
+    from fusionllm.runtime.verify import rel_err
 
     losses = [abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-30) for a, b in zip(rec, ref_rec, strict=True)]
     buffers = {n for n, v in ref_state.items() if "running_" in n or "num_batches" in n or not torch.is_floating_point(v)}

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import training_steps, write  # noqa: E402
 
 
 def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
@@ -37,7 +37,7 @@ def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Pat
     if proc.returncode != 0:
         raise SystemExit(f"{mode} {precision} seed {seed} failed:\n{proc.stderr[-3000:]}")
     rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
-    bytes_ = [sum(r.get("bytes", {}).values()) for i, r in enumerate(rec) if i == 0 or "val_loss" not in rec[i - 1]]
+    bytes_ = [sum(r.get("bytes", {}).values()) for r in training_steps(rec)]
     return {"mode": mode, "precision": precision, "seed": seed, "final_val_loss": rec[-1]["val_loss"],
             "train_loss_last10": statistics.fmean(r["loss"] for r in rec[-10:]), "tokens_per_s": rec[-1]["tokens_per_s"],
             "bytes_per_step": statistics.fmean(bytes_) if bytes_ else 0.0,

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fusionllm.core.errors import DataError
+from fusionllm.data.corpus import _read_file
 
 JSONL = (".jsonl", ".jsonl.gz", ".ndjson")
 
@@ -87,10 +88,9 @@ def _hf_dataset(path: Path, field: str) -> Iterator[str]:
 
 
 def _text(path: Path) -> Iterator[str]:
-    data = path.read_bytes()
-    if b"\0" in data[: 8 << 10]:
-        return  # binary: skipped, as --data skips it
-    yield data.decode("utf-8", errors="replace")
+    data = _read_file(str(path), skip_binary=True)  # a binary file is skipped, as --data skips it
+    if data:
+        yield data.decode("utf-8", errors="replace")
 
 
 def _expand(part: str) -> list[Path]:

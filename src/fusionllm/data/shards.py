@@ -66,9 +66,6 @@ class TokenStream:
             out[mask] = self.parts[k][where[mask] - self.bounds[k]]
         return out
 
-    def tobytes(self) -> bytes:  # small streams only (tests, digests of a few tokens)
-        return self[np.arange(len(self))].tobytes()
-
 
 @dataclass(frozen=True)
 class Prepared:

@@ -9,18 +9,12 @@ coordinator instead, so a run never trains two stages on different data.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from fusionllm.core.errors import DataError, FusionError
 from fusionllm.data.batching import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.transport.control import DataSpec
-
-
-def corpus_digest(tokens: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
 
 
 class WorkerData:
