@@ -22,9 +22,12 @@ from fusionllm.cli.options import (
     DataOpt,
     DeadAfterOpt,
     EvalBatchesOpt,
+    EvictAfterOpt,
     FragmentsOpt,
     GroupBatchOpt,
     GroupsOpt,
+    GuardFactorOpt,
+    GuardOpt,
     HardwareOpt,
     ImageSizeOpt,
     InitFromOpt,
@@ -47,6 +50,7 @@ from fusionllm.cli.options import (
     SeedOpt,
     SeqOpt,
     StepsOpt,
+    StopTimeoutOpt,
     SyncOpt,
     TaskOpt,
     ThreadsOpt,
@@ -91,6 +95,7 @@ def coordinator(
     checkpoint_dir: CkptDirOpt = None,
     checkpoint_every: CkptEveryOpt = 0,
     resume: ResumeOpt = False,
+    stop_timeout: StopTimeoutOpt = 60.0,
     join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
     scheduler: SchedulerOpt = None,
     hardware: HardwareOpt = None,
@@ -104,6 +109,9 @@ def coordinator(
     dashboard: DashboardOpt = None,
     replan_factor: ReplanOpt = 2.0,
     dead_after: DeadAfterOpt = 10.0,
+    numeric_guard: GuardOpt = "retry",
+    guard_factor: GuardFactorOpt = 100.0,
+    evict_after: EvictAfterOpt = 3,
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
     inner_steps: InnerStepsOpt = None,
@@ -124,6 +132,7 @@ def coordinator(
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
     from fusionllm.control.coordinator import ClusterConfig, run_coordinator
+    from fusionllm.control.restart import Stopped
     from fusionllm.runtime.single import TrainConfig
     from fusionllm.task import run_task
     from fusionllm.transport.auth import load_token
@@ -136,9 +145,10 @@ def coordinator(
     cluster_cfg = ClusterConfig(
         listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
         replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout,
+        checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout, stop_timeout=stop_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
-        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor, dashboard=dashboard,
+        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
+            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, dashboard=dashboard,
         **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )
     if config is not None:
@@ -151,8 +161,12 @@ def coordinator(
     def say(msg: str) -> None:
         console.print(msg, highlight=False, markup=False)
 
-    with bar:
-        result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step)
+    try:
+        with bar:
+            result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step, handle_signals=True)
+    except Stopped as stop:  # Ctrl+C or SIGTERM: the workers wait for a restart
+        say(str(stop))
+        raise typer.Exit(stop.code) from None
     summary(train_cfg.init_from or train_cfg.model, result, first, train_cfg.steps)
 
 
@@ -165,25 +179,28 @@ def worker(
     listen: Annotated[str, typer.Option(help="HOST:PORT this worker serves control calls on (port 0: any).")] = "127.0.0.1:0",
     data_port: Annotated[int, typer.Option("--data-port", min=0, max=65535, help="TCP port for tensors from other workers, on --listen's host (0: any).")] = 0,
     advertise: Annotated[str | None, typer.Option(help="Host other machines reach this worker at (default: from --listen).")] = None,
-    coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Stop when the coordinator has not answered for this many seconds.")] = 20.0,
+    coordinator_timeout: Annotated[float, typer.Option("--coordinator-timeout", help="Seconds to wait, keeping the stage, for a coordinator that stopped answering (killed, or restarting) to come back at the same address; then exit.")] = 120.0,
     rank: Annotated[int | None, typer.Option(help="Ask for this worker id (0..N-1); default: the next free one.")] = None,
     backend: BackendOpt = "torch",
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
+    inject_fault: Annotated[list[str] | None, typer.Option("--inject-fault", help="TESTS ONLY: corrupt what this worker sends: nan@STEP (a NaN in every tensor it sends at STEP) or scale@STEP[:FACTOR] (its gradients times FACTOR, default 1e6); repeatable.")] = None,
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
     if backend == "numpy" and threads:  # NumPy's BLAS reads its thread count once, when it loads
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(threads)
+    from fusionllm.runtime.faults import parse_fault
     from fusionllm.runtime.worker import WorkerConfig, return_freed_memory, run_worker
     from fusionllm.transport.auth import load_token
     from fusionllm.transport.tls import TlsFiles
 
+    faults = tuple(parse_fault(f) for f in inject_fault or ())
     return_freed_memory()
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
         coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,
-        tls=TlsFiles.load(tls_cert, tls_key, tls_ca),
+        tls=TlsFiles.load(tls_cert, tls_key, tls_ca), faults=faults,
     )
     raise typer.Exit(run_worker(config))

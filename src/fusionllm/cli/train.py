@@ -22,9 +22,12 @@ from fusionllm.cli.options import (
     DeadAfterOpt,
     EvalBatchesOpt,
     EvalOpt,
+    EvictAfterOpt,
     FragmentsOpt,
     GroupBatchOpt,
     GroupsOpt,
+    GuardFactorOpt,
+    GuardOpt,
     ImageSizeOpt,
     InitFromOpt,
     InnerStepsOpt,
@@ -46,6 +49,7 @@ from fusionllm.cli.options import (
     SeedOpt,
     SeqOpt,
     StepsOpt,
+    StopTimeoutOpt,
     SyncOpt,
     TaskOpt,
     ThreadsOpt,
@@ -95,6 +99,7 @@ def train(
     checkpoint_dir: CkptDirOpt = None,
     checkpoint_every: CkptEveryOpt = 0,
     resume: ResumeOpt = False,
+    stop_timeout: StopTimeoutOpt = 60.0,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Token file and worker logs of a local cluster.")] = Path("runs/local"),
     device: Annotated[str, typer.Option(help="Device of every local worker: cpu or cuda:N.")] = "cpu",
     scheduler: SchedulerOpt = None,
@@ -107,6 +112,9 @@ def train(
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
     dead_after: DeadAfterOpt = 10.0,
+    numeric_guard: GuardOpt = "retry",
+    guard_factor: GuardFactorOpt = 100.0,
+    evict_after: EvictAfterOpt = 3,
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
     compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
@@ -152,8 +160,9 @@ def train(
         run = RunConfig(config, ClusterConfig(
             listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=_replicas(replicas),
             checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every, resume=resume,
-            scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
+            stop_timeout=stop_timeout, scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
+            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after,
             dashboard=dashboard, compress_roles=compress_roles,
             **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
         ))
@@ -167,7 +176,7 @@ def train(
         worker_args = [
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
         ]
-        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args))
+        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args, stop_timeout=stop_timeout))
     if sync != "synchronous":
         raise FusionError("--sync hierarchical needs --cluster (the --single-process reference is one synchronous process)")
     if backends:

@@ -23,5 +23,13 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         return self._residual.get(key)
 
+    def snapshot(self) -> dict[Hashable, np.ndarray]:
+        """The residuals as they are (``apply`` replaces them, never changes one in place)."""
+        return dict(self._residual)
+
+    def restore(self, saved: dict[Hashable, np.ndarray]) -> None:
+        """Back to a ``snapshot``: a step that was not applied leaves no residual behind."""
+        self._residual = dict(saved)
+
     def clear(self) -> None:
         self._residual.clear()

@@ -45,6 +45,9 @@ class ClusterConfig:
     replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
     max_replans: int = 2
     dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
+    guard: str = "retry"  # numeric guards (runtime/guards.py): retry (a bad step once, then skip it) | stop | off
+    guard_factor: float = 100.0  # a received tensor whose norm is this many times its edge's running estimate is bad
+    evict_after: int = 3  # bad tensors blamed on one worker before it is evicted and the run re-planned without it (0: never)
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
     # hierarchical mode (--sync hierarchical): groups that each hold the model, synchronised every few steps
     sync: str = "synchronous"  # synchronous | hierarchical
@@ -58,6 +61,7 @@ class ClusterConfig:
     group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
     outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
+    stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -70,6 +74,14 @@ class ClusterConfig:
             raise ConfigError(f"--compress-roles {self.compress_roles!r}: a comma-separated subset of act,grad,reduce")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        if not self.stop_timeout > 0:
+            raise ConfigError(f"--stop-timeout must be > 0 seconds, got {self.stop_timeout}")
+        if self.guard not in ("retry", "stop", "off"):
+            raise ConfigError(f"--numeric-guard {self.guard!r}: choose retry, stop or off")
+        if not self.guard_factor > 1:
+            raise ConfigError(f"--guard-factor must be > 1, got {self.guard_factor}")
+        if self.evict_after < 0:
+            raise ConfigError(f"--evict-after must be >= 0, got {self.evict_after}")
         if self.sync not in ("synchronous", "hierarchical"):
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
         if self.sync == "hierarchical":
@@ -95,6 +107,14 @@ class Replan(FusionError):
     def __init__(self, why: str, next_step: int) -> None:
         super().__init__(why)
         self.why, self.next_step = why, next_step
+
+
+class Evict(FusionError):
+    """Workers named by bad tensors too often: the run goes on without them, from the live state."""
+
+    def __init__(self, workers: set[int], why: str, next_step: int) -> None:
+        super().__init__(f"evicting worker(s) {sorted(workers)}: {why}")
+        self.workers, self.why, self.next_step = set(workers), why, next_step
 
 
 class WorkerLost(FusionError):

@@ -2,7 +2,8 @@
 
 The coordinator is thin: membership and heartbeats (``membership.py``), planning and assignment
 (``setup.py``), one Step call per worker per step (``training.py``), evaluation in the pipeline and
-checkpoints written by the workers (``state.py``), lost workers and re-plans (``recovery.py``).
+checkpoints written by the workers (``state.py``), lost workers and re-plans (``recovery.py``),
+stopping on Ctrl+C and starting again from the workers' live state (``restart.py``).
 The workers read their own batches and talk to each other directly; no weight and no batch passes
 through here in steady state.
 """
@@ -17,15 +18,17 @@ from typing import Any
 from fusionllm.core.config import TrainConfig, TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE
+from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE, Shutdown
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
-from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
+from .bad_steps import BadStepMixin
+from .config import ClusterConfig, Evict, OnStep, Replan, Run, Say, WorkerLost
 from .dashboard import Dashboard
 from .hier_pauses import HierPauseMixin
 from .hierarchical import HierarchicalMixin
 from .membership import Membership
 from .recovery import RecoveryMixin
+from .restart import Interrupted, RestartMixin, Stopped
 from .setup import SetupMixin
 from .state import StateMixin
 from .status import RunStatus
@@ -33,10 +36,14 @@ from .task import RunTask
 from .training import TrainingMixin
 
 
-class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, HierarchicalMixin, HierPauseMixin):
+class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepMixin, RestartMixin, HierarchicalMixin, HierPauseMixin):
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
-                 on_ready: Callable[[int], None] = lambda _: None) -> None:
+                 on_ready: Callable[[int], None] = lambda _: None, handle_signals: bool = False) -> None:
+        """``handle_signals``: SIGINT/SIGTERM stop the run for a restart (``restart.py``); the command
+        sets it, not a coordinator that shares its process (the harness)."""
         self.train, self.cluster, self.task = task.configure(train), cluster, task
+        self.handle_signals = handle_signals
+        self._init_restart()
         self.say, self.on_step, self.on_ready = say, on_step, on_ready
         if train.batch_size % cluster.micro_batches:
             raise ConfigError(f"--batch-size {train.batch_size} must be a multiple of --micro-batches {cluster.micro_batches}")
@@ -64,6 +71,8 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, Hierarch
     async def run(self) -> TrainResult:
         run: Run | None = None
         dashboard = Dashboard(self.status) if self.cluster.dashboard else None
+        self._main = asyncio.current_task()
+        unwatch = self._watch_signals() if self.handle_signals else None
         try:  # everything started is stopped in `finally`, also when cancelled while starting
             self.port = await self.server.start(self.cluster.listen)
             host = self.cluster.listen.rpartition(":")[0]
@@ -92,10 +101,14 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, Hierarch
                 finally:
                     for client in next(iter(hier.runs.values())).clients.values():
                         await client.close()
-            run = await self._setup()
+            run = await self._start_or_resume()
             self.status.state = "running"
             with JsonlWriter(self.train.metrics) as metrics:
                 metrics.write(self.plan_record)
+                if self.resume_event is not None:
+                    metrics.write(self.resume_event)
+                    self.status.event(self.resume_event)
+                self._training = True
                 while True:
                     try:
                         return await self._train(run, metrics)
@@ -103,20 +116,42 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, Hierarch
                         run = await self._recover(run, lost, metrics)
                     except Replan as again:
                         run = await self._replan(run, again, metrics)
+                    except Evict as ev:
+                        run = await self._evict(run, ev, metrics)
+                    except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps
+                        raise await self._final_checkpoint(run, stop.done) from None
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            self._main.uncancel()  # stopped by a signal (at once, or past --stop-timeout): the workers are told below
+            raise Stopped(self.stopping, None, None) from None
         finally:
-            self.membership.state = "finished"
+            self._end_stop()
+            restart = bool(self.stopping)  # a finished run, or a fatal error, tells the workers to exit
+            self.membership.state = "restarting" if restart else "finished"
             self.status.state = "finished"
-            await self._shutdown(run)
+            await self._shutdown(run, restart=restart)
             await self.server.stop(0.5)
             if dashboard is not None:
                 await dashboard.stop()
+            if unwatch is not None:
+                unwatch()
 
-    async def _shutdown(self, run: Run | None) -> None:
-        clients = run.clients.values() if run else [RpcClient(m.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls) for m in self.membership.members.values()]
-        for client in clients:
+    async def _shutdown(self, run: Run | None, *, restart: bool = False) -> None:
+        """Tell every member (spares too) that the run is over, or (``restart``) that this coordinator
+        stops to be started again: then they keep their stages and wait for it."""
+        c = self.cluster
+        if run is not None:
+            for client in run.clients.values():
+                await client.close()
+        clients = [RpcClient(m.address, WORKER_SERVICE, c.token, tls=c.tls) for m in self.membership.members.values()]
+
+        async def tell(client: RpcClient) -> None:
             with contextlib.suppress(FusionError):  # already gone: its heartbeat tells it the rest
-                await client.call("Shutdown", {}, timeout=5)
+                await client.call("Shutdown", Shutdown(restart).to_wire(), timeout=5)
             await client.close()
+
+        await asyncio.gather(*(tell(client) for client in clients))
 
 
 def run_coordinator(train: TrainConfig, cluster: ClusterConfig, task: RunTask, **kwargs: Any) -> TrainResult:

@@ -1,7 +1,10 @@
 """`--cluster local:N`: a coordinator and N ordinary `fusionllm worker` processes on loopback.
 
 Every child is started so that it dies with this process (Linux parent-death signal), is stopped
-on error and Ctrl+C (SIGTERM, then SIGKILL), and is waited for: no process is left behind.
+on error and Ctrl+C (SIGTERM, then SIGKILL), and is waited for: no process is left behind. The
+children run in sessions of their own, so a terminal's Ctrl+C reaches only this process: it passes
+one SIGINT on to the coordinator, which ends the step in flight and writes its final checkpoint
+(bounded by ``stop_timeout``), and then stops them all.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def run_local_cluster(
     worker_args: list[list[str]] | None = None,
     host: str = "127.0.0.1",
     worker_prefixes: list[list[str]] | None = None,
+    stop_timeout: float = 60.0,
 ) -> int:
     """Start, run and stop a local cluster; returns the coordinator's exit status.
 
@@ -64,7 +68,7 @@ def run_local_cluster(
     try:
         coord = subprocess.Popen(
             [*base, "coordinator", "--listen", f"{host}:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent, start_new_session=True,
         )
         procs.append(coord)
         for i in range(workers):
@@ -74,7 +78,7 @@ def run_local_cluster(
             prefix = worker_prefixes[i] if worker_prefixes else []
             procs.append(subprocess.Popen(
                 [*prefix, *base, "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), "--rank", str(i), *extra],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, start_new_session=True,
             ))
         rc = coord.wait()
         deadline = time.monotonic() + 8  # workers hear "finished" within one heartbeat (2 s)
@@ -85,6 +89,12 @@ def run_local_cluster(
             _show_worker_errors(run_dir, workers)
         return rc
     except KeyboardInterrupt:
+        if procs and procs[0].poll() is None:  # the coordinator ends the step in flight and writes its final checkpoint
+            print(f"interrupted: the coordinator stops after the step in flight (at most {stop_timeout:.0f} s; Ctrl+C again stops at once)",
+                  file=sys.stderr)
+            procs[0].send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[0].wait(stop_timeout + 10)
         print("interrupted: stopping the local cluster", file=sys.stderr)
         return 130
     finally:

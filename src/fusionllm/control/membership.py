@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ class Membership:
         self.state = "joining"
         self.full = asyncio.Event()
         self.spares: set[int] = set()
+        self.incarnation = secrets.token_hex(8)  # this coordinator process: workers that see another one re-register
 
     async def register(self, msg: dict[str, Any]) -> dict[str, Any]:
         version, protocol = msg.get("version"), msg.get("protocol")
@@ -53,16 +55,22 @@ class Membership:
         address = msg["address"]
         if ":" not in address:
             raise FusionError(f"worker address {address!r} is not HOST:PORT")
+        again = next((m for m in self.members.values() if m.address == address), None)
+        if again is not None:  # a retried Register whose first try got through: the same member
+            again.info, again.last_seen = dict(msg), time.monotonic()
+            return Registered(again.id, self.incarnation, spare=again.id in self.spares).to_wire()
         if self.state == "running":  # a spare: taken in at the next re-plan
             if len(self.members) >= self.expected + MAX_SPARES:
                 raise FusionError(f"the run already has {len(self.members)} workers and spares")
             member = Member(max(self.members, default=-1) + 1, address, dict(msg), origin=-2)
             self.members[member.id] = member
             self.spares.add(member.id)
-            return Registered(member.id).to_wire()
+            return Registered(member.id, self.incarnation, spare=True).to_wire()
         if self.state != "joining" or len(self.members) >= self.expected:
             raise FusionError(f"the run already has its {self.expected} workers")
         rank = msg.get("rank")
+        if msg.get("live") is not None and (rank in self.members or not (isinstance(rank, int) and 0 <= rank < self.expected)):
+            rank = None  # a worker coming back to a restarted coordinator asks for its old id, and takes any other
         if rank is None:
             rank = min(set(range(self.expected)) - set(self.members))
         elif not isinstance(rank, int) or not 0 <= rank < self.expected or rank in self.members:
@@ -71,18 +79,17 @@ class Membership:
         self.members[member.id] = member
         if len(self.members) == self.expected:
             self.full.set()
-        return Registered(member.id).to_wire()
+        return Registered(member.id, self.incarnation).to_wire()
 
     async def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
         beat = Heartbeat.from_wire(msg)
         member = self.members.get(beat.worker)
-        if member is not None and beat.address in ("", member.address):
+        if member is None or beat.address not in ("", member.address):  # its id changed in a re-plan it has not heard of yet
+            member = next((m for m in self.members.values() if m.address == beat.address), None)
+        if member is not None:
             member.last_seen = time.monotonic()
-        else:  # its id changed in a re-plan it has not heard of yet: find it by address
-            for m in self.members.values():
-                if m.address == beat.address:
-                    m.last_seen = time.monotonic()
-        return HeartbeatReply(self.state).to_wire()
+        # unknown: this coordinator restarted, or dropped it (lost while alive, or back under a new address)
+        return HeartbeatReply(self.state, self.incarnation, known=member is not None).to_wire()
 
     def stale(self, seconds: float) -> list[int]:
         """Members whose last heartbeat is older than ``seconds``."""

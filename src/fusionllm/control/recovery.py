@@ -42,9 +42,9 @@ class RecoveryMixin:
             raise
 
     async def _raise_if_lost(self, run: Run, why: str) -> None:
-        async def alive(w: int) -> bool:
+        async def alive(w: int) -> bool:  # a dropped link is given --dead-after to come back; a refused connection is not
             try:
-                await run.clients[w].call("Ping", {}, timeout=3)
+                await run.clients[w].call_retrying("Ping", {}, within=self.cluster.dead_after_s, timeout=3)
                 return True
             except FusionError:
                 return False

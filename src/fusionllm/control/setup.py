@@ -32,9 +32,11 @@ from .limits import check_message_sizes
 class SetupMixin:
     """The coordinator's planning half (``Coordinator`` mixes it in)."""
 
-    async def _setup(self, *, recover: bool = False, carry: tuple[list[bytes], int] | None = None) -> Run:
+    async def _setup(self, *, recover: bool = False, carry: tuple[list[bytes], int] | None = None, graph: OpGraph | None = None) -> Run:
+        """``graph``: the model already traced (a restart that checked the workers' live state against it)."""
         t, c = self.train, self.cluster
-        graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
+        if graph is None:
+            graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
         states: list[Any] = []  # safetensors blobs (or TensorSources) holding every tensor; each stage gets its own by name
         load: str | None = None
         self.start_step = 0
@@ -46,7 +48,7 @@ class SetupMixin:
             states = [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
-        replicas = None if recover else c.replicas  # a hand-made layout no longer fits fewer workers
+        replicas = None if recover or len(self.membership.members) != c.workers else c.replicas  # a hand-made layout no longer fits fewer workers
         if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
         self.policy = None
@@ -79,7 +81,7 @@ class SetupMixin:
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
                       compress_roles=c.compress_roles, seed=t.seed, precision=t.precision,
-                      recompute=t.recompute)
+                      recompute=t.recompute, guard=c.guard, guard_factor=c.guard_factor)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -91,7 +93,8 @@ class SetupMixin:
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
                           nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load,
-                          program=[str(a) for a in run.actions[w]], hier=run.hier)  # what the validator checked is what the worker runs
+                          program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
+                          step=self.start_step)
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:

@@ -26,6 +26,7 @@ from fusionllm.transport.control import (
     ShardSaved,
     StatePage,
 )
+from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import shard_keys, write_shard
 
 from .config import Run
@@ -43,7 +44,11 @@ class StateMixin:
 
     async def _read_state(self, run: Run, worker: int, *, outer: bool = False) -> bytes:
         """One worker's packed state (``outer``: its outer weights and momentum), page by page."""
-        client, chunks, total, offset = run.clients[worker], [], None, 0
+        return await self._read_pages(run.clients[worker], worker, outer=outer)
+
+    async def _read_pages(self, client: RpcClient, worker: int, *, outer: bool = False) -> bytes:
+        chunks: list[bytes] = []
+        total, offset = None, 0
         while total is None or offset < total:
             page = StatePage.from_wire(await client.call("GetState", GetState(offset, PAGE, outer=outer).to_wire(), timeout=self.cluster.step_timeout))
             total = page.total

@@ -40,7 +40,11 @@ class TrainingMixin:
                 for mb in run.plan.mbs_of(w)}
 
     async def _call_step(self, run: Run, w: int, msg: Step) -> StepDone:
-        return StepDone.from_wire(await run.clients[w].call("Step", msg.to_wire(), timeout=self.cluster.step_timeout))
+        """One worker's step. A call broken by a dropped link is made again within the step's deadline
+        (the worker answers a repeated Step with the same run); a dead worker is found meanwhile by its
+        refused connection or its stale heartbeat (``_step_calls``)."""
+        c = self.cluster
+        return StepDone.from_wire(await run.clients[w].call_retrying("Step", msg.to_wire(), within=c.step_timeout, timeout=c.step_timeout))
 
     async def _train(self, run: Run, metrics: JsonlWriter) -> TrainResult:
         t, c = self.train, self.cluster
@@ -51,18 +55,26 @@ class TrainingMixin:
         started = time.perf_counter()
         self._recent: deque[float] = deque(maxlen=8)
         self._links: dict[tuple[int, int], tuple[int, float]] = {}
-        for step in range(self.start_step, t.steps):
+        step, attempt = self.start_step, 0
+        while step < t.steps:
+            self._stop_if_asked(step)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
             batch = self.task.batch(step) if run.fed else None
             calls = {}
             for w in run.plan.workers:
                 ratios = ratios_of(self.policy, w)
                 inputs = self._inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
-                calls[w] = self._call_step(run, w, Step(step, lr, inputs, ratios))
+                calls[w] = self._call_step(run, w, Step(step, lr, inputs, ratios, attempt=attempt))
             replies: dict[int, StepDone] = await self._step_calls(run, calls)
             if any(rep.failed is not None or rep.aborted for rep in replies.values()):
                 await self._raise_if_lost(run, "a step failed")
             self._check_failures(run, step, replies)
+            if any(rep.skipped or rep.bad for rep in replies.values()):  # a bad tensor: no worker applied this step
+                attempt = self._bad_step(run, step, attempt, replies, metrics)
+                if attempt < 0:
+                    step, attempt = step + 1, 0
+                continue
+            attempt = 0
             losses = {int(mb): v for rep in replies.values() for mb, v in rep.losses.items()}
             if len(losses) != run.plan.micro_batches:
                 raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
@@ -100,6 +112,7 @@ class TrainingMixin:
             self._recent.append(record["step_s"])
             if done < t.steps:
                 self._check_plan(run, done)
+            step += 1
         result.elapsed_s = time.perf_counter() - started
         return result
 

@@ -8,6 +8,7 @@ tensors (``runtime/backend.py``).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,8 +29,17 @@ def _key(header: dict[str, Any]) -> Key:
     return (header.get("kind"), header.get("step"), header.get("mb"), header.get("edge"), header.get("src"))
 
 
+RESENT_WINDOW = 8  # steps (distinct step numbers) whose filed message ids are kept to recognise a copy sent again
+
+
 class Inbox:
-    """Received tensors, waited for by key. A key is delivered once."""
+    """Received tensors, waited for by key. A key is delivered once per attempt of its step.
+
+    A sender whose link dropped sends a tensor again (``DataClient.push``) not knowing whether the first
+    copy arrived; every tensor carries its message id (``msg``) and its step's ``attempt``, so a second
+    copy of a filed message is dropped as the no-op it is, while a *different* tensor under a key filed
+    in the same attempt is refused (``WireError``). A later attempt of a step (re-run after a bad
+    tensor) may use its keys again."""
 
     def __init__(self, max_payload: int) -> None:
         self.max_payload = max_payload
@@ -37,6 +47,10 @@ class Inbox:
         self.bytes_received = 0
         self.epoch: int | None = 0  # the assignment in force (None: none, after an abort); other tensors are dropped
         self.stale = 0
+        self.resent = 0  # copies of filed messages, dropped
+        self._filed: dict[Key, tuple[int, str]] = {}  # key -> (attempt, message id) of what was filed, for RESENT_WINDOW steps
+        self._filed_steps: dict[Any, None] = {}  # the steps _filed holds, oldest first
+        self.tainted: dict[Key, bool] = {}  # keys whose sender marked them tainted (a poisoned step's, runtime/guards.py)
 
     def _slot(self, key: Key) -> asyncio.Future:
         if key not in self._slots:
@@ -51,12 +65,55 @@ class Inbox:
         if header.get("epoch", 0) != self.epoch:
             self.stale += 1  # in flight when its step was aborted: the step runs again under the new plan
             return {}
+        if self._seen(_key(header), header):
+            return {}
         slot = self._slot(_key(header))
         if slot.done():
             raise WireError(f"duplicate tensor {_key(header)}")
         self.bytes_received += 0 if array is None else array.nbytes
+        if header.get("taint"):
+            self.tainted[_key(header)] = True
         slot.set_result(None if array is None else np.array(array))  # its own copy: the frames' buffer is not kept
+        self._remember(_key(header), header)
         return {}
+
+    def _seen(self, key: Key, header: dict[str, Any]) -> bool:
+        """True for a tensor to drop: a copy of a filed message (same id: its first ack was lost), or a
+        late one of an earlier attempt of its step. Refuses a different tensor under a key filed in
+        the same attempt."""
+        attempt = header.get("attempt", 0)
+        if not isinstance(attempt, int) or isinstance(attempt, bool):
+            raise WireError(f"tensor {key}: attempt {attempt!r} is not an integer")
+        was = self._filed.get(key)
+        if was is None:
+            return False
+        if attempt < was[0]:
+            self.stale += 1
+            return True
+        if attempt > was[0]:  # the step runs again: its keys are free (the earlier attempt's tensors were all read)
+            if key in self._slots and self._slots[key].done():  # a pending slot is a get() already waiting for this one
+                self._slots.pop(key, None)
+            return False
+        msg = header.get("msg")
+        if isinstance(msg, str) and msg and msg == was[1]:
+            self.resent += 1
+            return True
+        raise WireError(f"duplicate tensor {key}: a different tensor than the one filed under this key (attempt {attempt})")
+
+    def _remember(self, key: Key, header: dict[str, Any]) -> None:
+        msg = header.get("msg")
+        self._filed[key] = (header.get("attempt", 0), msg if isinstance(msg, str) else "")
+        step = key[1]
+        if step in self._filed_steps:
+            return
+        self._filed_steps[step] = None
+        if len(self._filed_steps) > RESENT_WINDOW:  # no copy of that step's messages can still be on its way
+            self._forget_filed(next(iter(self._filed_steps)))
+
+    def _forget_filed(self, step: Any) -> None:
+        self._filed_steps.pop(step, None)
+        for key in [k for k in self._filed if k[1] == step]:
+            del self._filed[key]
 
     async def get(self, key: Key, timeout: float) -> np.ndarray | None:
         slot = self._slot(key)
@@ -72,6 +129,9 @@ class Inbox:
         """Forget everything of a step (after a failure, so a retry starts clean)."""
         for key in [k for k in self._slots if k[1] == step]:
             self._slots.pop(key, None)
+        for key in [k for k in self.tainted if k[1] == step]:
+            self.tainted.pop(key, None)
+        self._forget_filed(step)
 
     def drop_kind(self, kind: str, below: int, *, fragment: int | None = None) -> None:
         """Forget tensors of ``kind`` with a step (an outer round) below ``below`` (and ``mb``, the
@@ -86,6 +146,9 @@ class Inbox:
             if not slot.done():
                 slot.cancel()
         self._slots.clear()
+        self.tainted.clear()
+        self._filed.clear()
+        self._filed_steps.clear()
         self.epoch = epoch
 
 
@@ -97,6 +160,7 @@ class PeerNet:
     def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None, epoch: int = 0) -> None:
         self.tls = tls
         self.epoch = epoch  # stamped on every tensor (see Inbox.epoch)
+        self.attempt = 0  # the running step's attempt (the worker sets it per Step), stamped on every tensor
         self.addresses = addresses
         self.data_addresses = data_addresses or {}
         self.token = token
@@ -124,7 +188,9 @@ class PeerNet:
             a = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array (a loss term) 1-d
             payload = memoryview(a).cast("B") if a.size else b""
             meta = {"dtype": dtype or a.dtype.name, "shape": list(a.shape), "codec": "raw"}
-        frames = list(tensor_frames({**header, **meta, "epoch": self.epoch}, payload))
+        # a message id: a copy sent again after a dropped link is recognised as the same message (Inbox._seen)
+        stamp = {"epoch": self.epoch, "attempt": self.attempt, "msg": secrets.token_hex(8)}
+        frames = list(tensor_frames({**header, **meta, **stamp}, payload))
         size = sum(len(f) for f in frames)
         if record:  # a link's bytes and busy time as the training traffic makes them (not the norm's few bytes)
             self.bytes_to[worker] = self.bytes_to.get(worker, 0) + size

@@ -42,12 +42,14 @@ def autocast(config: TrainConfig) -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision == "bf16")
 
 
-def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1) -> TrainResult:
-    """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step."""
+def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
+                 skip: frozenset[int] = frozenset()) -> TrainResult:
+    """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step.
+    ``skip``: steps not taken (their batches unused), as a distributed run skips steps its numeric guards refused."""
     if config.threads:
         torch.set_num_threads(config.threads)
     if config.task != "lm":
-        return train_single_task(config, on_step, micro_batches=micro_batches)
+        return train_single_task(config, on_step, micro_batches=micro_batches, skip=skip)
     tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
     train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
     val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
@@ -60,6 +62,8 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
     started = time.perf_counter()
     with JsonlWriter(config.metrics) as metrics:
         for step in range(config.steps):
+            if step in skip:
+                continue
             model.train()
             lr = lr_at(step, lr=config.lr, steps=config.steps, warmup=config.warmup)
             for group in optimizer.param_groups:
@@ -102,7 +106,8 @@ def evaluate(model: torch.nn.Module, batches: Batcher, max_batches: int) -> floa
     return sum(losses) / len(losses)
 
 
-def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1) -> TrainResult:
+def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
+                      skip: frozenset[int] = frozenset()) -> TrainResult:
     """A ``fusionllm.Task`` trained in this process. With ``micro_batches`` each batch is cut into
     that many equal micro-batches whose gradients add up (loss / micro_batches each), as a pipeline
     runs them: layers whose result depends on the micro-batch (BatchNorm) then see the same rows."""
@@ -117,6 +122,8 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
     started = time.perf_counter()
     with JsonlWriter(config.metrics) as metrics:
         for step in range(config.steps):
+            if step in skip:
+                continue
             model.train()
             lr = lr_at(step, lr=lr0, steps=config.steps, warmup=warmup)
             for group in optimizer.param_groups:

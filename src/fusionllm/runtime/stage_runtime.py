@@ -30,11 +30,13 @@ from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
 from fusionllm.runtime.backend import Backend, StageBackend
+from fusionllm.runtime.faults import Fault, tamper
+from fusionllm.runtime.guards import NumericGuard
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, owners, shared_groups, worker_actions
-from fusionllm.transport.control import Failure, Hyper, StepDone
+from fusionllm.transport.control import BadTensor, Failure, Hyper, StepDone
 
 log = get_logger("runtime", "stage")
 
@@ -60,6 +62,9 @@ class _StepState:
     received_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[asyncio.Task] = field(default_factory=list)
     grad_norm: float = 0.0
+    poisoned: bool = False  # a bad tensor was received (or made here): the update is skipped everywhere
+    bad: list[BadTensor] = field(default_factory=list)
+    skipped: bool = False
 
 
 class StageRuntime:
@@ -77,9 +82,11 @@ class StageRuntime:
         device: str = "cpu",
         optimizer_state: Mapping[str, Any] | None = None,
         program: list[Action] | None = None,
+        faults: tuple[Fault, ...] = (),
     ) -> None:
         """``program``: the action list the planner validated for this worker (shipped with the
-        assignment); without it, the worker lowers the plan itself with the same function."""
+        assignment); without it, the worker lowers the plan itself with the same function.
+        ``faults``: tensors to corrupt on purpose (``runtime/faults.py``, tests only)."""
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
         self.peers, self.inbox = peers, inbox
         self.stage = plan.stage_of_worker(worker)
@@ -110,6 +117,10 @@ class StageRuntime:
         self.feedback = ErrorFeedback()
         self.roles = set(hyper.compress_roles.split(","))
         self._grad_leaving = [e for e in self.executor.leaving if self.edges[e].requires_grad]
+        self.faults = faults
+        self.guard = NumericGuard(worker, hyper.guard_factor) if hyper.guard != "off" else None
+        # tensors a forward changes in place (BatchNorm's running statistics): put back when a step is skipped
+        self._buffers = [n for n in self.executor.params if n in graph.params and not graph.params[n].trainable] if self.guard else []
 
     # ---- parameters shared with other workers (replicas, tied weights) -------------------------
     def _shared_groups(self) -> dict[tuple[int, ...], list[str]]:
@@ -148,14 +159,54 @@ class StageRuntime:
         if ratios is not None:
             self.ratios = ratios
         started = time.perf_counter()
+        kept = self._keep() if self.guard is not None else None
         await self._run(self.actions, st)
+        if st.skipped and kept is not None:
+            self._put_back(kept)
         return StepDone(
             losses={str(k): v for k, v in st.losses.items()},
             grad_norm=st.grad_norm,
             seconds=time.perf_counter() - started,
             bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
             link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
+            bad=st.bad, skipped=st.skipped,
         )
+
+    # ---- numeric guards (runtime/guards.py) ------------------------------------------------------
+    def _keep(self) -> tuple[dict[str, Any], Any]:
+        """What a skipped step must not change: buffers a forward updates, error-feedback residuals."""
+        return {n: _copy(self.executor.params[n]) for n in self._buffers}, self.feedback.snapshot()
+
+    def _put_back(self, kept: tuple[dict[str, Any], Any]) -> None:
+        buffers, residuals = kept
+        for n, v in buffers.items():
+            _copy_into(self.executor.params[n], v)
+        self.feedback.restore(residuals)
+
+    def _admit(self, st: _StepState, key: tuple, x: np.ndarray | None, edge: str) -> np.ndarray | None:
+        """A received tensor, checked: a bad one (or one its sender marked tainted) poisons the step."""
+        if self.guard is None or st.step < 0:  # evaluation passes are not checked
+            return x
+        kind, _, mb, name, src = key
+        if self.inbox.tainted.pop(key, False):
+            st.poisoned = True
+            return x
+        if st.poisoned:  # already poisoned: what arrives now may be the echo of the first bad tensor
+            return x
+        bad = self.guard.check(kind, name, mb, src, x, self.edges[edge].meta.dtype if edge in self.edges else "float32")
+        if bad is not None:
+            log.warning("w%d step %d: refused %s %s (micro-batch %d) from worker %d: %s", self.worker, st.step, kind, name, mb, src, bad.why)
+            st.bad.append(bad)
+            st.poisoned = True
+        return x
+
+    def _outgoing(self, st: _StepState, header: dict, x: np.ndarray | None, role: str) -> tuple[dict, np.ndarray | None]:
+        """Stamp a poisoned step's tensors as tainted; a faulty worker (tests) corrupts them here."""
+        if st.poisoned:
+            header = {**header, "taint": 1}
+        if self.faults and x is not None:
+            x = tamper(self.faults, st.step, role, x)
+        return header, x
 
     async def run_eval(self, key: int, inputs: dict[int, dict[str, Any]],
                        metric: Callable[[int, Mapping[str, Any]], float | None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
@@ -199,6 +250,7 @@ class StageRuntime:
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
+        header, x = self._outgoing(st, header, x, role)
         if not self._compressed(x, dtype, dst, role):
             await self.peers.push(dst, header, x, self.hyper.recv_timeout, dtype=dtype)
             return x
@@ -260,7 +312,8 @@ class StageRuntime:
         got = {}
         for p in a.peers:
             for e in p.edges:
-                got[e] = self._local(await self.inbox.get(("act", st.step, a.mb, e, p.worker), self.hyper.recv_timeout), e)
+                key = ("act", st.step, a.mb, e, p.worker)
+                got[e] = self._local(self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), e), e)
         st.received[a.mb] = got
 
     async def _send_b(self, a: Action, st: _StepState) -> None:
@@ -276,7 +329,8 @@ class StageRuntime:
         got: dict[str, Any] = {}
         for p in a.peers:
             for e in p.edges:
-                g = self._local(await self.inbox.get(("grad", st.step, a.mb, e, p.worker), self.hyper.recv_timeout), e)
+                key = ("grad", st.step, a.mb, e, p.worker)
+                g = self._local(self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), e), e)
                 total = got.get(e)
                 got[e] = g if total is None else (total if g is None else total + g)
         st.received_grads[a.mb] = got
@@ -292,14 +346,15 @@ class StageRuntime:
             async def send(worker: int, header: dict, x: np.ndarray, phase: str, gid: str = gid, allgather_ok: bool = allgather_ok) -> np.ndarray:
                 header = {**header, "src": self.worker}
                 if phase == "forward" or (phase == "ag" and not allgather_ok) or not self._compressed(x, "float32", worker, "reduce"):
-                    await self.peers.push(worker, header, x, self.hyper.recv_timeout)
+                    stamped, sent = self._outgoing(st, header, x, "reduce")
+                    await self.peers.push(worker, stamped, sent, self.hyper.recv_timeout)
                     return x
                 seen = await self._push(st, worker, header, x, feedback_key=("reduce", gid, header["edge"]), keep_decoded=True)
                 return seen if seen is not None else x
 
             async def recv(header: dict) -> np.ndarray | None:
                 key = (header["kind"], header["step"], header["mb"], header["edge"], header["src"])
-                return await self.inbox.get(key, self.hyper.recv_timeout)
+                return self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), "")
 
             flat = self.backend.flat_grads(names)
             tag = {"kind": "reduce", "step": st.step, "edge": gid}
@@ -308,35 +363,67 @@ class StageRuntime:
     async def _step(self, a: Action, st: _StepState) -> None:
         await asyncio.gather(*st.sends)  # every tensor of this step has left
         st.sends.clear()
-        total = math.sqrt(await self._norm_allgather(st, self.backend.grad_sq(self.owned)))
-        st.grad_norm = total
-        coef = min(1.0, self.hyper.grad_clip / (total + 1e-6)) if self.hyper.grad_clip > 0 else 1.0
+        sq = self.backend.grad_sq(self.owned)
+        if self.guard is not None and not math.isfinite(sq) and not st.poisoned:  # this worker's own gradients went bad
+            st.bad.append(BadTensor(self.worker, self.worker, "own", "grad_sq", 0, "non-finite gradients of its own weights"))
+            st.poisoned = True
+        total_sq = await self._norm_allgather(st, sq)
+        st.grad_norm = math.sqrt(total_sq) if total_sq >= 0 else math.nan
+        if st.skipped:  # a bad tensor somewhere: no worker applies this step
+            self.executor.zero_grad()
+            return
+        coef = min(1.0, self.hyper.grad_clip / (st.grad_norm + 1e-6)) if self.hyper.grad_clip > 0 else 1.0
         self.backend.step(coef, st.lr)
 
     async def _norm_allgather(self, st: _StepState, sq: float) -> float:
         """The squared global gradient norm: every worker sends its share to every other over the
-        data plane and sums all shares in worker order, so all get the same total bit for bit."""
+        data plane and sums all shares in worker order, so all get the same total bit for bit.
+
+        With the numeric guards on, a share is (squared norm, poisoned): the exchange every step does
+        anyway is how every worker learns that one of them saw a bad tensor, and then none of them
+        applies the update (``st.skipped``). A share itself is checked like any received tensor."""
         others = [w for w in self.plan.workers if w != self.worker]
         header = {"kind": "norm", "step": st.step, "mb": 0, "edge": "sq", "src": self.worker}
-        share = np.array([sq], dtype=np.float64)
+        guarded = self.guard is not None
+        share = np.array([sq, float(st.poisoned)] if guarded else [sq], dtype=np.float64)
         sends = [asyncio.create_task(self.peers.push(w, header, share, self.hyper.recv_timeout, record=False)) for w in others]
         shares = {self.worker: float(sq)}
+        poisoned = st.poisoned
         try:
             for w in others:
                 got = await self.inbox.get(("norm", st.step, 0, "sq", w), self.hyper.recv_timeout)
-                if got is None or got.shape != (1,):
+                if got is None or got.shape != share.shape:
                     raise FusionError(f"worker {w} sent a malformed gradient-norm share")
                 shares[w] = float(got[0])
+                poisoned = poisoned or (guarded and bool(got[1] != 0))
             await asyncio.gather(*sends)
         finally:
             for t in sends:
                 t.cancel()
-        return sum(shares[w] for w in sorted(shares))
+        total = sum(shares[w] for w in sorted(shares))
+        if self.guard is not None and not poisoned:  # every worker checks every share in the same order: the same verdict everywhere
+            refused = [b for w in sorted(shares) if (b := self.guard.check_share(w, shares[w])) is not None]
+            st.bad.extend(refused)
+            poisoned = bool(refused)
+        st.skipped = bool(guarded and (poisoned or not math.isfinite(total)))
+        return total
 
     # ---- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, Any]:
         """Weights and AdamW state by global name, for a checkpoint."""
         return self.backend.state_tensors()
+
+
+def _copy(t: Any) -> Any:
+    """A copy of a backend's tensor (torch or NumPy)."""
+    return t.clone() if hasattr(t, "clone") else np.array(t)
+
+
+def _copy_into(t: Any, value: Any) -> None:
+    if hasattr(t, "copy_"):
+        t.copy_(value)
+    else:
+        np.copyto(t, value)
 
 
 _HANDLERS: dict[str, Callable[[StageRuntime, Action, _StepState], Awaitable[None]]] = {

@@ -3,8 +3,9 @@
 The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tensor pushes from
 other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats). It reads its own
 batches, evaluates in the pipeline and writes its stage's checkpoint shard. It exits when the
-coordinator says so, when the coordinator stops answering for ``coordinator_timeout`` seconds, or
-on SIGINT/SIGTERM.
+coordinator says the run is over, when no coordinator answers for ``coordinator_timeout`` seconds,
+or on SIGINT/SIGTERM; a coordinator that restarts meanwhile finds it holding its stage
+(``coordinator_link.py``).
 
 The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backend.py``);
 this module imports no framework, so a NumPy worker never loads torch. When it joins it advertises
@@ -28,11 +29,12 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from fusionllm import __version__
 from fusionllm.compress.wire import decode_array
-from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError, WireError
+from fusionllm.core.errors import FusionError, WireError
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
+from fusionllm.runtime.coordinator_link import CoordinatorLink
+from fusionllm.runtime.faults import Fault
 from fusionllm.runtime.outer import OuterState
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
@@ -40,7 +42,7 @@ from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.hierarchy import HierPlan, exchange
 from fusionllm.schedule.plan import Plan
-from fusionllm.transport import PROTOCOL_VERSION, probe
+from fusionllm.transport import probe
 from fusionllm.transport.control import (
     COORDINATOR_SERVICE,
     Aborted,
@@ -50,13 +52,10 @@ from fusionllm.transport.control import (
     Evaluate,
     Evaluated,
     GetState,
-    Heartbeat,
-    HeartbeatReply,
+    LiveState,
     MeasureTo,
     OuterSync,
     OuterSynced,
-    Register,
-    Registered,
     Regroup,
     SaveShard,
     ShardSaved,
@@ -83,7 +82,7 @@ class WorkerConfig:
     listen: str = "127.0.0.1:0"
     data_port: int = 0  # the TCP port of the tensor data plane (0: any free port)
     advertise: str | None = None
-    coordinator_timeout: float = 20.0
+    coordinator_timeout: float = 120.0  # seconds to wait, holding the stage, for a coordinator that went away (restarted) to answer again
     join_timeout: float = 120.0
     heartbeat_s: float = 2.0
     max_payload: int = 8 << 30
@@ -92,9 +91,10 @@ class WorkerConfig:
     backend: str = "torch"  # torch | numpy: the framework that runs the stage
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
     handle_signals: bool = True  # SIGINT/SIGTERM stop the worker; False where it shares a process (harness.py)
+    faults: tuple[Fault, ...] = ()  # tests only: tensors this worker corrupts on purpose (--inject-fault, runtime/faults.py)
 
 
-class Worker:
+class Worker(CoordinatorLink):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.id: int | None = None
@@ -117,10 +117,13 @@ class Worker:
         self.data_address = ""
         self.address = ""
         self._step_task: asyncio.Task | None = None
+        self._step_run: tuple[tuple[int | None, int, int], asyncio.Task] | None = None  # (epoch, step, attempt): the Step's reply to come
+        self.repeated_steps = 0  # Steps asked again (a dropped link broke the coordinator's call) and answered by the same run
         self.data_source: WorkerData | None = None
         self._state_blob: bytes | None = None
         self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
+        self._init_link()
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -169,43 +172,6 @@ class Worker:
             s.connect((self.config.join.rpartition(":")[0], 1))
             return s.getsockname()[0]
 
-    async def _register(self, address: str, info: dict[str, Any]) -> None:
-        b = self.backend
-        request = Register(
-            version=__version__, protocol=PROTOCOL_VERSION, address=address, data_address=self.data_address, device=info,
-            backend=b.name, software=b.software(), kinds=b.kinds(), torch_loaded="torch" in sys.modules,
-            hostname=socket.gethostname(), pid=os.getpid(), threads=b.threads(), rank=self.config.rank,
-            probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
-        ).to_wire()
-        deadline = time.monotonic() + self.config.join_timeout
-        while True:
-            try:
-                reply = await self.coordinator.call("Register", request, timeout=10)
-                break
-            except (AuthError, RemoteError):
-                raise
-            except TransportError as exc:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"could not join {self.config.join} within {self.config.join_timeout:.0f} s: {exc}") from None
-                await asyncio.sleep(0.5)
-        self.id = Registered.from_wire(reply).worker
-        self.log = get_logger("worker", f"worker {self.id}")
-        self.log.info("joined %s as worker %d, serving on %s", self.config.join, self.id, address)
-
-    async def _heartbeat(self) -> None:
-        last_ok = time.monotonic()
-        while not self.done.is_set():
-            await asyncio.sleep(self.config.heartbeat_s)
-            try:
-                reply = await self.coordinator.call("Heartbeat", Heartbeat(self.id or 0, self.address).to_wire(), timeout=5)
-                last_ok = time.monotonic()
-                if HeartbeatReply.from_wire(reply).state == "finished":
-                    self._stop(0)
-            except FusionError as exc:
-                if time.monotonic() - last_ok > self.config.coordinator_timeout:
-                    print(f"error: the coordinator at {self.config.join} went away ({exc}); stopping", file=sys.stderr)
-                    self._stop(1)
-
     # ---- handlers --------------------------------------------------------------------------------
     async def _on_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"worker": self.id}
@@ -222,6 +188,7 @@ class Worker:
     async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
         aborted = await self._abort_step()
+        self._step_run = None  # a Step asked after an Abort runs anew
         if self.peers is not None:
             await self.peers.close()  # connections to a dead peer must not linger
         self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
@@ -236,10 +203,6 @@ class Worker:
         with contextlib.suppress(BaseException):
             await task
         return True
-
-    async def _on_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
-        asyncio.get_running_loop().call_later(0.05, self._stop, 0)
-        return {}
 
     async def _on_assign(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
         first = await anext(frames, None)
@@ -277,15 +240,18 @@ class Worker:
         if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
             await self.peers.close()
         self.inbox.reset(msg.epoch)
+        self._step_run = None
         self.id = msg.worker
         self.peers = PeerNet({int(k): v for k, v in msg.addresses.items()}, self.config.token,
                              data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch)
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
-            backend=self.backend, device=self.config.device, optimizer_state=adam, program=program,
+            backend=self.backend, device=self.config.device, optimizer_state=adam, program=program, faults=self.config.faults,
         )
         if msg.hier is not None:
             self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime, momentum)
+        self.live = None if msg.hier is not None else LiveState(  # what it reports to a restarted coordinator
+            msg.step, self.runtime.stage.index, len(plan.stages), msg.epoch, LiveState.digest(msg.plan), LiveState.graph_digest(msg.graph), msg.hyper.seed)
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
@@ -349,8 +315,25 @@ class Worker:
             raise
 
     async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Run a step. A Step asked again (the coordinator's call broke on the way: the link dropped)
+        is the same step: it gets the reply of the run under way or done, never a second run. The run
+        is its own task, so a call that breaks does not cancel it (only Abort does)."""
         runtime = self._runtime("Step")
         req = Step.from_wire(msg)
+        key = (self.peers.epoch if self.peers is not None else None, req.step, req.attempt)
+        if self._step_run is not None and self._step_run[0] == key:
+            self.repeated_steps += 1
+            self.log.warning("step %d (attempt %d) asked again: answering with the run %s", req.step, req.attempt,
+                             "done" if self._step_run[1].done() else "under way")
+        else:
+            run = asyncio.create_task(self._run_step(runtime, req))
+            run.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when no call waits for it
+            self._step_run = (key, run)
+        return await asyncio.shield(self._step_run[1])
+
+    async def _run_step(self, runtime: StageRuntime, req: Step) -> dict[str, Any]:
+        if self.peers is not None:
+            self.peers.attempt = req.attempt  # stamped on the step's tensors (Inbox._seen)
         if req.inputs is not None:
             inputs = self._fed(runtime, req.inputs)
         elif self.data_source is not None:
@@ -359,7 +342,7 @@ class Worker:
             raise FusionError(f"step {req.step}: no batches (this worker reads no data and none were sent)")
         ratios = {int(k): v for k, v in req.ratios.items()} if req.ratios is not None else None
         try:
-            done = await self._cancellable(runtime.run_step(req.step, req.lr, inputs, ratios))
+            done = await self._cancellable(self._counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios)))
         except StepFailure as exc:
             self.log.error("%s", exc)
             return StepDone(failed=exc.message()).to_wire()

@@ -10,6 +10,8 @@ them, nested messages): no code and no pickles cross a process boundary.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -123,11 +125,41 @@ class Register(Message):
     threads: int | None = None
     rank: int | None = None
     probe: dict[str, float] = field(default_factory=dict)
+    live: LiveState | None = None  # a worker coming back to a (restarted) coordinator: the stage it holds
+
+
+@dataclass
+class LiveState(Message):
+    """The stage a worker holds when it re-joins a coordinator: a restarted coordinator continues
+    from these when every stage of one plan is present at the same step (control/restart.py)."""
+
+    step: int  # steps the stage's weights and AdamW state have completed (the next step to run); -1: unknown
+    stage: int
+    stages: int  # stages of the plan it runs
+    epoch: int
+    plan: str  # sha256 of the plan's JSON (workers of one plan report the same)
+    graph: str  # sha256 of the graph's JSON (the model, traced at the micro-batch size)
+    seed: int  # the run's seed (the data order and dropout)
+
+    @staticmethod
+    def digest(text: str) -> str:
+        """How a plan (its JSON) is named here."""
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @staticmethod
+    def graph_digest(text: str) -> str:
+        """How a graph (its JSON) is named here: what it computes, not how long its tracing took."""
+        raw = json.loads(text)
+        if isinstance(raw, dict) and isinstance(raw.get("meta"), dict):
+            raw["meta"].pop("trace_seconds", None)
+        return LiveState.digest(json.dumps(raw, sort_keys=True))
 
 
 @dataclass
 class Registered(Message):
     worker: int
+    incarnation: str = ""  # the coordinator process's random id: a new one in a heartbeat reply means it restarted
+    spare: bool = False  # admitted while the run is under way: taken into the plan at the next re-plan
 
 
 @dataclass
@@ -138,7 +170,9 @@ class Heartbeat(Message):
 
 @dataclass
 class HeartbeatReply(Message):
-    state: str
+    state: str  # joining | running | restarting (stopping, to be started again) | finished
+    incarnation: str = ""
+    known: bool = True  # False: this coordinator has no member at the worker's id and address (restarted, or dropped it)
 
 
 @dataclass
@@ -181,6 +215,8 @@ class Hyper(Message):
     seed: int = 0  # the run's seed: random ops (dropout) draw from (seed, step, op, micro-batch)
     precision: str = "fp32"  # bf16: each stage computes under autocast (its weights and AdamW state stay fp32)
     recompute: bool = False  # activation checkpointing of the stage's module ops
+    guard: str = "retry"  # numeric guards (runtime/guards.py): off | retry | stop; off checks nothing
+    guard_factor: float = 100.0  # a received tensor whose norm exceeds this many times its edge's running estimate is bad
 
 
 @dataclass
@@ -199,6 +235,7 @@ class Assign(Message):
     load: str | None = None  # a checkpoint directory whose shards hold this stage's tensors (instead of nbytes)
     program: list[str] | None = None  # the worker's validated action list (text form); None: the worker lowers the plan
     hier: str | None = None  # hierarchical mode: the HierPlan (JSON); ``plan`` is then this worker's group's plan
+    step: int = -1  # steps the assigned state has completed (the worker reports it if the coordinator restarts); -1: unknown
 
 
 @dataclass
@@ -215,6 +252,8 @@ class Step(Message):
     lr: float
     inputs: dict[str, dict[str, bytes]] | None = None  # per micro-batch, per edge: only for workers without their own data
     ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
+    attempt: int = 0  # a step run again (after a bad tensor aborted it) is the same step, one attempt later
+
 
 
 @dataclass
@@ -223,6 +262,18 @@ class Failure(Message):
     index: int
     action: str
     error: str
+
+
+@dataclass
+class BadTensor(Message):
+    """A tensor the numeric guards refused: who sent it (the suspect), who found it, and why."""
+
+    suspect: int
+    detector: int
+    kind: str  # act | grad | reduce | norm | own (the detector's own gradients)
+    edge: str
+    mb: int
+    why: str
 
 
 @dataclass
@@ -237,6 +288,8 @@ class StepDone(Message):
     cpu_s: float = 0.0  # the worker process's CPU seconds so far (its device's busy time, for utilisation)
     rss_base: int = 0  # bytes resident when the stage was assigned (before its weights), and the peak since the process began:
     rss_peak: int = 0  # peak - base is what the stage holds at its busiest (benchmarks/memory.py)
+    bad: list[BadTensor] = field(default_factory=list)  # tensors the numeric guards refused in this attempt
+    skipped: bool = False  # no optimizer update was applied (a bad tensor anywhere in the step)
 
 
 @dataclass
@@ -336,3 +389,11 @@ class Aborted(Message):
 class MeasureTo(Message):
     address: str
     seconds: float = 1.0
+
+
+@dataclass
+class Shutdown(Message):
+    """The run is over (exit), or the coordinator is stopping to be started again (``restart``: keep the
+    stage and wait, up to --coordinator-timeout, for a coordinator at the same address)."""
+
+    restart: bool = False

@@ -3,10 +3,16 @@
 Every call carries the shared token and the protocol version as metadata; servers check both
 before anything else (constant-time token comparison) and log every refusal. Control calls are
 msgpack maps in and out; tensor pushes are client streams of frames (``frames.py``).
+
+``RpcClient.call_retrying`` rides out a link that drops for a few seconds: it calls again, backing off
+from 0.1 s to 2 s, within a deadline, unless the peer's host refuses the connection (``Refused``:
+nothing listens there, the process is gone), which ends it at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -25,7 +31,19 @@ OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
+    # a channel whose connection failed tries again after 0.2 s, backing off to at most 2 s (gRPC's own
+    # default grows to 120 s): a link back after a few seconds' outage carries calls again within 2 s
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+RETRY_FIRST, RETRY_MAX = 0.1, 2.0  # seconds between tries of a call whose link dropped: doubling, capped
+
+
+class Refused(TransportError):
+    """The peer's host refused the connection: nothing listens at that address (the process is gone)."""
+
+
+log = get_logger("transport", "client")
 
 
 class RpcServer:
@@ -138,6 +156,34 @@ class RpcClient:
             raise _transport_error(self.address, method, exc) from None
         return _checked(unpack(reply), self.address, method)
 
+    async def call_retrying(self, method: str, msg: dict[str, Any], *, within: float, timeout: float | None = 60.0) -> dict[str, Any]:
+        """``call``, made again with backoff while the link to the peer is down, for up to ``within``
+        seconds from now; each try waits at most ``timeout`` and never past that deadline. Only a
+        link-level failure is tried again: a refused connection (``Refused``), a refused token and an
+        error the peer reports end it at once. The peer may see the call more than once: use it for
+        calls that are safe to repeat (a Step is: the worker answers a repeat with the same run)."""
+        began = time.monotonic()
+        delay, down = RETRY_FIRST, False
+        while True:
+            left = within - (time.monotonic() - began)
+            try:
+                reply = await self.call(method, msg, timeout=max(0.05, left if timeout is None else min(timeout, left)))
+                break
+            except (AuthError, Refused):
+                raise
+            except TransportError as exc:
+                left = within - (time.monotonic() - began)
+                if left <= delay:
+                    raise TransportError(f"{exc} (tried for {time.monotonic() - began:.1f} s)") from None
+                if not down:
+                    down = True
+                    log.warning("%s to %s failed (%s); calling again for up to %.0f s", method, self.address, exc, left)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX)
+        if down:
+            log.warning("%s to %s answered after %.1f s of a dropped link", method, self.address, time.monotonic() - began)
+        return reply
+
     async def push(self, method: str, frames: Iterable[bytes], *, timeout: float | None = 600.0) -> dict[str, Any]:
         rpc = self._channel.stream_unary(f"/{self.service}/{method}")
 
@@ -168,6 +214,8 @@ def _transport_error(address: str, method: str, exc: grpc.aio.AioRpcError) -> Tr
     code = exc.code()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
         return AuthError(f"{address} {exc.details()}")
+    if code == grpc.StatusCode.UNAVAILABLE and "connection refused" in (exc.details() or "").lower():
+        return Refused(f"{address} refused the connection ({method}): nothing listens there (is the process gone?)")
     if code == grpc.StatusCode.UNAVAILABLE:
         return TransportError(f"{address} is unreachable ({method}): {exc.details()}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

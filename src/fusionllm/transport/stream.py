@@ -21,6 +21,13 @@ The server reads a message's header within MAX_HEADER bytes and hands the stream
 (``Inbox.receive``), which checks the header and every size before allocating. A refused message
 closes the connection (its payload may not have been read). Acks come back in order, so a client
 may have several messages in flight on one connection.
+
+A link that drops (connection refused, reset, unreachable, a handshake that times out) costs a
+push a wait, not the run: the client connects again, backing off from 0.1 s to 2 s between tries,
+until the push's deadline, and sends the message again. The peer may have filed the first copy
+(only its ack was lost), so the receiver files a byte-identical copy of a delivered message as a
+no-op (``Inbox.receive``). The client logs one warning when a link starts failing and one when it
+carries a message again, with the outage's length.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -47,6 +55,7 @@ _HELLO = struct.Struct("<4sH16s")
 _REPLY = struct.Struct("<4sH32s")
 _STATUS = struct.Struct("<BI")
 HANDSHAKE_TIMEOUT = 10.0
+RETRY_FIRST, RETRY_MAX = 0.1, 2.0  # seconds between tries of a push whose link dropped: doubling, capped
 Handler = Callable[[AsyncIterator[bytes]], Awaitable[Any]]
 
 
@@ -173,15 +182,24 @@ async def _frames(head: bytes, reader: asyncio.StreamReader, nbytes: int) -> Asy
         yield chunk
 
 
-class DataClient:
-    """One connection to a peer's DataServer; messages are pipelined, acks awaited in order."""
+class _LinkDown(TransportError):
+    """The connection failed on the way (refused, reset, unreachable, timed out): worth another try."""
 
-    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None) -> None:
+
+class DataClient:
+    """One connection to a peer's DataServer; messages are pipelined, acks awaited in order. A
+    connection that fails is made again, with backoff, within each push's deadline."""
+
+    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None, role: str = "worker") -> None:
         self.address = address
         self.token = token
         self.tls = tls
         self.protocol = protocol
         self.bytes_sent = 0
+        self.retries = 0  # pushes sent again after their link dropped
+        self.outages = 0  # times the link dropped and came back
+        self.log = get_logger("transport", role)
+        self._down_since: float | None = None  # when the link started failing (None: it works)
         self._writer: asyncio.StreamWriter | None = None
         self._acks: deque[asyncio.Future] = deque()
         self._reader_task: asyncio.Task | None = None
@@ -203,7 +221,7 @@ class DataClient:
                 await writer.drain()
                 code, why = await asyncio.wait_for(_read_status(reader), HANDSHAKE_TIMEOUT)
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
-                raise TransportError(f"cannot reach the data port {self.address}: {exc or type(exc).__name__}") from None
+                raise _LinkDown(f"cannot reach the data port {self.address}: {exc or type(exc).__name__}") from None
             if code != 0:
                 writer.close()
                 raise AuthError(f"{self.address} {why}")
@@ -212,7 +230,7 @@ class DataClient:
             return writer
 
     async def _read_acks(self, reader: asyncio.StreamReader) -> None:
-        error: Exception = TransportError(f"the data connection to {self.address} closed")
+        error: Exception = _LinkDown(f"the data connection to {self.address} closed")
         try:
             while True:
                 code, text = await _read_status(reader)
@@ -222,11 +240,12 @@ class DataClient:
                         fut.set_result(None)
                     else:
                         fut.set_exception(WireError(f"{self.address} refused a tensor: {text}"))
-                if code != 0:
-                    error = TransportError(f"{self.address} closed the data connection after refusing a tensor: {text}")
+                if code != 0:  # the messages behind the refused one were not read: they may go again
+                    error = _LinkDown(f"{self.address} closed the data connection after refusing a tensor: {text}")
                     break
-        except (asyncio.IncompleteReadError, ConnectionError, WireError, IndexError):
-            pass
+        except (asyncio.IncompleteReadError, OSError, WireError, IndexError) as exc:
+            if isinstance(exc, OSError):
+                error = _LinkDown(f"the data connection to {self.address} broke: {exc}")
         finally:
             self._fail(error)
 
@@ -240,8 +259,32 @@ class DataClient:
                 fut.set_exception(error)
 
     async def push(self, frames: Sequence[bytes], *, timeout: float | None = 600.0) -> None:
-        """Send one tensor message (``frames.tensor_frames``) and wait until the peer has filed it."""
-        writer = await self._connect()
+        """Send one tensor message (``frames.tensor_frames``) and wait until the peer has filed it,
+        within ``timeout`` seconds (None: no limit); a dropped connection is made again meanwhile."""
+        began = time.monotonic()
+        deadline = None if timeout is None else began + timeout
+        delay, tries = RETRY_FIRST, 0
+        while True:
+            tries += 1
+            try:
+                await self._push_once(frames, None if deadline is None else max(0.0, deadline - time.monotonic()))
+                break
+            except _LinkDown as exc:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= delay:
+                    raise TransportError(f"pushing a tensor to {self.address}: gave up after {tries} tries in "
+                                         f"{time.monotonic() - began:.1f} s (the push's deadline); last error: {exc}") from None
+                self._link_failed(exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX)
+        if tries > 1:
+            self.retries += 1
+        self._link_works()
+
+    async def _push_once(self, frames: Sequence[bytes], timeout: float | None) -> None:
+        if timeout is not None and timeout <= 0:
+            raise TransportError(f"pushing a tensor to {self.address}: its deadline passed")
+        writer = await self._connect()  # (the handshake has its own timeouts)
         head, payload = frames[0], frames[1:]
         fut = asyncio.get_running_loop().create_future()
         self._acks.append(fut)
@@ -255,9 +298,20 @@ class DataClient:
         except asyncio.TimeoutError:
             self._fail(TransportError(f"no ack from {self.address} within {timeout:.0f} s"))
             raise TransportError(f"pushing a tensor to {self.address}: no ack within {timeout:.0f} s") from None
-        except ConnectionError as exc:
-            self._fail(TransportError(f"the data connection to {self.address} broke: {exc}"))
-            raise TransportError(f"pushing a tensor to {self.address}: {exc}") from None
+        except OSError as exc:
+            self._fail(_LinkDown(f"the data connection to {self.address} broke: {exc}"))
+            raise _LinkDown(f"pushing a tensor to {self.address}: {exc}") from None
+
+    def _link_failed(self, exc: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self.log.warning("data link to %s dropped (%s); trying again within each tensor's deadline", self.address, exc)
+
+    def _link_works(self) -> None:
+        if self._down_since is not None:
+            self.outages += 1
+            self.log.warning("data link to %s is back after %.1f s", self.address, time.monotonic() - self._down_since)
+            self._down_since = None
 
     async def close(self) -> None:
         if self._reader_task is not None:

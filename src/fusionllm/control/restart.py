@@ -1,0 +1,217 @@
+"""A coordinator that stops and starts again while the workers keep their stages.
+
+Ctrl+C or SIGTERM: the step in flight ends, a final checkpoint is written (with
+``--checkpoint-dir``), and the workers are told that the coordinator is stopping *to be restarted*:
+they keep their stages and wait (``--coordinator-timeout``) instead of exiting. All of it within
+``--stop-timeout`` seconds; a second signal stops at once. A run that ends (every step done, or a
+fatal error) still tells the workers to exit.
+
+Started again at the same address with ``--resume``, the coordinator re-admits the workers, which
+report the stage they hold (``LiveState``). When every stage of one plan is present at the same
+completed step, for the model and seed of this run, it gathers each stage's weights and AdamW state
+(GetState pages) and hands them out as a re-plan does: no step is lost. Otherwise it continues from
+the newest complete checkpoint. Either way a ``resume`` record in the metrics says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fusionllm.core.checkpoints import PREFIX
+from fusionllm.core.errors import FusionError, WireError
+from fusionllm.transport.control import WORKER_SERVICE, LiveState
+from fusionllm.transport.rpc import RpcClient
+from fusionllm.transport.shards import blob_keys
+
+from .config import Run
+
+
+class Stopped(FusionError):
+    """The coordinator stopped on SIGINT or SIGTERM; the workers wait for it to be started again."""
+
+    def __init__(self, signum: int, step: int | None, checkpoint: Path | None) -> None:
+        where = f" at step {step}" if step is not None else ""
+        saved = f"; final checkpoint {checkpoint}" if checkpoint is not None else ""
+        super().__init__(f"stopped by {signal.Signals(signum).name}{where}{saved}; the workers wait (--coordinator-timeout) "
+                         "for a coordinator started again at the same address with --resume")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.code = 128 + signum
+
+
+class Interrupted(Exception):  # noqa: N818 - an internal signal between two steps, not an error
+    """Raised between two steps once a stop was asked; ``done``: the steps completed."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(f"stop asked after step {done}")
+        self.done = done
+
+
+def live_states(members: Mapping[int, Any]) -> dict[int, LiveState]:
+    """The members (``Member``s) that reported a stage when they registered, by id."""
+    out = {}
+    for w, m in members.items():
+        raw = m.info.get("live")
+        if raw is not None:
+            with contextlib.suppress(WireError):  # checked when it registered; a bad one is no live state
+                out[w] = LiveState.from_wire(raw)
+    return out
+
+
+def live_group(held: Mapping[int, LiveState]) -> tuple[int, dict[int, int]] | str:
+    """(the step, one holder per stage) when every stage of one plan is held at one completed step
+    (the newest such, over the plans reported); else why not, in words."""
+    if not held:
+        return "no worker holds a stage"
+    plans: dict[tuple[str, int, int], dict[int, dict[int, int]]] = {}  # (plan, epoch, stages) -> stage -> step -> holder
+    for w, s in sorted(held.items()):
+        if s.step >= 0 and 0 <= s.stage < s.stages:
+            plans.setdefault((s.plan, s.epoch, s.stages), {}).setdefault(s.stage, {}).setdefault(s.step, w)
+    best: tuple[int, dict[int, int]] | None = None
+    why = "no worker knows the step its stage is at"
+    for (_, _, stages), by_stage in plans.items():
+        missing = sorted(set(range(stages)) - set(by_stage))
+        if missing:
+            why = f"stage(s) {missing} of {stages} are held by no worker"
+            continue
+        common = set.intersection(*(set(steps) for steps in by_stage.values()))
+        if not common:
+            why = "the stages are at different steps (" + ", ".join(f"stage {k} at {sorted(v)}" for k, v in sorted(by_stage.items())) + ")"
+            continue
+        step = max(common)
+        if best is None or step > best[0]:
+            best = (step, {k: by_stage[k][step] for k in range(stages)})
+    return best if best is not None else why
+
+
+class RestartMixin:
+    """The coordinator's stop-and-restart half (``Coordinator`` mixes it in)."""
+
+    def _init_restart(self) -> None:
+        self.stopping = 0  # the signal that asked the run to stop (0: none)
+        self.resume_event: dict[str, Any] | None = None
+        self._training = False  # inside the synchronous step loop: a stop waits for the step in flight
+        self._main: asyncio.Task | None = None
+        self._stop_timer: asyncio.TimerHandle | None = None
+        self._began = time.perf_counter()
+
+    # ---- stopping ----------------------------------------------------------------------------------
+    def _watch_signals(self) -> Callable[[], None]:
+        """SIGINT and SIGTERM ask for a stop (``request_stop``); returns what puts the handlers back."""
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self.request_stop, sig)
+
+        def unwatch() -> None:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+        return unwatch
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Stop after the step in flight, write a final checkpoint and tell the workers to wait for a
+        restart, within --stop-timeout; asked again, stop at once."""
+        c = self.cluster
+        name = signal.Signals(signum).name
+        if self.stopping or not self._training:  # again, or nothing to finish (joining, planning, hierarchical mode)
+            self.stopping = self.stopping or signum
+            self.say(f"{name}: stopping now; the workers wait for a restart")
+            self._cancel_main()
+            return
+        self.stopping = signum
+        final = ", write a final checkpoint" if c.checkpoint_dir else ""
+        self.say(f"{name}: stopping after the step in flight{final} and telling the workers to wait for a restart "
+                 f"(at most {c.stop_timeout:.0f} s, --stop-timeout; {name} again stops at once)")
+        self._stop_timer = asyncio.get_running_loop().call_later(c.stop_timeout, self._stop_overdue)
+
+    def _stop_overdue(self) -> None:
+        self.say(f"the step in flight and the final checkpoint took longer than {self.cluster.stop_timeout:.0f} s (--stop-timeout): stopping without them")
+        self._cancel_main()
+
+    def _cancel_main(self) -> None:
+        if self._main is not None and not self._main.done():
+            self._main.cancel()
+
+    def _stop_if_asked(self, done: int) -> None:
+        """Between two steps (``done`` completed): raise Interrupted once a stop was asked."""
+        if self.stopping:
+            raise Interrupted(done)
+
+    async def _final_checkpoint(self, run: Run, done: int) -> Stopped:
+        """The checkpoint of the step reached (unless it exists already), and the Stopped to raise."""
+        c = self.cluster
+        if not c.checkpoint_dir:
+            return Stopped(self.stopping, done, None)
+        path = Path(c.checkpoint_dir).resolve() / f"{PREFIX}{done:06d}"
+        if not (path / "state.json").is_file():
+            try:
+                await self._guard(run, self._checkpoint(run, done))
+            except FusionError as exc:
+                self.say(f"the final checkpoint failed ({exc}); the newest complete one stays")
+                return Stopped(self.stopping, done, None)
+        return Stopped(self.stopping, done, path)
+
+    def _end_stop(self) -> None:
+        if self._stop_timer is not None:
+            self._stop_timer.cancel()
+            self._stop_timer = None
+
+    # ---- starting, or starting again ---------------------------------------------------------------
+    async def _start_or_resume(self) -> Run:
+        """The first plan: from scratch; with --resume, from the workers' live state when every stage
+        is present at one step, else from the newest checkpoint."""
+        t, c = self.train, self.cluster
+        held = live_states(self.membership.members)
+        if not c.resume:
+            if held:
+                self.say(f"{len(held)} worker(s) hold a stage from an earlier coordinator; without --resume the run starts from step 0")
+            return await self._setup()
+        found = live_group(held) if c.sync == "synchronous" else "hierarchical mode resumes from checkpoints only"
+        why = found if isinstance(found, str) else None
+        graph, states, step = None, [], 0
+        if not isinstance(found, str):
+            step, holders = found
+            graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)
+            some = held[next(iter(holders.values()))]
+            if some.graph != LiveState.graph_digest(graph.to_json()):
+                why = "the workers run another model (or micro-batch size) than this run's"
+            elif some.seed != t.seed:
+                why = f"the workers ran --seed {some.seed}, this run has --seed {t.seed}"
+            else:
+                states, why = await self._gather_live(holders, graph)
+        if why is None:
+            self.epoch = max(s.epoch for s in held.values()) + 1  # no tensor of the old plan is taken for one of the new
+            run = await self._setup(carry=(states, step), graph=graph)
+            self.say(f"resuming from the workers' live state at step {step}: every stage present, no step lost")
+        else:
+            if held:
+                self.say(f"not resuming from the workers' live state: {why}")
+            run = await self._setup()  # --resume: the newest complete checkpoint
+        self.resume_event = {"event": "resume", "from": "live" if why is None else "checkpoint", "step": self.start_step,
+                             "seconds": round(time.perf_counter() - self._began, 3), "live_workers": len(held)}
+        if why is not None:
+            self.resume_event["why_not_live"] = why
+        return run
+
+    async def _gather_live(self, holders: dict[int, int], graph: Any) -> tuple[list[bytes], str | None]:
+        """Each stage's weights and AdamW state from its holder; (states, None) or ([], why not)."""
+        c = self.cluster
+        clients = {w: RpcClient(self.membership.members[w].address, WORKER_SERVICE, c.token, tls=c.tls) for w in set(holders.values())}
+        try:
+            states = [await self._read_pages(clients[w], w) for _, w in sorted(holders.items())]
+        except FusionError as exc:
+            return [], f"reading a stage's state failed: {exc}"
+        finally:
+            for client in clients.values():
+                await client.close()
+        have = {k for blob in states for k in blob_keys(blob)}
+        missing = [p for p in graph.params if f"param/{p}" not in have]
+        if missing:
+            return [], f"the workers' stages lack {missing[:4]}"
+        return states, None

@@ -1,0 +1,215 @@
+"""A worker's link to its coordinator: joining, heartbeats, and coming back to a restarted coordinator.
+
+A worker keeps its stage when the coordinator goes away (killed, or stopping to be restarted) and
+waits up to ``coordinator_timeout`` seconds for a coordinator at the same address; its servers stay
+up meanwhile. A heartbeat reply from another coordinator process (another ``incarnation``), or from
+one that does not know this worker (it dropped the worker: lost while alive, or back under a new
+address), makes the worker register again with the stage it holds (``LiveState``): a restarted
+coordinator continues from the workers' live state, a running one takes the worker in as a spare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from fusionllm import __version__
+from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError
+from fusionllm.core.logging import get_logger
+from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport.control import (
+    Empty,
+    Heartbeat,
+    HeartbeatReply,
+    LiveState,
+    Register,
+    Registered,
+    Shutdown,
+)
+
+if TYPE_CHECKING:
+    from fusionllm.runtime.backend import Backend
+    from fusionllm.runtime.outer import OuterState
+    from fusionllm.runtime.stage_runtime import StageRuntime
+    from fusionllm.runtime.worker import WorkerConfig
+    from fusionllm.transport.rpc import RpcClient
+
+SETTLE_MIN_S = 10.0  # the least a worker waits for its step in flight to end before re-joining a restarted coordinator
+
+
+class CoordinatorLink:
+    """The coordinator-facing half of ``Worker`` (mixed in): Register, Heartbeat, Shutdown."""
+
+    config: WorkerConfig
+    coordinator: RpcClient
+    backend: Backend
+    runtime: StageRuntime | None
+    outer: OuterState | None
+    done: asyncio.Event
+    id: int | None
+    address: str
+    data_address: str
+    _step_task: asyncio.Task | None
+    log: Any
+
+    if TYPE_CHECKING:  # the Worker's own
+        def _stop(self, code: int) -> None: ...
+        async def _abort_step(self) -> bool: ...
+        def _advertise_host(self) -> str: ...
+
+    def _init_link(self) -> None:
+        self.incarnation = ""  # the coordinator process this worker registered with
+        self.live: LiveState | None = None  # the stage held (set by Assign, its step by each completed step)
+        self._request: Register | None = None
+        self._answered = time.monotonic()  # the coordinator's last answer
+        self._gone = False  # it stopped answering (or said it is stopping): one log line, then one when it is back
+        self._refused: float | None = None  # since when a re-registration is refused
+        self._step_s = 0.0  # the last step's duration: how long a step in flight may still take
+
+    async def _register(self, address: str, info: dict[str, Any]) -> None:
+        b = self.backend
+        self._request = Register(
+            version=__version__, protocol=PROTOCOL_VERSION, address=address, data_address=self.data_address, device=info,
+            backend=b.name, software=b.software(), kinds=b.kinds(), torch_loaded="torch" in sys.modules,
+            hostname=socket.gethostname(), pid=os.getpid(), threads=b.threads(), rank=self.config.rank,
+            probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
+        )
+        deadline = time.monotonic() + self.config.join_timeout
+        while True:
+            try:
+                reply = await self.coordinator.call("Register", self._request.to_wire(), timeout=10)
+                break
+            except (AuthError, RemoteError):
+                raise
+            except TransportError as exc:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"could not join {self.config.join} within {self.config.join_timeout:.0f} s: {exc}") from None
+                await asyncio.sleep(0.5)
+        self._joined(Registered.from_wire(reply))
+        self.log.info("joined %s as worker %d, serving on %s", self.config.join, self.id, address)
+
+    def _joined(self, reply: Registered) -> None:
+        self.id, self.incarnation = reply.worker, reply.incarnation
+        self.log = get_logger("worker", f"worker {self.id}")
+
+    async def _heartbeat(self) -> None:
+        self._answered = time.monotonic()
+        while not self.done.is_set():
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                raw = await self.coordinator.call("Heartbeat", Heartbeat(self.id or 0, self.address).to_wire(), timeout=5)
+                reply = HeartbeatReply.from_wire(raw)
+            except FusionError as exc:
+                self._went_away(f"stopped answering ({exc})")
+                self._readdress()
+                if time.monotonic() - self._answered > self.config.coordinator_timeout:
+                    print(f"error: the coordinator at {self.config.join} went away ({exc}) and did not come back within "
+                          f"{self.config.coordinator_timeout:.0f} s (--coordinator-timeout); stopping", file=sys.stderr)
+                    self._stop(1)
+                continue
+            self._answered = time.monotonic()
+            if reply.state == "finished":
+                self._stop(0)
+            elif reply.state == "restarting":
+                self._went_away("is stopping, to be restarted")
+            elif (reply.incarnation and reply.incarnation != self.incarnation) or not reply.known:
+                await self._rejoin(restarted=reply.incarnation != self.incarnation)
+            elif self._gone:
+                self.log.warning("the coordinator at %s answers again", self.config.join)
+                self._gone = False
+
+    def _went_away(self, how: str) -> None:
+        """One line when the coordinator goes away: what this worker keeps, and for how long it waits."""
+        if self._gone:
+            return
+        self._gone = True
+        held = f"stage {self.live.stage} (step {self.live.step})" if self.live is not None else "no stage"
+        self.log.warning("the coordinator at %s %s; keeping %s and waiting up to %.0f s for it to come back",
+                         self.config.join, how, held, self.config.coordinator_timeout)
+
+    async def _rejoin(self, *, restarted: bool) -> None:
+        """Register again: with a restarted coordinator (its live state reported), or as a spare with
+        one that dropped this worker."""
+        if self._request is None:
+            return
+        if restarted:
+            await self._settle_step()  # the step reported is the state held
+        else:
+            await self._abort_step()  # dropped from the plan: its step cannot finish
+        self._readdress()
+        live = dataclasses.replace(self.live) if self.live is not None and self.runtime is not None and self.outer is None else None
+        request = dataclasses.replace(self._request, address=self.address, data_address=self.data_address,
+                                      rank=self.id if restarted else None, live=live)
+        try:
+            got = Registered.from_wire(await self.coordinator.call("Register", request.to_wire(), timeout=10))
+        except FusionError as exc:
+            now = time.monotonic()
+            if self._refused is None:
+                self._refused = now
+                self.log.warning("the coordinator at %s does not take this worker back yet (%s); trying again", self.config.join, exc)
+            elif now - self._refused > self.config.coordinator_timeout:
+                print(f"error: the coordinator at {self.config.join} did not take this worker back within "
+                      f"{self.config.coordinator_timeout:.0f} s: {exc}; stopping", file=sys.stderr)
+                self._stop(1)
+            return
+        self._refused = None
+        self._gone = False
+        self._joined(got)
+        held = f"stage {live.stage} at step {live.step}" if live is not None else "no stage"
+        self.log.warning("re-joined the coordinator at %s as %s, holding %s", self.config.join,
+                         "a spare (taken in at the next re-plan)" if got.spare else f"worker {got.worker}", held)
+
+    async def _settle_step(self) -> None:
+        """Let the step in flight end (every stage completes it: the coordinator that started it is
+        gone, not the peers), or abort it when it takes far longer than a step (a peer gone too)."""
+        task = self._step_task
+        if task is None or task.done():
+            return
+        bound = max(SETTLE_MIN_S, 3 * self._step_s)
+        done, _ = await asyncio.wait({task}, timeout=bound)
+        if not done:
+            self.log.warning("the step in flight did not end within %.0f s (a peer gone?): aborting it", bound)
+            await self._abort_step()
+
+    async def _counted(self, step: int, work: Any) -> Any:
+        """A step's program; when it applied its update, the stage has completed ``step + 1`` steps
+        (set in the same stretch of code as the update: nothing can cancel in between). A Step for
+        ``step`` comes once every stage ended the step before, so the steps before it are complete
+        (one the numeric guards skipped for good included)."""
+        if self.live is not None:
+            self.live.step = max(self.live.step, step)
+        started = time.perf_counter()
+        done = await work
+        self._step_s = time.perf_counter() - started
+        if self.live is not None and not getattr(done, "skipped", False):
+            self.live.step = step + 1
+        return done
+
+    def _readdress(self) -> None:
+        """A host found by the route towards the coordinator may have changed (another network, a new
+        lease): heartbeats then carry the new address, which the coordinator does not know."""
+        host = self.config.listen.rpartition(":")[0].strip("[]")
+        if self.config.advertise or host not in ("0.0.0.0", "::", ""):
+            return
+        try:
+            now = self._advertise_host()
+        except OSError:  # no route at all (yet)
+            return
+        old = self.address.rpartition(":")[0]
+        if now != old:
+            self.log.warning("this machine's address towards the coordinator is now %s (was %s)", now, old)
+            self.address = f"{now}:{self.address.rpartition(':')[2]}"
+            self.data_address = f"{now}:{self.data_address.rpartition(':')[2]}"
+
+    async def _on_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if Shutdown.from_wire(msg).restart:
+            self._answered = time.monotonic()
+            self._went_away("is stopping, to be restarted")
+        else:
+            asyncio.get_running_loop().call_later(0.05, self._stop, 0)
+        return Empty().to_wire()

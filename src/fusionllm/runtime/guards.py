@@ -1,0 +1,101 @@
+"""Numeric guards: every tensor a worker receives in a training step is checked before it is used.
+
+A worker whose device starts returning NaNs, or whose memory flips a bit in an exponent, sends
+tensors that are not finite or far larger than anything that edge carried before. The receiver
+checks each activation, gradient and all-reduce chunk it is sent (one pass: the sum of squares,
+non-finite when any element is) and compares its norm with a running estimate kept per (kind, edge,
+sender). A bad tensor does not stop the step: it poisons it. The worker goes on (so nobody waits on
+it), marks every tensor it sends afterwards as tainted, so that its receivers do not blame it for
+what it forwards, and at the step's STEP action all workers learn, through the gradient-norm
+exchange they do anyway, that somebody was poisoned: nobody applies the update. The coordinator
+names the suspect (the sender of the first untainted bad tensor) and retries or skips the step
+(``control/training.py``).
+
+The estimate learns only from tensors it accepted, after ``warmup`` observations; a norm above
+``factor`` times the estimate is bad. A genuine loss spike of that size would be refused too: it is
+retried, then skipped, as a bad one would be (``--guard-factor`` sets the factor).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionllm.transport.control import BadTensor
+
+FLOATS = ("float16", "float32", "float64")
+
+
+def as_float(array: np.ndarray, dtype: str) -> np.ndarray | None:
+    """The array as floats to check (bfloat16 travels as uint16 bit patterns); None: not a float."""
+    if dtype == "bfloat16" and array.dtype == np.uint16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if array.dtype.name in FLOATS:
+        return array
+    return None
+
+
+def norm_of(x: np.ndarray) -> float:
+    """The L2 norm (inf when any element is not finite); one pass in the array's own precision, a
+    float64 pass only when that overflows."""
+    flat = x.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq = float(np.dot(flat, flat)) if flat.size else 0.0
+    if math.isfinite(sq):
+        return math.sqrt(sq)
+    if not np.isfinite(flat).all():
+        return math.inf
+    return float(np.linalg.norm(flat.astype(np.float64)))
+
+
+@dataclass
+class Estimate:
+    mean: float = 0.0
+    count: int = 0
+
+
+@dataclass
+class NumericGuard:
+    """One worker's checks of what it receives; ``estimates`` live as long as its assignment."""
+
+    worker: int
+    factor: float = 100.0
+    warmup: int = 4
+    alpha: float = 0.2
+    estimates: dict[tuple, Estimate] = field(default_factory=dict)
+
+    def why_bad(self, key: tuple, norm: float) -> str | None:
+        """The reason a tensor of this norm is refused on ``key`` (None: accepted, estimate updated)."""
+        if not math.isfinite(norm):
+            return "non-finite values"
+        est = self.estimates.setdefault(key, Estimate())
+        if est.count >= self.warmup and est.mean > 0 and norm > self.factor * est.mean:
+            return f"norm {norm:.3g} is {norm / est.mean:.3g}x its running estimate {est.mean:.3g} (limit {self.factor:g}x)"
+        est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
+        est.count += 1
+        return None
+
+    def check(self, kind: str, edge: str, mb: int, src: int, array: np.ndarray | None, dtype: str) -> BadTensor | None:
+        """``array`` received from ``src``: a BadTensor naming ``src`` when it is refused."""
+        if array is None:
+            return None
+        x = as_float(array, dtype)
+        if x is None:
+            return None
+        why = self.why_bad((kind, edge, src), norm_of(x))
+        return None if why is None else BadTensor(src, self.worker, kind, edge, mb, why)
+
+    def check_share(self, src: int, sq: float) -> BadTensor | None:
+        """A worker's share of the squared gradient norm (its own gradients, which nobody else sees)."""
+        why = self.why_bad(("norm", "sq", src), math.sqrt(sq) if sq >= 0 else math.nan)
+        return None if why is None else BadTensor(src, self.worker, "norm", "sq", 0, why)
+
+
+def suspects(bad: list[BadTensor]) -> list[int]:
+    """The workers named by bad tensors, most-named first (ties: lower id)."""
+    counts: dict[int, int] = {}
+    for b in bad:
+        counts[b.suspect] = counts.get(b.suspect, 0) + 1
+    return sorted(counts, key=lambda w: (-counts[w], w))

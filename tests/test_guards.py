@@ -1,0 +1,117 @@
+"""Numeric guards: a worker that sends NaNs or garbage-scaled gradients costs skipped steps, not the run.
+
+Why these checks can fail: a bad tensor that slips through (not checked, or checked after use)
+makes some worker apply a poisoned update, and the losses then leave the reference's; a step that
+one worker applies and another skips diverges the stages; blaming the wrong worker (the one that
+only forwarded the NaN) shows in the events; a skipped step whose batch were still used, or a
+retry that does not start from the same state, changes every later loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusionllm.core.config import TrainConfig
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.runtime.faults import Fault, parse_fault, tamper
+from fusionllm.runtime.guards import NumericGuard, norm_of
+from fusionllm.runtime.single import train_single
+from fusionllm.runtime.verify import TOLERANCE
+
+STEPS, BATCH, SEQ = 8, 8, 32
+STEP_TIMEOUT = 120.0
+
+
+def _train(metrics: Path) -> TrainConfig:
+    return TrainConfig(model="gpt-nano", steps=STEPS, batch_size=BATCH, seq_len=SEQ, lr=3e-3, warmup=1, eval_every=0, seed=0, metrics=str(metrics))
+
+
+def _events(path: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == kind]
+
+
+def _steps(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "step" in r and "event" not in r]
+
+
+# ---- the pieces ---------------------------------------------------------------------------------------
+def test_the_guard_refuses_non_finite_and_outsized_tensors_after_its_warmup() -> None:
+    guard = NumericGuard(worker=0, factor=100.0, warmup=3)
+    ones = np.ones(16, dtype=np.float32)
+    assert guard.check("act", "e", 0, 1, ones * 1e6, "float32") is None  # no estimate yet: anything finite goes
+    guard = NumericGuard(worker=0, factor=100.0, warmup=3)
+    for _ in range(3):
+        assert guard.check("act", "e", 0, 1, ones, "float32") is None
+    assert guard.check("act", "e", 0, 1, ones * 50, "float32") is None  # under the factor
+    bad = guard.check("act", "e", 1, 1, ones * 1e5, "float32")
+    assert bad is not None and bad.suspect == 1 and bad.detector == 0 and bad.mb == 1 and "running estimate" in bad.why
+    assert guard.check("act", "other-edge", 0, 1, ones * 1e5, "float32") is None  # estimates are per edge
+    nan = ones.copy()
+    nan[3] = np.nan
+    assert guard.check("grad", "e", 0, 2, nan, "float32").why == "non-finite values"
+    assert guard.check("act", "e", 0, 1, np.arange(4, dtype=np.int64), "int64") is None  # token ids are not checked
+    bf16_inf = np.array([0x7F80], dtype=np.uint16)  # +inf as bfloat16 bits
+    assert guard.check("act", "b", 0, 1, bf16_inf, "bfloat16") is not None
+    assert math.isinf(norm_of(np.array([np.inf, 1.0], dtype=np.float32)))
+    assert norm_of(np.full(4, 1e30, dtype=np.float32)) == pytest.approx(2e30)  # float32 overflow of the square is not "bad"
+
+
+def test_fault_specs_parse_and_corrupt_only_their_step_and_role() -> None:
+    assert parse_fault("nan@3") == Fault("nan", 3)
+    assert parse_fault("scale@6:1e4") == Fault("scale", 6, 1e4)
+    for bad in ("nan", "nan@x", "nan@3:2", "flip@1", "scale@-1"):
+        with pytest.raises(ConfigError, match="--inject-fault"):
+            parse_fault(bad)
+    x = np.ones(4, dtype=np.float32)
+    faults = (Fault("nan", 3), Fault("scale", 5, 10.0))
+    assert np.isnan(tamper(faults, 3, "act", x)[0]) and not np.isnan(x).any()  # the sender's own copy stays clean
+    assert tamper(faults, 4, "act", x) is x
+    assert (tamper(faults, 5, "grad", x) == 10).all() and tamper(faults, 5, "act", x) is x
+
+
+# ---- a real run ---------------------------------------------------------------------------------------
+def test_a_worker_that_sends_nan_and_garbage_is_named_skipped_around_and_evicted(tmp_path: Path) -> None:
+    """Worker 1 (the middle stage) sends a NaN at step 2 (every attempt) and gradients times 1e6 at
+    step 5. Step 2 is retried once and skipped; at step 5 worker 1 has its third strike and is
+    evicted, and step 5 runs again on the two workers left, from the live weights. The losses equal
+    one process that skipped step 2."""
+    metrics = tmp_path / "m.jsonl"
+    train = _train(metrics)
+    cluster = cluster_config(3, micro_batches=2, schedule="1f1b", step_timeout=STEP_TIMEOUT, evict_after=3)
+    faults = (parse_fault("nan@2"), parse_fault("scale@5"))
+    result, _ = run_in_process(train, cluster, worker_options=[{}, {"faults": faults}, {}])
+
+    bad = _events(metrics, "bad_step")
+    assert [(e["step"], e["attempt"], e["action"]) for e in bad] == [(2, 0, "retry"), (2, 1, "skip"), (5, 0, "evict")]
+    assert all(e["suspects"] == [1] for e in bad), bad  # never the workers that only received or forwarded it
+    assert any("non-finite" in b["why"] for b in bad[0]["bad"]) and any("running estimate" in b["why"] for b in bad[2]["bad"])
+    (evicted,) = _events(metrics, "evict")
+    assert evicted["workers"] == [1] and evicted["at_step"] == 5 and evicted["workers_left"] == 2
+
+    steps = _steps(metrics)
+    assert [r["step"] for r in steps] == [s for s in range(STEPS) if s != 2]
+    reference = train_single(TrainConfig(**{**train.__dict__, "metrics": None}), skip=frozenset({2})).losses
+    assert len(reference) == len(steps)
+    errors = [abs(r["loss"] - ref) / abs(ref) for r, ref in zip(steps, reference, strict=True)]
+    assert max(errors) <= TOLERANCE, errors
+    assert result.losses == [r["loss"] for r in steps if r["step"] >= 5]  # the run after the eviction
+
+
+def test_stop_policy_ends_the_run_naming_the_worker(tmp_path: Path) -> None:
+    train = _train(tmp_path / "m.jsonl")
+    cluster = cluster_config(2, micro_batches=2, step_timeout=STEP_TIMEOUT, guard="stop")
+    with pytest.raises(FusionError, match=r"step 1: a bad tensor .*blamed: worker\(s\) \[0\]"):
+        run_in_process(train, cluster, worker_options=[{"faults": (Fault("nan", 1),)}, {}])
+
+
+def test_guard_flags_are_checked_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match="--numeric-guard"):
+        cluster_config(2, guard="sometimes")
+    with pytest.raises(ConfigError, match="--guard-factor"):
+        cluster_config(2, guard_factor=1.0)
