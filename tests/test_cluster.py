@@ -130,11 +130,14 @@ def test_wrong_token_is_refused_on_both_sides(tmp: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(tmp: Path) -> None:
+    """Ctrl+C reaches `train` alone (its children run in sessions of their own): it lets the coordinator
+    end the step in flight and write a final checkpoint, then stops every process it started."""
     run_dir = tmp / "run-int"
     metrics = tmp / "int.jsonl"
+    ckpt = tmp / "ckpt-int"
     proc = subprocess.Popen(
         [*BASE, "train", "--cluster", "local:2", "--model", "gpt-nano", "--steps", "100000", "--batch-size", "8", "--seq-len", "16",
-         "--run-dir", str(run_dir), "--metrics", str(metrics), "--eval-every", "0"],
+         "--run-dir", str(run_dir), "--metrics", str(metrics), "--eval-every", "0", "--checkpoint-dir", str(ckpt)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.time() + 180
@@ -143,9 +146,12 @@ def test_ctrl_c_stops_every_process(tmp: Path) -> None:
     mine = _leftovers(run_dir)
     assert len(mine) == 3  # coordinator and two workers
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
-    proc.wait(timeout=60)
+    proc.wait(timeout=120)
     time.sleep(1)
     assert _leftovers(run_dir) == []  # ours only: the machine is shared
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"step"' in line]
+    final = sorted(ckpt.glob("step-*"))
+    assert len(final) == 1 and json.loads((final[0] / "state.json").read_text())["step"] == steps[-1] + 1  # the step it reached
 
 
 def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:

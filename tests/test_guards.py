@@ -115,3 +115,24 @@ def test_guard_flags_are_checked_before_anything_starts() -> None:
         cluster_config(2, guard="sometimes")
     with pytest.raises(ConfigError, match="--guard-factor"):
         cluster_config(2, guard_factor=1.0)
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were() -> None:
+    """A forward updates BatchNorm's running statistics in place; the two refused attempts of step 1
+    must leave them (and the weights) as one process that never ran step 1 has them. Fails when a
+    skipped step keeps the statistics its forwards made."""
+    base = dict(task="vision", model="resnet18", batch_size=8, image_size=16, warmup=0, lr=1e-3, eval_every=0)
+    train = TrainConfig(steps=3, **base)
+    cluster = cluster_config(3, micro_batches=2, step_timeout=STEP_TIMEOUT, evict_after=0)
+    dist, workers = run_in_process(train, cluster, worker_options=[{}, {"faults": (Fault("nan", 1),)}, {}])
+    single = train_single(train, micro_batches=2, skip=frozenset({1}))
+    np.testing.assert_allclose(dist.losses, single.losses, rtol=1e-5)
+    reference = {k: v.detach() for k, v in single.model.state_dict().items()}
+    seen = set()
+    for w in workers:
+        for key, value in w.runtime.state_tensors().items():
+            if key.startswith("param/"):
+                name = key.removeprefix("param/")
+                seen.add(name)
+                np.testing.assert_allclose(value.double().numpy(), reference[name].double().numpy(), rtol=2e-4, atol=2e-6, err_msg=name)
+    assert {"bn1.running_mean", "layer4.1.bn2.running_var", "bn1.num_batches_tracked"} <= seen

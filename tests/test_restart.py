@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from fusionllm.control.local_cluster import free_port
+from fusionllm.control.restart import live_group
 from fusionllm.core.checkpoints import latest_checkpoint
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import TransportError
 from fusionllm.harness import InProcessCluster, cluster_config
 from fusionllm.transport.auth import load_token
+from fusionllm.transport.control import Heartbeat, HeartbeatReply, LiveState, Registered
 from tests.conftest import Started
 
 BASE = [sys.executable, "-m", "fusionllm"]
@@ -145,13 +146,13 @@ def test_a_killed_coordinator_restarted_continues_from_the_workers_live_state(cl
     assert again.wait(timeout=600) == 0, c.log("m2.log")[-3000:]
     for w in c.workers:  # the same processes, told at the end that the run is over
         assert w.wait(timeout=60) == 0
-    print(f"\ncoordinator restart: {stepped - restarted:.1f} s from the new coordinator's start to its first step, "
-          f"{stepped - killed:.1f} s from the kill (the step in flight is kept)")
     event = _resume_event(second)
+    print(f"\ncoordinator restart: {stepped - restarted:.1f} s from the new coordinator's start to its first step "
+          f"({event['seconds']:.1f} s of it from its Coordinator object to the resumed plan), {stepped - killed:.1f} s from the kill")
     after = _losses(second)
     assert event["from"] == "live" and event["live_workers"] == 2, event
     # the step in flight when it was killed is completed by the workers: its loss is not recorded, its update is kept
-    assert max(before) + 1 <= event["step"] <= max(before) + 2 and sorted(after) == list(range(event["step"], STEPS)), (max(before), event)
+    assert max(before) + 1 <= event["resumed_from_step"] <= max(before) + 2 and sorted(after) == list(range(event["resumed_from_step"], STEPS)), (max(before), event)
     _assert_close({**before, **after}, reference)
     for i in range(2):
         assert "re-joined the coordinator" in c.log(f"worker-{i}.log")
@@ -178,7 +179,7 @@ def test_sigint_writes_a_final_checkpoint_and_a_restart_continues_live(cluster: 
     for w in c.workers:
         assert w.wait(timeout=60) == 0
     event = _resume_event(second)
-    assert event["from"] == "live" and event["step"] == reached, event
+    assert event["from"] == "live" and event["resumed_from_step"] == reached, event
     after = _losses(second)
     assert sorted({**before, **after}) == list(range(STEPS))  # not a step lost, none run twice
     _assert_close({**before, **after}, reference)
@@ -201,7 +202,7 @@ def test_a_restart_with_a_stage_missing_continues_from_the_newest_checkpoint(clu
     assert again.wait(timeout=600) == 0, c.log("m2.log")[-3000:]
     assert c.workers[0].wait(timeout=60) == 0
     event = _resume_event(second)
-    assert event["from"] == "checkpoint" and event["step"] == at and "held by no worker" in event["why_not_live"], event
+    assert event["from"] == "checkpoint" and event["resumed_from_step"] == at and "held by no worker" in event["why_not_live"], event
     after = _losses(second)
     assert sorted(after) == list(range(at, STEPS))
     _assert_close(after, reference)
@@ -256,5 +257,48 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+# ---- the pieces, without processes ---------------------------------------------------------------
+def _held(step: int, stage: int, stages: int = 2, plan: str = "p", epoch: int = 0) -> LiveState:
+    return LiveState(step, stage, stages, epoch, plan, "g", 1)
+
+
+def test_live_state_is_usable_only_with_every_stage_at_one_step() -> None:
+    assert live_group({0: _held(7, 0), 1: _held(7, 1)}) == (7, {0: 0, 1: 1})
+    assert live_group({0: _held(7, 0), 1: _held(7, 1), 2: _held(7, 1)}) == (7, {0: 0, 1: 1})  # a replica: one holder is enough
+    assert "held by no worker" in str(live_group({0: _held(7, 0)}))
+    assert "different steps" in str(live_group({0: _held(7, 0), 1: _held(6, 1)}))
+    assert "stage" in str(live_group({0: _held(7, 0), 1: _held(7, 1, plan="other")}))  # two plans, neither whole
+    assert live_group({}) == "no worker holds a stage"
+    assert "step" in str(live_group({0: _held(-1, 0), 1: _held(-1, 1)}))  # assigned, step unknown
+    # an older plan whole too: the newest step wins
+    assert live_group({0: _held(3, 0, plan="old"), 1: _held(3, 1, plan="old"), 2: _held(9, 0), 3: _held(9, 1)}) == (9, {0: 2, 1: 3})
+
+
+def test_a_coordinator_says_who_it_is_and_whom_it_does_not_know() -> None:
+    from fusionllm import __version__
+    from fusionllm.control.membership import Membership
+    from fusionllm.transport import PROTOCOL_VERSION
+
+    async def main() -> None:
+        m = Membership(2)
+        base = {"version": __version__, "protocol": PROTOCOL_VERSION}
+        live = _held(5, 1).to_wire()
+        first = Registered.from_wire(await m.register({**base, "address": "h:1", "rank": 1, "live": live}))
+        assert first.worker == 1 and first.incarnation == m.incarnation and not first.spare
+        again = Registered.from_wire(await m.register({**base, "address": "h:1", "rank": 1, "live": live}))
+        assert again.worker == 1 and len(m.members) == 1  # a retried Register is the same member
+        taken = Registered.from_wire(await m.register({**base, "address": "h:2", "rank": 1, "live": _held(5, 0).to_wire()}))
+        assert taken.worker == 0  # back with a stage: its old id is taken, so it takes another
+        beat = HeartbeatReply.from_wire(await m.heartbeat(Heartbeat(1, "h:1").to_wire()))
+        assert beat.known and beat.incarnation == m.incarnation
+        assert not HeartbeatReply.from_wire(await m.heartbeat(Heartbeat(1, "h:9").to_wire())).known  # a new address
+        m.state = "running"
+        spare = Registered.from_wire(await m.register({**base, "address": "h:9"}))
+        assert spare.spare and spare.worker == 2
+        assert Membership(2).incarnation != m.incarnation
 
     asyncio.run(main())

@@ -116,3 +116,27 @@ def test_hf_gpt2_blocks_are_submodule_ops() -> None:
     blocks = [n for n in graph.nodes if n.kind == "submodule"]
     assert [n.name for n in blocks] == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
     assert graph.meta["source"] == {"model": "tests.zoo:hf_gpt2", "vocab_size": 256}
+
+
+def test_a_model_run_by_another_thread_meanwhile_is_not_traced() -> None:
+    """Module hooks are global: an in-process cluster's worker computing while the coordinator traces
+    (a recovery) once made the trace fail on the worker's tensors."""
+    import threading
+
+    other = build_model("gpt-nano", 256)
+    x = torch.randint(0, 256, (2, 32))
+    stop = threading.Event()
+
+    def busy() -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                other(x)
+
+    runner = threading.Thread(target=busy)
+    runner.start()
+    try:
+        graphs = [trace_lm(build_model("gpt-nano", 256, device="meta"), 2, 32, vocab_size=256, spec="gpt-nano") for _ in range(5)]
+    finally:
+        stop.set()
+        runner.join()
+    assert len({g.to_json().split('"trace_seconds"')[0] for g in graphs}) == 1

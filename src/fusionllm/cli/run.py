@@ -32,7 +32,9 @@ from fusionllm.cli.options import (
     ImageSizeOpt,
     InitFromOpt,
     InnerStepsOpt,
+    KeepCkptOpt,
     LrOpt,
+    MaxRecoveriesOpt,
     MetricsOpt,
     MicroOpt,
     ModelOpt,
@@ -112,6 +114,8 @@ def coordinator(
     numeric_guard: GuardOpt = "retry",
     guard_factor: GuardFactorOpt = 100.0,
     evict_after: EvictAfterOpt = 3,
+    keep_checkpoints: KeepCkptOpt = 0,
+    max_recoveries: MaxRecoveriesOpt = 3,
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
     inner_steps: InnerStepsOpt = None,
@@ -148,7 +152,7 @@ def coordinator(
         checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout, stop_timeout=stop_timeout,
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
-            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, dashboard=dashboard,
+            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard,
         **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )
     if config is not None:

@@ -30,6 +30,7 @@ class ClusterConfig:
     replicas: list[int] | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    keep_checkpoints: int = 0  # the newest N complete checkpoints are kept, older ones removed (0: keep all)
     resume: bool = False
     join_timeout: float = 300.0
     step_timeout: float = 600.0
@@ -68,6 +69,8 @@ class ClusterConfig:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         if self.checkpoint_every < 0:
             raise ConfigError("--checkpoint-every must be >= 0")
+        if self.keep_checkpoints < 0:
+            raise ConfigError("--keep-checkpoints must be >= 0 (0: keep all)")
         parse_codec(self.compress)  # a bad --compress fails before any worker is waited for
         roles = set(self.compress_roles.split(","))
         if not roles or not roles <= {"act", "grad", "reduce"}:

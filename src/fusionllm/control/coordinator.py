@@ -123,7 +123,8 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
-            self._main.uncancel()  # stopped by a signal (at once, or past --stop-timeout): the workers are told below
+            if self._main is not None and hasattr(self._main, "uncancel"):  # (Python 3.11+) stopped by a signal: the workers are told below
+                self._main.uncancel()
             raise Stopped(self.stopping, None, None) from None
         finally:
             self._end_stop()

@@ -193,7 +193,8 @@ class RestartMixin:
             if held:
                 self.say(f"not resuming from the workers' live state: {why}")
             run = await self._setup()  # --resume: the newest complete checkpoint
-        self.resume_event = {"event": "resume", "from": "live" if why is None else "checkpoint", "step": self.start_step,
+        self.resume_event = {"event": "resume", "from": "live" if why is None else "checkpoint",
+                             "resumed_from_step": self.start_step,  # (no "step" key: readers of step records skip events)
                              "seconds": round(time.perf_counter() - self._began, 3), "live_workers": len(held)}
         if why is not None:
             self.resume_event["why_not_live"] = why

@@ -15,7 +15,12 @@ import asyncio
 import json
 from dataclasses import asdict
 
-from fusionllm.core.checkpoints import begin_checkpoint, finish_checkpoint, latest_checkpoint
+from fusionllm.core.checkpoints import (
+    begin_checkpoint,
+    finish_checkpoint,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import (
@@ -106,6 +111,8 @@ class StateMixin:
                  "state.json": json.dumps(state, indent=1)}
         await asyncio.to_thread(finish_checkpoint, tmp, final, files)
         self.say(f"checkpoint {final}")
+        if self.cluster.keep_checkpoints:
+            await asyncio.to_thread(prune_checkpoints, self.cluster.checkpoint_dir, self.cluster.keep_checkpoints)
 
     def _resume(self, graph: OpGraph) -> str | None:
         """The newest complete checkpoint's path (the workers read their shards), checked against this run."""

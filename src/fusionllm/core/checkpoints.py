@@ -17,6 +17,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` newest complete checkpoints (incomplete ones are never touched
+    here: a writer may be filling one); returns what was removed."""
+    root = Path(root)
+    if keep < 1 or not root.is_dir():
+        return []
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
+    gone = done[:-keep]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def begin_checkpoint(root: str | Path, step: int) -> tuple[Path, Path]:
     """(an empty temporary directory to write ``step``'s checkpoint into, its final path)."""
     root = Path(root).resolve()

@@ -12,6 +12,7 @@ cannot be captured, and is refused with the module that did it; making that modu
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -56,6 +57,9 @@ class _Recorder:
         self.depth = 0
         self.entered: list[bool] = []
         self.scope: list[str] = []
+        # module hooks are global: a model run by another thread meanwhile (a worker of an in-process
+        # cluster, while the coordinator traces) is not part of this trace
+        self.thread = threading.get_ident()
         self.names: dict[int, str] = {}
         for name, m in root.named_modules(remove_duplicate=False):
             self.names.setdefault(id(m), name)
@@ -118,6 +122,8 @@ class _Recorder:
 
     # ---- module hooks -----------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
         leaf = self.depth > 0 or (module is not self.root and self.is_leaf(module))
         self.entered.append(leaf)
         if leaf:
@@ -126,7 +132,7 @@ class _Recorder:
             self.scope.append(self.names.get(id(module), type(module).__name__))
 
     def post_hook(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-        if not self.entered:
+        if not self.entered or threading.get_ident() != self.thread:
             return
         leaf = self.entered.pop()
         if not leaf:

@@ -100,7 +100,7 @@ class CoordinatorLink:
     async def _heartbeat(self) -> None:
         self._answered = time.monotonic()
         while not self.done.is_set():
-            await asyncio.sleep(self.config.heartbeat_s)
+            await asyncio.sleep(min(self.config.heartbeat_s, 0.5) if self._gone else self.config.heartbeat_s)  # away: look more often
             try:
                 raw = await self.coordinator.call("Heartbeat", Heartbeat(self.id or 0, self.address).to_wire(), timeout=5)
                 reply = HeartbeatReply.from_wire(raw)
