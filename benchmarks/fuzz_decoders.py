@@ -10,8 +10,10 @@ target's budget (the limit the decoder is given, plus the input's own size, time
 
 Targets: tensor messages (``compress.wire.decode_array``), compressed payloads (``codecs.decode``
 for raw, fp16, bf16, quant, eq and topk), msgpack control messages (``messages.unpack`` then the
-typed ``Message.from_wire`` of several messages), cluster files (``cluster.spec.parse_cluster``)
-and OpGraph JSON (``OpGraph.from_json``).
+typed ``Message.from_wire`` of several messages), the data plane's stream after the handshake
+(``DataServer._one`` reading messages into a worker's ``Inbox``: sizes, tensor headers, frames,
+``read_tensor``, the inbox's checks), cluster files (``cluster.spec.parse_cluster``) and OpGraph
+JSON (``OpGraph.from_json``).
 
 Writes fuzz_decoders.json and fuzz_decoders.md (and a PNG of inputs per target).
 
@@ -118,11 +120,97 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
         return raw
 
     out["control messages"] = ([pack(m.to_wire()) for m in messages], run_message, MAX_PAYLOAD)
+    out["data-plane stream"] = data_plane_target(arrays)
     cluster = (ROOT / "examples" / "clusters" / "three-sites.toml").read_text().encode()
     out["cluster file"] = ([cluster], lambda b: parse_cluster(b.decode("utf-8", errors="strict")), 1 << 20)
     graph = trace_lm(build_model("gpt-nano", device="meta"), 2, 8, spec="gpt-nano").to_json().encode()
     out["OpGraph JSON"] = ([graph], lambda b: OpGraph.from_json(b), 1 << 22)
     return out
+
+
+class _Writer:
+    """The server's side of a connection, write-only: statuses are counted, not sent."""
+
+    def __init__(self) -> None:
+        self.refused = False
+
+    def write(self, data: bytes) -> None:
+        self.refused = self.refused or data[:1] != b"\x00"  # a status: 0 filed, 1 refused (then the connection closes)
+
+    async def drain(self) -> None:
+        return None
+
+
+class _Log:
+    """A DataServer's logger: refusals are expected (quiet); ``exception`` means a handler crashed."""
+
+    def __init__(self) -> None:
+        self.crashed: str | None = None
+
+    def warning(self, *_: object) -> None:
+        return None
+
+    def info(self, *_: object) -> None:
+        return None
+
+    def exception(self, msg: str, *args: object) -> None:
+        import sys
+
+        self.crashed = f"{msg % args if args else msg}: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}"
+
+
+def data_plane_target(arrays: list) -> tuple[list[bytes], Callable[[bytes], object], int]:
+    """What a worker's data port reads after the handshake: messages of a u32 header size, a msgpack
+    tensor header and its payload, read by ``DataServer._one`` and filed by the worker's ``Inbox``
+    (``frames.read_tensor`` inside). Every message of the input is read until the server would
+    close the connection."""
+    import asyncio
+    import struct
+
+    from fusionllm.runtime.peers import Inbox
+    from fusionllm.transport.frames import tensor_frames
+    from fusionllm.transport.stream import DataServer
+
+    def message(header: dict, a: object) -> bytes:
+        import numpy as np
+
+        arr = np.ascontiguousarray(a)
+        frames = list(tensor_frames({**header, "dtype": arr.dtype.name, "shape": list(arr.shape), "codec": "raw", "epoch": 0}, arr.tobytes()))
+        return struct.pack("<I", len(frames[0])) + b"".join(frames)
+
+    seeds = []
+    for i, a in enumerate(arrays):
+        head = {"kind": ("act", "grad", "reduce", "norm")[i % 4], "step": i, "mb": 0, "edge": f"e{i}", "src": 1, "attempt": 0, "msg": f"{i:016x}"}
+        seeds.append(message(head, a) + message({**head, "mb": 1}, a))
+    loop = asyncio.new_event_loop()
+
+    def run(b: bytes) -> object:
+        async def go() -> int:
+            inbox = Inbox(MAX_PAYLOAD)
+            server = DataServer("fuzz", inbox.receive, max_payload=MAX_PAYLOAD)
+            server.log = _Log()  # type: ignore[assignment]
+            reader = asyncio.StreamReader()
+            reader.feed_data(b)
+            reader.feed_eof()
+            n, writer = 0, _Writer()
+            try:
+                while await server._one(reader, writer, "fuzz"):  # noqa: SLF001 (the server's own message loop, minus the socket)
+                    n += 1
+            except asyncio.IncompleteReadError as exc:  # the connection ends inside a message: the server closes it
+                from fusionllm.core.errors import WireError
+
+                raise WireError(f"connection ended inside a message ({len(exc.partial)} bytes)") from None
+            if server.log.crashed:
+                raise RuntimeError(f"the tensor handler crashed: {server.log.crashed}")
+            if writer.refused:
+                from fusionllm.core.errors import WireError
+
+                raise WireError("refused (the server answered status 1 and closed the connection)")
+            return n
+
+        return loop.run_until_complete(go())
+
+    return seeds, run, 4 * MAX_PAYLOAD
 
 
 def main() -> int:

@@ -16,8 +16,9 @@ seeded order hits the run, each kind in turn:
 - ``nan``: a worker launched with ``--inject-fault nan@K`` (the step the schedule expects at that
   time) sends a NaN at step K; the step is retried and skipped (a second one evicts that worker).
 
-Reported per fault: the seconds training lost (from the fault to the first step beyond the last one
-done before it, less one typical step), the steps run again, and the events the coordinator wrote.
+Reported per fault: the seconds training lost (the window from the fault to the first step completed
+after the fault was over, less the fault-free time of the steps made in that window), the steps run
+again, and the events the coordinator wrote.
 At the end, every step's loss (the last time it ran) and every weight of the final checkpoint are
 compared with one PyTorch process trained on the same batches that skipped the same steps.
 
@@ -70,10 +71,17 @@ class Fault:
     began: float = 0.0  # benchmark clock
     target: str = ""
     last_step_before: int = -1
-    first_new_step_at: float | None = None
+    first_new_step_at: float | None = None  # the first step completed after the fault was over
+    progress: int = 0  # steps beyond the last one done before the fault, by then
     ok: bool = True
     note: str = ""
     events: list[dict] = field(default_factory=list)
+
+
+    def lost(self, step_s: float) -> float | None:
+        """Seconds of training the fault cost: the window from the fault to the first step after it
+        was over, less the time the steps made in that window take without faults."""
+        return None if self.first_new_step_at is None else round(self.first_new_step_at - self.began - self.progress * step_s, 2)
 
 
 class Metrics:
@@ -181,7 +189,7 @@ class Soak:
                 p.wait()
 
     # ---- waiting ---------------------------------------------------------------------------------
-    def wait_for(self, what: str, check: object, timeout: float) -> bool:
+    def wait_for(self, what: str, check: object, timeout: float, *, quiet: bool = False) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.metrics.poll()
@@ -190,7 +198,8 @@ class Soak:
             if self.coordinator is not None and self.coordinator.poll() is not None and what != "coordinator exit":
                 return False
             time.sleep(0.05)
-        print(f"  (gave up waiting for {what} after {timeout:.0f} s)", flush=True)
+        if not quiet:
+            print(f"  (gave up waiting for {what} after {timeout:.0f} s)", flush=True)
         return False
 
     def events_since(self, n: int, kind: str) -> list[dict]:
@@ -251,21 +260,26 @@ class Soak:
                 for (i, j), bps in rates.items():
                     set_link_rate(i, j, max(8000, bps // SLOW_FACTOR))
                 try:
-                    self.wait_for("the slow period", lambda: False, SLOW_S)
+                    self.wait_for("the slow period", lambda: False, SLOW_S, quiet=True)
                 finally:
                     for (i, j), bps in rates.items():
                         set_link_rate(i, j, bps)
         elif fault.kind == "nan":
             fault.target = ", ".join(self.address_of(p) for p in self.workers if p.nan_steps)
-            fault.ok = self.wait_for("the bad step", lambda: self.events_since(n_events, "bad_step"), 900)
+            nan_at = {k for p in self.workers for k in p.nan_steps}
+            fault.ok = self.wait_for("the bad step", lambda: [e for e in self.events_since(n_events, "bad_step") if e["step"] in nan_at], 900)
             if self.wait_for("an eviction", lambda: self.events_since(n_events, "evict") or self.events_since(n_events, "bad_step")[-1:]
                              and self.events_since(n_events, "bad_step")[-1].get("action") == "skip", 120) and self.events_since(n_events, "evict"):
                 for p in [p for p in self.workers if p.nan_steps]:
                     p.popen.wait(timeout=60)  # an evicted worker is told to leave
                     p.nan_steps = ()
                     self.start_worker(p.slot)  # and a healthy one takes its namespace, as a spare
-        self.wait_for("progress", lambda: self.metrics.last_step() > max(fault.last_step_before, 0) or self.metrics.last_step() >= steps - 1, 300)
-        fault.first_new_step_at = next((t for t, r in self.metrics.steps() if t >= fault.began and r["step"] > fault.last_step_before), None)
+        over = time.monotonic()  # the fault is over (link back, run recovered, new coordinator started): the first step after it ends the window
+        self.wait_for("progress", lambda: any(t >= over and r["step"] > fault.last_step_before for t, r in self.metrics.steps()[-50:])
+                      or self.metrics.last_step() >= steps - 1, 300)
+        end = next(((t, r["step"]) for t, r in self.metrics.steps() if t >= over and r["step"] > fault.last_step_before), None)
+        if end is not None:
+            fault.first_new_step_at, fault.progress = end[0], end[1] - fault.last_step_before
         fault.events = [e for e in self.metrics.events()[n_events:]]
 
 
@@ -369,7 +383,7 @@ def main() -> int:
                     break
                 print(f"[{time.monotonic() - soak.started:7.1f} s] step {soak.metrics.last_step()}: {f.kind}", flush=True)
                 soak.hit(f, steps, ckpt)
-                lost = None if f.first_new_step_at is None else f.first_new_step_at - f.began - step_s
+                lost = f.lost(step_s)
                 print(f"    target {f.target}; training lost {lost if lost is None else round(lost, 2)} s; events "
                       f"{[e['event'] + ('/' + e.get('action', '') if e['event'] == 'bad_step' else '') for e in f.events]} {f.note}", flush=True)
             rc = soak.coordinator.wait(timeout=max(60.0, minutes * 60 * 2))
@@ -388,19 +402,22 @@ def main() -> int:
         ref_losses, ref_state = reference(args, steps, skipped)
         ref_steps = [s for s in range(steps) if s not in skipped]
         loss_err = max((abs(last[s]["loss"] - ref) / abs(ref) for s, ref in zip(ref_steps, ref_losses, strict=True) if s in last), default=float("nan"))
-        weight_err = max((float((state[k].double() - v.double()).abs().max() / max(v.double().abs().max(), 1e-12)) for k, v in ref_state.items() if k in state),
-                         default=float("nan"))
+        per_tensor = {k: (float((state[k].double() - v.double()).norm() / max(float(v.double().norm()), 1e-12)),
+                          float((state[k].double() - v.double()).abs().max())) for k, v in ref_state.items() if k in state and v.is_floating_point()}
+        weight_err = max((e for e, _ in per_tensor.values()), default=float("nan"))
+        worst = sorted(per_tensor.items(), key=lambda kv: -kv[1][0])[:3]
         missing = [s for s in ref_steps if s not in last]
         summary = {
             "cluster": spec.name, "minutes": minutes, "fault_every_s": every, "steps": steps, "fault_free_step_s": step_s, "wall_s": round(wall, 1),
             "coordinator_exit": rc, "steps_completed": len(last), "steps_missing": missing[:20], "steps_skipped": sorted(skipped),
             "steps_redone": sum(n - 1 for n in runs.values()), "final_checkpoint_step": done_step,
-            "max_rel_loss_err": loss_err, "max_rel_weight_err": weight_err, "weights_compared": len([k for k in ref_state if k in state]),
+            "max_rel_loss_err": loss_err, "max_rel_weight_err": weight_err, "worst_tensors": {k: {"rel_norm_err": e, "max_abs_diff": d} for k, (e, d) in worst},
+            "weights_compared": len(per_tensor), "weights_missing": sorted(k for k in ref_state if k not in state),
             "weights_expected": len(ref_state), "events": {k: len(soak.metrics.events(k)) for k in ("recovery", "bad_step", "evict", "resume", "replan")},
         }
         rows = []
         for f in faults:
-            lost = None if f.first_new_step_at is None else round(f.first_new_step_at - f.began - step_s, 2)
+            lost = f.lost(step_s)
             rows.append({"kind": f.kind, "at_s": round(f.began - soak.started, 1), "target": f.target, "ok": f.ok, "note": f.note,
                          "last_step_before": f.last_step_before, "training_lost_s": lost, "events": f.events})
     table = [f"Cluster `{summary['cluster']}` (random, seed {args.seed}; {len(spec.devices())} CPU workers), {args.model}, batch {args.batch_size} x {args.seq_len}, "
@@ -408,7 +425,8 @@ def main() -> int:
              f"- steps: {summary['steps_completed']} of {steps} completed (coordinator exit {rc}); skipped (bad tensors): {summary['steps_skipped']}; "
              f"run again: {summary['steps_redone']}",
              f"- against one process that skipped the same steps: losses within {loss_err:.2g} (relative), final weights within {weight_err:.2g} "
-             f"({summary['weights_compared']} of {summary['weights_expected']} tensors)",
+             f"(|a - b| / |b| per tensor; {summary['weights_compared']} float tensors; largest: "
+             + ", ".join(f"{k} {e:.2g}" for k, (e, _) in worst) + ")",
              f"- fault-free step: {step_s:.3f} s; wall {summary['wall_s']:.0f} s", "",
              "| fault | at (s) | target | training lost (s) | events | note |", "|---|---|---|---|---|---|"]
     for r in rows:

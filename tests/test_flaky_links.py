@@ -8,8 +8,13 @@ times), never after a sleep.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,12 +24,16 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import WireError
 from fusionllm.harness import InProcessCluster, cluster_config
 from fusionllm.runtime.peers import Inbox, PeerNet
-from fusionllm.testbed.flaky import FlakyLink
+from fusionllm.runtime.worker import Worker, WorkerConfig
+from fusionllm.testbed.flaky import FlakyLink, FlakyNet
+from fusionllm.testbed.sh import can_emulate
+from fusionllm.testbed.testbed import STATE
 from fusionllm.transport.frames import tensor_frames
 from fusionllm.transport.stream import DataServer
 
 TOKEN = "flaky-link-token-" * 3
-WORKER_HOST, PROXY_HOST = "127.0.0.2", "127.0.0.3"  # a worker listens on one loopback address and is reached through the other
+ROOT = Path(__file__).resolve().parents[1]
+EMULATED, WHY = can_emulate()
 
 
 async def _stream(frames: list[bytes]) -> AsyncIterator[bytes]:
@@ -85,8 +94,10 @@ def test_a_push_rides_out_a_dropped_link(caplog: pytest.LogCaptureFixture) -> No
             await net.push(1, {"kind": "act", "step": 0, "mb": 0, "edge": "e", "src": 0}, first, 30)  # the link is up
             link.cut_on_reply()  # the next ack is lost and the link goes down
             push = asyncio.create_task(net.push(1, {"kind": "act", "step": 0, "mb": 1, "edge": "e", "src": 0}, second, 120))
-            await link.wait_resets(4)  # the sender kept trying while the link was down
-            assert not push.done()
+            trying = asyncio.create_task(link.wait_resets(4))  # the sender kept trying while the link was down
+            await asyncio.wait({push, trying}, return_when=asyncio.FIRST_COMPLETED)
+            trying.cancel()
+            assert not push.done(), f"the push ended while the link was down: {push.exception()}"
             link.restore()
             await push
             assert np.array_equal(await inbox.get(("act", 0, 1, "e", 0), 5), second)
@@ -104,61 +115,139 @@ def test_a_push_rides_out_a_dropped_link(caplog: pytest.LogCaptureFixture) -> No
     assert sum("dropped" in line for line in lines) == 1 and sum("is back after" in line for line in lines) == 1, lines
 
 
-def test_a_network_that_drops_mid_step_costs_seconds_not_the_run() -> None:
-    """Every link of a 3-worker pipeline (control, data, heartbeats) drops in the middle of step 2,
-    when worker 1 has filed a tensor whose ack is then lost, and stays down until the senders have
-    tried several times. Why it can fail: the coordinator's Step calls break mid-step (without
-    retries the workers look dead and the run is re-planned or lost); a worker that runs a repeated
-    Step twice, or whose step is cancelled with the broken call, hangs the pipeline; a data push that
-    gives up, or a receiver that refuses the copy sent again, fails the step. The run must finish with
-    the losses of an undisturbed run, with no recovery and no re-plan."""
+def test_a_network_that_drops_mid_step_costs_seconds_not_the_run(tmp_path: Path) -> None:
+    """Every link of a 3-worker pipeline (control, data, heartbeats) drops twice: in the middle of
+    step 2, when worker 1 has filed a tensor whose ack is then lost, and as the checkpoint after step
+    4 begins; each time it stays down until the senders have tried several times. Why it can fail:
+    the coordinator's calls break (without retries the workers look dead and the run is re-planned
+    or lost); a worker that runs a repeated Step twice, or whose step is cancelled with the broken
+    call, hangs the pipeline; a data push that gives up, or a receiver that refuses the copy sent
+    again, fails the step. The run must finish with the losses of an undisturbed run, with no
+    recovery and no re-plan."""
     train = TrainConfig(model="gpt-nano", steps=5, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0)
 
+    def config(name: str) -> Any:
+        return cluster_config(3, micro_batches=2, step_timeout=120.0, checkpoint_dir=str(tmp_path / name), checkpoint_every=4)
+
     async def undisturbed() -> list[float]:
-        async with InProcessCluster(train, cluster_config(3, micro_batches=2, step_timeout=120.0)) as c:
+        async with InProcessCluster(train, config("ref")) as c:
             return (await c.run()).losses
 
-    async def flapping() -> tuple[list[float], InProcessCluster, list[FlakyLink]]:
-        to_coordinator = FlakyLink(lambda: ("127.0.0.1", cluster.port), host=PROXY_HOST)
-        control = [FlakyLink(("", 0), host=PROXY_HOST) for _ in range(3)]
-        data = [FlakyLink(("", 0), host=PROXY_HOST) for _ in range(3)]
-        links = [to_coordinator, *control, *data]
-        for link in links:
-            await link.start()
-        for link in (*control, *data):
-            link.target = (WORKER_HOST, link.port)  # the worker listens on the proxy's port, on its own address
-        options = [{"listen": f"{WORKER_HOST}:{control[i].port}", "data_port": data[i].port, "advertise": PROXY_HOST,
-                    "join": to_coordinator.address} for i in range(3)]
+    async def flapping() -> tuple[list[float], InProcessCluster, FlakyNet]:
+        net = FlakyNet(3, lambda: cluster.port)
+        options = await net.start()
+        links, data, control = net.links, net.data, net.control
+        second = asyncio.Event()
 
         def on_step(record: dict) -> None:
             if record["step"] == 1:  # step 2 starts next: drop everything when worker 1 acks its first tensor
                 data[1].cut_on_reply(also=[link for link in links if link is not data[1]])
+            if record["step"] == 3:  # the checkpoint of 4 steps comes next
+                net.cut()
+                second.set()
 
         async def end_outage() -> None:
             await data[1].wait_resets(5)  # its senders tried again (backing off)
             await control[1].wait_resets(5)  # and the coordinator's channel to worker 1 five times (backing off: seconds)
-            for link in links:
-                link.restore()
+            net.restore()
+            await second.wait()
+            await control[1].wait_resets(control[1].resets + 3)
+            net.restore()
 
         try:
-            async with InProcessCluster(train, cluster_config(3, micro_batches=2, step_timeout=120.0), worker_options=options,
-                                        on_step=on_step) as cluster:
+            async with InProcessCluster(train, config("flap"), worker_options=options, on_step=on_step) as cluster:
                 ending = asyncio.create_task(end_outage())
                 try:
                     result = await cluster.run()
                     assert ending.done(), "the run finished while the links were still down"
                 finally:
                     ending.cancel()
-            return result.losses, cluster, links
+            return result.losses, cluster, net
         finally:
-            for link in links:
-                await link.stop()
+            await net.stop()
 
     reference = asyncio.run(undisturbed())
-    losses, cluster, links = asyncio.run(flapping())
+    losses, cluster, net = asyncio.run(flapping())
     assert losses == reference  # the same steps, run once each, as without the outage
     assert [r["step"] for r in cluster.steps] == list(range(train.steps))
     assert cluster.coordinator is not None and cluster.coordinator.recoveries == 0 and cluster.coordinator.replans == 0
-    assert all(link.cuts == 1 for link in links)
+    assert all(link.cuts == 2 for link in net.links)
+    assert sorted(p.name for p in (tmp_path / "flap").iterdir()) == sorted(p.name for p in (tmp_path / "ref").iterdir())
     assert cluster.workers[1].inbox.resent >= 1  # the tensor whose ack was lost came again and was dropped
-    assert sum(w.repeated_steps for w in cluster.workers) >= 1  # a broken Step call was answered by the run under way
+    assert sum(w.repeated_calls for w in cluster.workers) >= 1  # a broken Step call was answered by the run under way
+
+
+def test_a_call_asked_again_is_answered_by_the_same_run() -> None:
+    """Why it can fail: a worker that runs a Step (or an Evaluate, a SaveShard) asked again after a
+    dropped link broke the first call would run it twice (a step's tensors sent twice, its update
+    applied twice); one whose run is cancelled with the broken call would never answer."""
+
+    async def main() -> None:
+        worker = Worker(WorkerConfig(join="127.0.0.1:1", token=TOKEN, backend="numpy"))
+        started, go, runs = asyncio.Event(), asyncio.Event(), []
+
+        async def work() -> dict[str, Any]:
+            runs.append(len(runs))
+            started.set()
+            await go.wait()
+            return {"run": runs[-1]}
+
+        first = asyncio.create_task(worker._once("Step", (3, 0), work))
+        await started.wait()
+        first.cancel()  # the call broke with the link
+        again = asyncio.create_task(worker._once("Step", (3, 0), work))
+        go.set()
+        assert await again == {"run": 0} and runs == [0] and worker.repeated_calls == 1
+        assert await worker._once("Step", (3, 0), work) == {"run": 0}  # asked once more after it ended: the kept reply
+        assert await worker._once("Step", (3, 1), work) == {"run": 1}  # a later attempt is another run
+        assert await worker._once("Evaluate", (3, 0), work) == {"run": 2}  # so is another method's call
+
+    asyncio.run(main())
+
+
+def _testbed_train(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / f"{tag}.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "fusionllm", "train", "--cluster", str(ROOT / "examples" / "clusters" / "uniform.toml"),
+                             "--scheduler", "params", "--replan-factor", "0",  # a pipeline through all 4 workers, kept as planned
+                             "--model", "gpt-nano", "--steps", "200", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--seed", "2",
+                             "--metrics", str(out), "--run-dir", str(tmp_path / f"run-{tag}")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow  # like tests/test_testbed.py: processes in network namespaces, root only
+@pytest.mark.skipif(not EMULATED, reason=f"testbed needs root on Linux with iproute2: {WHY}")
+def test_a_veth_down_for_five_seconds_costs_seconds_not_the_run(tmp_path: Path) -> None:
+    """Worker 1's veth (of the emulated uniform cluster) goes down for 5 s mid-run: its packets are
+    dropped both ways and nothing is reset, so calls and pushes in flight stall and new connections
+    time out. Why it can fail: the worker's heartbeats stop for the outage and then some (they must
+    not reach --dead-after, 10 s), a stalled call or push must neither give up nor be run twice, and
+    the losses must equal an undisturbed run's, with no recovery and no re-plan."""
+    ref, ref_out = _testbed_train(tmp_path, "ref")
+    text, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, text[-3000:]
+    proc, out = _testbed_train(tmp_path, "flap")
+    try:
+        while proc.poll() is None and len([r for r in _records(out) if "step" in r]) < 6:
+            time.sleep(0.02)
+        assert proc.poll() is None, "training ended before the link could drop"
+        assert json.loads(STATE.read_text()).get("owner") == proc.pid, "the live testbed is not this run's"  # (the machine is shared)
+        subprocess.run(["ip", "link", "set", "fusion-v1", "down"], check=True)
+        try:
+            time.sleep(5.0)  # the outage itself, not a wait for something to happen
+        finally:
+            subprocess.run(["ip", "link", "set", "fusion-v1", "up"], check=True)
+        assert proc.poll() is None and len([r for r in _records(out) if "step" in r]) < 200, "the run did not wait for the link"
+        text, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, text[-3000:]
+    records = _records(out)
+    assert [r["step"] for r in records if "step" in r] == list(range(200))
+    assert [r.get("event") for r in records if r.get("event") not in (None, "plan")] == []  # no recovery, no re-plan
+    assert [r["loss"] for r in records if "step" in r] == [r["loss"] for r in _records(ref_out) if "step" in r]

@@ -56,6 +56,10 @@ def test_the_guard_refuses_non_finite_and_outsized_tensors_after_its_warmup() ->
     nan[3] = np.nan
     assert guard.check("grad", "e", 0, 2, nan, "float32").why == "non-finite values"
     assert guard.check("act", "e", 0, 1, np.arange(4, dtype=np.int64), "int64") is None  # token ids are not checked
+    for _ in range(5):
+        assert guard.check("reduce", "g0-1:rs0", 0, 1, ones * 1e-5, "float32") is None
+    assert guard.check("reduce", "g0-1:rs0", 0, 1, ones * 1.0, "float32") is None  # a sparse gradient's chunk may jump
+    assert guard.check("reduce", "g0-1:rs0", 0, 1, nan, "float32") is not None
     bf16_inf = np.array([0x7F80], dtype=np.uint16)  # +inf as bfloat16 bits
     assert guard.check("act", "b", 0, 1, bf16_inf, "bfloat16") is not None
     assert math.isinf(norm_of(np.array([np.inf, 1.0], dtype=np.float32)))

@@ -134,3 +134,39 @@ def test_unreachable_data_port_is_a_transport_error() -> None:
             await DataClient(address, "secret").push(_frames(0, np.ones(1, np.float32)), timeout=2)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", ["truncated header", "unhashable key"])
+def test_what_the_fuzzer_found_is_refused_in_one_line(case: str) -> None:
+    """Found by benchmarks/fuzz_decoders.py's data-plane target: a connection that ends inside a tensor
+    header, and a header whose edge is a list (an unhashable inbox key), made the server log a
+    traceback ("tensor handler failed") instead of refusing the message."""
+
+    class Writer:
+        statuses: list[int] = []
+
+        def write(self, data: bytes) -> None:
+            self.statuses.append(data[0])
+
+        async def drain(self) -> None:
+            return None
+
+    async def main() -> tuple[list[int], list[str]]:
+        inbox = Inbox(1 << 20)
+        server = DataServer("t", inbox.receive, max_payload=1 << 20)
+        crashed: list[str] = []
+        server.log.exception = lambda msg, *a: crashed.append(msg)  # type: ignore[method-assign]
+        a = np.arange(4, dtype=np.float32)
+        edge: object = [1, 2] if case == "unhashable key" else "e"
+        frames = list(tensor_frames({"kind": "act", "step": 0, "mb": 0, "edge": edge, "src": 1, "dtype": "float32", "shape": [4], "codec": "raw"},
+                                    a.tobytes()))
+        data = struct.pack("<I", len(frames[0])) + b"".join(frames)
+        reader = asyncio.StreamReader()
+        reader.feed_data(data[:10] if case == "truncated header" else data)
+        reader.feed_eof()
+        writer = Writer()
+        assert not await server._one(reader, writer, "test")  # the connection is closed
+        return writer.statuses, crashed
+
+    statuses, crashed = asyncio.run(main())
+    assert statuses == [1] and crashed == []

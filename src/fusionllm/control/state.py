@@ -55,7 +55,8 @@ class StateMixin:
         chunks: list[bytes] = []
         total, offset = None, 0
         while total is None or offset < total:
-            page = StatePage.from_wire(await client.call("GetState", GetState(offset, PAGE, outer=outer).to_wire(), timeout=self.cluster.step_timeout))
+            ask = GetState(offset, PAGE, outer=outer).to_wire()  # a page asked again (a dropped link) is the same page
+            page = StatePage.from_wire(await client.call_retrying("GetState", ask, within=self.cluster.step_timeout, timeout=self.cluster.step_timeout))
             total = page.total
             if not page.data and offset < total:
                 raise FusionError(f"worker {worker} sent an empty page of its state at {offset} of {total} bytes")
@@ -71,7 +72,8 @@ class StateMixin:
             inputs = None
             if w in run.fed:
                 inputs = {str(j): self._inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
-            return Evaluated.from_wire(await run.clients[w].call("Evaluate", Evaluate(at_step, batches, inputs, outer).to_wire(), timeout=c.step_timeout))
+            msg = Evaluate(at_step, batches, inputs, outer).to_wire()  # asked again after a dropped link: the worker answers with the same run
+            return Evaluated.from_wire(await run.clients[w].call_retrying("Evaluate", msg, within=c.step_timeout, timeout=c.step_timeout))
 
         replies = await self._step_calls(run, {w: ask(w) for w in run.plan.workers})
         failed = [(w, r.failed) for w, r in replies.items() if r.failed is not None]
@@ -93,7 +95,8 @@ class StateMixin:
 
         async def save(stage: int, w: int) -> ShardSaved:
             msg = SaveShard(str(tmp), done, outer=outer).to_wire()
-            return ShardSaved.from_wire(await run.clients[w].call("SaveShard", msg, timeout=self.cluster.step_timeout))
+            c = self.cluster  # asked again after a dropped link: the worker answers with the same write
+            return ShardSaved.from_wire(await run.clients[w].call_retrying("SaveShard", msg, within=c.step_timeout, timeout=c.step_timeout))
 
         saved = dict(zip([s.index for s in run.plan.stages],
                          await asyncio.gather(*(save(s.index, s.workers[0]) for s in run.plan.stages)), strict=True))

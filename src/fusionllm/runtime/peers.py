@@ -29,6 +29,17 @@ def _key(header: dict[str, Any]) -> Key:
     return (header.get("kind"), header.get("step"), header.get("mb"), header.get("edge"), header.get("src"))
 
 
+def _checked_key(header: dict[str, Any]) -> Key:
+    """A received tensor's key, its fields of the types a key holds (a hostile header is refused here,
+    not as an unhashable key deep in the inbox)."""
+    key = _key(header)
+    kind, step, mb, edge, src = key
+    ints = (step, mb, src)
+    if not isinstance(kind, str) or not isinstance(edge, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+        raise WireError(f"tensor header with a malformed key: kind, step, mb, edge, src = {[type(v).__name__ for v in key]}")
+    return key
+
+
 RESENT_WINDOW = 8  # steps (distinct step numbers) whose filed message ids are kept to recognise a copy sent again
 
 
@@ -62,19 +73,20 @@ class Inbox:
         header, array = await read_tensor(frames, max_payload=self.max_payload)
         if header.get("kind") not in ("act", "grad", "reduce", "norm", "outer"):
             raise WireError(f"unknown tensor kind {header.get('kind')!r}")
+        key = _checked_key(header)
         if header.get("epoch", 0) != self.epoch:
             self.stale += 1  # in flight when its step was aborted: the step runs again under the new plan
             return {}
-        if self._seen(_key(header), header):
+        if self._seen(key, header):
             return {}
-        slot = self._slot(_key(header))
+        slot = self._slot(key)
         if slot.done():
-            raise WireError(f"duplicate tensor {_key(header)}")
+            raise WireError(f"duplicate tensor {key}")
         self.bytes_received += 0 if array is None else array.nbytes
         if header.get("taint"):
-            self.tainted[_key(header)] = True
+            self.tainted[key] = True
         slot.set_result(None if array is None else np.array(array))  # its own copy: the frames' buffer is not kept
-        self._remember(_key(header), header)
+        self._remember(key, header)
         return {}
 
     def _seen(self, key: Key, header: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,8 +117,8 @@ class Worker(CoordinatorLink):
         self.data_address = ""
         self.address = ""
         self._step_task: asyncio.Task | None = None
-        self._step_run: tuple[tuple[int | None, int, int], asyncio.Task] | None = None  # (epoch, step, attempt): the Step's reply to come
-        self.repeated_steps = 0  # Steps asked again (a dropped link broke the coordinator's call) and answered by the same run
+        self._runs: dict[str, tuple[tuple, asyncio.Task]] = {}  # per method (Step, Evaluate, SaveShard): the last call's key and its run
+        self.repeated_calls = 0  # calls asked again (a dropped link broke the coordinator's call) and answered by the same run
         self.data_source: WorkerData | None = None
         self._state_blob: bytes | None = None
         self._rss_base = 0
@@ -188,7 +188,7 @@ class Worker(CoordinatorLink):
     async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
         aborted = await self._abort_step()
-        self._step_run = None  # a Step asked after an Abort runs anew
+        self._runs.clear()  # a call asked after an Abort runs anew
         if self.peers is not None:
             await self.peers.close()  # connections to a dead peer must not linger
         self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
@@ -240,7 +240,7 @@ class Worker(CoordinatorLink):
         if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
             await self.peers.close()
         self.inbox.reset(msg.epoch)
-        self._step_run = None
+        self._runs.clear()
         self.id = msg.worker
         self.peers = PeerNet({int(k): v for k, v in msg.addresses.items()}, self.config.token,
                              data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch)
@@ -314,22 +314,27 @@ class Worker(CoordinatorLink):
                 return None
             raise
 
+    async def _once(self, method: str, key: tuple, work: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+        """Run ``work`` for a call, once per ``key``. A call asked again (the coordinator's call broke on
+        the way: a link dropped, and it called again) gets the reply of the run under way or done,
+        never a second run. The run is a task of its own, so a call that breaks does not cancel it
+        (Abort does). The key holds the assignment's epoch: a new assignment runs everything anew."""
+        key = (self.peers.epoch if self.peers is not None else None, *key)
+        kept = self._runs.get(method)
+        if kept is not None and kept[0] == key:
+            self.repeated_calls += 1
+            self.log.warning("%s %s asked again: answering with the run %s", method, key[1:], "done" if kept[1].done() else "under way")
+        else:
+            run = asyncio.create_task(work())
+            run.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when no call waits for it
+            kept = self._runs[method] = (key, run)
+        return await asyncio.shield(kept[1])
+
     async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Run a step. A Step asked again (the coordinator's call broke on the way: the link dropped)
-        is the same step: it gets the reply of the run under way or done, never a second run. The run
-        is its own task, so a call that breaks does not cancel it (only Abort does)."""
+        """Run a step (once per epoch, step and attempt: ``_once``)."""
         runtime = self._runtime("Step")
         req = Step.from_wire(msg)
-        key = (self.peers.epoch if self.peers is not None else None, req.step, req.attempt)
-        if self._step_run is not None and self._step_run[0] == key:
-            self.repeated_steps += 1
-            self.log.warning("step %d (attempt %d) asked again: answering with the run %s", req.step, req.attempt,
-                             "done" if self._step_run[1].done() else "under way")
-        else:
-            run = asyncio.create_task(self._run_step(runtime, req))
-            run.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when no call waits for it
-            self._step_run = (key, run)
-        return await asyncio.shield(self._step_run[1])
+        return await self._once("Step", (req.step, req.attempt), lambda: self._run_step(runtime, req))
 
     async def _run_step(self, runtime: StageRuntime, req: Step) -> dict[str, Any]:
         if self.peers is not None:
@@ -382,6 +387,9 @@ class Worker(CoordinatorLink):
         (hierarchical mode: of the outer weights when asked, the local ones put back after)."""
         runtime = self._runtime("Evaluate")
         req = Evaluate.from_wire(msg)
+        return await self._once("Evaluate", (req.at_step, req.batches, req.outer), lambda: self._run_evaluate(runtime, req))
+
+    async def _run_evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
         if req.outer and self.outer is not None:
             names = sorted(self.outer.anchor)
             local = await asyncio.to_thread(runtime.backend.get_params, names)
@@ -449,6 +457,9 @@ class Worker(CoordinatorLink):
         """Write this stage's weights and AdamW state into the checkpoint directory being made."""
         runtime = self._runtime("SaveShard")
         req = SaveShard.from_wire(msg)
+        return await self._once("SaveShard", (req.directory, req.step, req.outer), lambda: self._save_shard(runtime, req))
+
+    async def _save_shard(self, runtime: StageRuntime, req: SaveShard) -> dict[str, Any]:
         outer = self.outer
         if req.outer and outer is None:
             raise FusionError("SaveShard(outer): this worker was assigned no hierarchical plan")

@@ -48,6 +48,7 @@ class FlakyLink:
         self._tasks: set[asyncio.Task] = set()
         self._cut_on_reply: tuple[FlakyLink, ...] | None = None  # armed: cut these links too on the next reply
         self._reset_seen = asyncio.Event()
+        self._went_down = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -78,6 +79,7 @@ class FlakyLink:
         """The link goes down: open connections are reset, new ones too, until ``restore()``."""
         self.down = True
         self.cuts += 1
+        self._went_down.set()
         self._cut_on_reply = None
         for w in list(self._open):
             _reset(w)
@@ -90,6 +92,10 @@ class FlakyLink:
         """Cut the link, and the links ``also`` named (a whole network dropping), when the next bytes
         come back from the target; those bytes are dropped."""
         self._cut_on_reply = tuple(also)
+
+    async def wait_cut(self) -> None:
+        """Until the link has been cut (once at least)."""
+        await self._went_down.wait()
 
     async def wait_resets(self, n: int) -> None:
         """Until the link has reset ``n`` connection attempts in all (see ``resets``)."""
@@ -141,3 +147,42 @@ class FlakyLink:
             if writer in self._open:
                 self._open.discard(writer)
                 _reset(writer)
+
+
+class FlakyNet:
+    """Every link of an in-process cluster (``fusionllm.harness``) through a FlakyLink: each worker's
+    control and data ports, and the coordinator's port as the workers reach it.
+
+    A worker listens on ``worker_host`` (127.0.0.2) on the port its proxy has on ``proxy_host``
+    (127.0.0.3) and advertises the proxy's address, as a worker behind a port forward would; so
+    everything sent to it, and its heartbeats, cross the proxies. ``worker_options()`` are the
+    WorkerConfig fields that say so, per worker; ``coordinator_port`` names the coordinator's port
+    once it listens (``lambda: cluster.port``)."""
+
+    def __init__(self, workers: int, coordinator_port: Callable[[], int], *, worker_host: str = "127.0.0.2", proxy_host: str = "127.0.0.3") -> None:
+        self.worker_host = worker_host
+        self.to_coordinator = FlakyLink(lambda: ("127.0.0.1", coordinator_port()), host=proxy_host)
+        self.control = [FlakyLink(("", 0), host=proxy_host) for _ in range(workers)]
+        self.data = [FlakyLink(("", 0), host=proxy_host) for _ in range(workers)]
+        self.links = [self.to_coordinator, *self.control, *self.data]
+
+    async def start(self) -> list[dict[str, object]]:
+        """Start the proxies; returns each worker's WorkerConfig fields."""
+        for link in self.links:
+            await link.start()
+        for link in (*self.control, *self.data):
+            link.target = (self.worker_host, link.port)  # the worker listens on the proxy's port, on its own address
+        return [{"listen": f"{self.worker_host}:{c.port}", "data_port": d.port, "advertise": c.host, "join": self.to_coordinator.address}
+                for c, d in zip(self.control, self.data, strict=True)]
+
+    def cut(self) -> None:
+        for link in self.links:
+            link.cut()
+
+    def restore(self) -> None:
+        for link in self.links:
+            link.restore()
+
+    async def stop(self) -> None:
+        for link in self.links:
+            await link.stop()

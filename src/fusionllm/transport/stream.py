@@ -23,7 +23,7 @@ closes the connection (its payload may not have been read). Acks come back in or
 may have several messages in flight on one connection.
 
 A link that drops (connection refused, reset, unreachable, a handshake that times out) costs a
-push a wait, not the run: the client connects again, backing off from 0.1 s to 2 s between tries,
+push a wait, not the run: the client connects again, backing off from 0.1 s to 1 s between tries,
 until the push's deadline, and sends the message again. The peer may have filed the first copy
 (only its ack was lost), so the receiver files a byte-identical copy of a delivered message as a
 no-op (``Inbox.receive``). The client logs one warning when a link starts failing and one when it
@@ -55,7 +55,7 @@ _HELLO = struct.Struct("<4sH16s")
 _REPLY = struct.Struct("<4sH32s")
 _STATUS = struct.Struct("<BI")
 HANDSHAKE_TIMEOUT = 10.0
-RETRY_FIRST, RETRY_MAX = 0.1, 2.0  # seconds between tries of a push whose link dropped: doubling, capped
+RETRY_FIRST, RETRY_MAX = 0.1, 1.0  # seconds between tries (connections) of a push whose link dropped: doubling, capped
 Handler = Callable[[AsyncIterator[bytes]], Awaitable[Any]]
 
 
@@ -154,7 +154,10 @@ class DataServer:
         try:
             if size > MAX_HEADER:
                 raise WireError(f"tensor header of {size} bytes (at most {MAX_HEADER})")
-            head = await reader.readexactly(size)
+            try:
+                head = await reader.readexactly(size)
+            except asyncio.IncompleteReadError as exc:  # the peer went away inside a header: refused like any broken message
+                raise WireError(f"tensor header truncated: {len(exc.partial)} of {size} bytes") from None
             nbytes = unpack(head, max_bytes=MAX_HEADER).get("nbytes")
             if not isinstance(nbytes, int) or not 0 <= nbytes <= self.max_payload:
                 raise WireError(f"tensor header declares {nbytes!r} payload bytes (at most {self.max_payload})")
@@ -292,6 +295,7 @@ class DataClient:
         writer.write(head)
         writer.writelines(payload)
         self.bytes_sent += 4 + sum(len(f) for f in frames)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved also when drain() fails first
         try:
             await asyncio.wait_for(writer.drain(), timeout)
             await asyncio.wait_for(asyncio.shield(fut), timeout)
