@@ -106,6 +106,9 @@ class CoordinatorLink:
                 reply = HeartbeatReply.from_wire(raw)
             except FusionError as exc:
                 self._went_away(f"stopped answering ({exc})")
+                # the next heartbeat on a new connection: after a silent outage (packets dropped, nothing reset) the
+                # old one waits for TCP's next retransmission, seconds after the link is back (docs/reliability.md)
+                await self.coordinator.close()
                 self._readdress()
                 if time.monotonic() - self._answered > self.config.coordinator_timeout:
                     print(f"error: the coordinator at {self.config.join} went away ({exc}) and did not come back within "
