@@ -49,6 +49,7 @@ PY = [sys.executable, "-m", "fusionllm"]
 KINDS = ("kill", "hang", "coordinator", "drop", "slow", "nan")
 PORT = 7450
 DROP_S, SLOW_S, SLOW_FACTOR = 10.0, 60.0, 10
+SLOWER = 2.0  # steps under faults (fewer workers after a loss, a slow link) take up to this many times the calibrated one
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Proc:
     popen: subprocess.Popen
     nan_steps: tuple[int, ...] = ()
     stopped: bool = False
+    injected: tuple[int, ...] = ()  # the NaN steps it was started with (kept when an eviction clears nan_steps)
 
     @property
     def alive(self) -> bool:
@@ -73,6 +75,7 @@ class Fault:
     last_step_before: int = -1
     first_new_step_at: float | None = None  # the first step completed after the fault was over
     progress: int = 0  # steps beyond the last one done before the fault, by then
+    step_s: float = 0.0  # the median step of the 20 before the fault (fewer workers after a loss make steps slower)
     ok: bool = True
     note: str = ""
     events: list[dict] = field(default_factory=list)
@@ -80,8 +83,8 @@ class Fault:
 
     def lost(self, step_s: float) -> float | None:
         """Seconds of training the fault cost: the window from the fault to the first step after it
-        was over, less the time the steps made in that window take without faults."""
-        return None if self.first_new_step_at is None else round(self.first_new_step_at - self.began - self.progress * step_s, 2)
+        was over, less the time the steps made in that window took before the fault."""
+        return None if self.first_new_step_at is None else round(self.first_new_step_at - self.began - self.progress * (self.step_s or step_s), 2)
 
 
 class Metrics:
@@ -162,7 +165,7 @@ class Soak:
                "--listen", f"{s.address}:{port}", "--threads", str(s.threads()), "--coordinator-timeout", "300",
                *[x for k in nan_steps for x in ("--inject-fault", f"nan@{k}")]]
         log = (self.logs / f"worker-{slot}-{port}.log").open("w")
-        proc = Proc(slot, port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), nan_steps)
+        proc = Proc(slot, port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), nan_steps, injected=nan_steps)
         self.workers.append(proc)
         return proc
 
@@ -210,6 +213,8 @@ class Soak:
         self.metrics.poll()
         fault.began = time.monotonic()
         fault.last_step_before = self.metrics.last_step()
+        recent = [r["step_s"] for _, r in self.metrics.steps()[-20:]]
+        fault.step_s = statistics.median(recent) if recent else 0.0
         n_events = len(self.metrics.events())
         if fault.kind in ("kill", "hang"):
             victims = self.in_plan()
@@ -264,10 +269,14 @@ class Soak:
                 finally:
                     for (i, j), bps in rates.items():
                         set_link_rate(i, j, bps)
-        elif fault.kind == "nan":
+        elif fault.kind == "nan":  # the worker sends its NaN at a step fixed when it started: the window is around that step
             fault.target = ", ".join(self.address_of(p) for p in self.workers if p.nan_steps)
             nan_at = {k for p in self.workers for k in p.nan_steps}
-            fault.ok = self.wait_for("the bad step", lambda: [e for e in self.events_since(n_events, "bad_step") if e["step"] in nan_at], 900)
+            fault.ok = self.wait_for("the bad step", lambda: [e for e in self.metrics.events("bad_step") if e["step"] in nan_at], 1800)
+            k = min((e["step"] for e in self.metrics.events("bad_step") if e["step"] in nan_at), default=None)
+            before = [(t, r) for t, r in self.metrics.steps() if k is not None and r["step"] == k - 1]
+            if before:
+                fault.began, fault.last_step_before = before[-1][0], k - 1
             if self.wait_for("an eviction", lambda: self.events_since(n_events, "evict") or self.events_since(n_events, "bad_step")[-1:]
                              and self.events_since(n_events, "bad_step")[-1].get("action") == "skip", 120) and self.events_since(n_events, "evict"):
                 for p in [p for p in self.workers if p.nan_steps]:
@@ -281,6 +290,9 @@ class Soak:
         if end is not None:
             fault.first_new_step_at, fault.progress = end[0], end[1] - fault.last_step_before
         fault.events = [e for e in self.metrics.events()[n_events:]]
+        if fault.kind == "nan":
+            nan_at = {k for p in self.workers for k in p.nan_steps} | {k for p in self.workers for k in p.injected}
+            fault.events = [e for e in self.metrics.events() if e["event"] in ("bad_step", "evict") and e.get("step", e.get("at_step")) in nan_at]
 
 
 def calibrate(soak: Soak, ckpt: Path, steps: int) -> float:
@@ -364,7 +376,7 @@ def main() -> int:
         faults = [Fault(k, every * (i + 1)) for i, k in enumerate(kinds[:n_faults])]
         busy = sum({"kill": 10, "hang": args.dead_after + 10, "coordinator": 20, "drop": 10, "slow": SLOW_S, "nan": 2}[f.kind] for f in faults)
         steps = int((minutes * 60 - busy) / step_s)
-        nan_steps = tuple(int((f.at + 10) / step_s) for f in faults if f.kind == "nan")
+        nan_steps = tuple(int(f.at / (step_s * SLOWER)) for f in faults if f.kind == "nan")  # reached before its time, even with faults
         print(f"cluster {spec.name}: {len(tb.slots)} workers; fault-free step {step_s:.3f} s; {steps} steps; "
               f"faults: {', '.join(f'{f.kind}@{f.at:.0f}s' for f in faults)}; NaN at steps {nan_steps}", flush=True)
         ckpt = tmp / "ckpt"
