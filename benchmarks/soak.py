@@ -284,11 +284,14 @@ class Soak:
                     p.nan_steps = ()
                     self.start_worker(p.slot)  # and a healthy one takes its namespace, as a spare
         over = time.monotonic()  # the fault is over (link back, run recovered, new coordinator started): the first step after it ends the window
+        if fault.kind == "nan" and fault.last_step_before >= 0:  # its window: from step K-1's record to the first step after K
+            over = fault.began
         self.wait_for("progress", lambda: any(t >= over and r["step"] > fault.last_step_before for t, r in self.metrics.steps()[-50:])
                       or self.metrics.last_step() >= steps - 1, 300)
         end = next(((t, r["step"]) for t, r in self.metrics.steps() if t >= over and r["step"] > fault.last_step_before), None)
         if end is not None:
-            fault.first_new_step_at, fault.progress = end[0], end[1] - fault.last_step_before
+            skipped = {e["step"] for e in self.metrics.events("bad_step") if e.get("action") == "skip" and fault.last_step_before < e["step"] < end[1]}
+            fault.first_new_step_at, fault.progress = end[0], end[1] - fault.last_step_before - len(skipped)  # a skipped step is no progress
         fault.events = [e for e in self.metrics.events()[n_events:]]
         if fault.kind == "nan":
             nan_at = {k for p in self.workers for k in p.nan_steps} | {k for p in self.workers for k in p.injected}
