@@ -223,6 +223,8 @@ class DataClient:
                 writer.write(_REPLY.pack(MAGIC, self.protocol, _mac(self.token, nonce)))
                 await writer.drain()
                 code, why = await asyncio.wait_for(_read_status(reader), HANDSHAKE_TIMEOUT)
+            except ConnectionRefusedError:  # the host answered that nothing listens there: the process is gone, not the link
+                raise TransportError(f"cannot reach the data port {self.address}: connection refused, nothing listens there (is the process gone?)") from None
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
                 raise _LinkDown(f"cannot reach the data port {self.address}: {exc or type(exc).__name__}") from None
             if code != 0:
