@@ -37,7 +37,7 @@ class BadStepMixin:
             raise FusionError(f"step {step}: workers {applied} applied a step others refused; the stages have diverged (resume from a checkpoint)")
         bad = [b for rep in replies.values() for b in rep.bad]
         named = sorted({b.suspect for b in bad})
-        strikes = self.__dict__.setdefault("_strikes", {})
+        strikes = self.strikes
         for w in named:
             address = self.membership.members[w].address if w in self.membership.members else f"worker {w}"
             strikes[address] = strikes.get(address, 0) + 1
