@@ -1,3 +1,3 @@
 """gRPC transport: authenticated control calls and chunked tensor streams. Knows no torch."""
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

@@ -8,14 +8,21 @@ control calls stay on gRPC (``rpc.py``).
 Connection (client -> server unless said)::
 
     server: b"FLDP" | u16 protocol | 16-byte nonce
-    client: b"FLDP" | u16 protocol | HMAC-SHA256(token, b"fusionllm-data" + nonce)  (32 bytes)
+    client: b"FLDP" | u16 protocol | u8 flags | HMAC-SHA256(token, b"fusionllm-data" + nonce + flags)  (32 bytes)
     server: u8 status (0: admitted) | u32 length | reason (utf-8), then closes if refused
 
 The token itself never crosses the network; the server compares the MAC in constant time and logs
 every refusal, and the client raises ``AuthError`` with the server's reason. Then each message::
 
     client: u32 header length | header (msgpack, ``frames.tensor_frames``) | payload (header's nbytes)
+            [| HMAC-SHA256(key, u64 sequence | u32 header length | header | payload), with flag MAC_FLAG]
     server: u8 status (0: filed) | u32 length | error (utf-8)
+
+With ``MAC_FLAG`` (a client sets it towards a peer reached through a relay, ``relay.py``) every message
+carries a MAC under a key of this connection, ``HMAC(token, b"fusionllm-data-key" + nonce)``, and its
+sequence number on the connection: a tensor changed, dropped, replayed or reordered on the way is
+refused before it is filed. The flags are under the handshake's MAC, so nothing on the way can turn
+them off. (Without the flag the handshake authenticates the peer and TLS, when on, protects the bytes.)
 
 The server reads a message's header within MAX_HEADER bytes and hands the stream to the handler
 (``Inbox.receive``), which checks the header and every size before allocating. A refused message
@@ -52,15 +59,27 @@ from fusionllm.transport.tls import TLS_NAME, TlsFiles
 
 MAGIC = b"FLDP"
 _HELLO = struct.Struct("<4sH16s")
-_REPLY = struct.Struct("<4sH32s")
+_REPLY = struct.Struct("<4sHB32s")
+MAC_FLAG = 1
+TAG = 32
 _STATUS = struct.Struct("<BI")
 HANDSHAKE_TIMEOUT = 10.0
 RETRY_FIRST, RETRY_MAX = 0.1, 1.0  # seconds between tries (connections) of a push whose link dropped: doubling, capped
 Handler = Callable[[AsyncIterator[bytes]], Awaitable[Any]]
 
 
-def _mac(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), b"fusionllm-data" + nonce, hashlib.sha256).digest()
+def _mac(token: str, nonce: bytes, flags: int = 0) -> bytes:
+    return hmac.new(token.encode(), b"fusionllm-data" + nonce + bytes([flags]), hashlib.sha256).digest()
+
+
+def _message_key(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), b"fusionllm-data-key" + nonce, hashlib.sha256).digest()
+
+
+def _tagger(key: bytes, seq: int, head: bytes) -> Any:
+    h = hmac.new(key, struct.pack("<QI", seq, len(head)), hashlib.sha256)
+    h.update(head)
+    return h
 
 
 def _status(code: int, text: str = "") -> bytes:
@@ -108,9 +127,11 @@ class DataServer:
             self._conns.add(task)
         peer = writer.get_extra_info("peername")
         try:
-            if await self._admit(reader, writer, peer):
-                while await self._one(reader, writer, peer):
-                    pass
+            key = await self._admit(reader, writer, peer)
+            if key is not None:
+                seq = 0
+                while await self._one(reader, writer, peer, key or None, seq):
+                    seq += 1
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass  # the peer went away
         except asyncio.CancelledError:
@@ -122,29 +143,32 @@ class DataServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any) -> bool:
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any) -> bytes | None:
+        """None: refused; b"": admitted; else admitted with a MAC per message under this key."""
         nonce = os.urandom(16)
         writer.write(_HELLO.pack(MAGIC, PROTOCOL_VERSION, nonce))
         await writer.drain()
-        magic, protocol, mac = _REPLY.unpack(await asyncio.wait_for(reader.readexactly(_REPLY.size), HANDSHAKE_TIMEOUT))
+        magic, protocol, flags, mac = _REPLY.unpack(await asyncio.wait_for(reader.readexactly(_REPLY.size), HANDSHAKE_TIMEOUT))
         why = ""
         if magic != MAGIC:
             why = "not a fusionllm data connection"
         elif protocol != PROTOCOL_VERSION:
             why = f"peer speaks protocol {protocol}, this side speaks {PROTOCOL_VERSION}"
-        elif not hmac.compare_digest(mac, _mac(self.token, nonce)):
+        elif flags & ~MAC_FLAG:
+            why = f"unknown handshake flags {flags:#x}"
+        elif not hmac.compare_digest(mac, _mac(self.token, nonce, flags)):
             why = "wrong token (use the coordinator's token file)"
         if why:
             self.refusals += 1
             self.log.warning("refused data connection from %s: %s", peer, why)
             writer.write(_status(1, f"refused: {why}"))
             await writer.drain()
-            return False
+            return None
         writer.write(_status(0))
         await writer.drain()
-        return True
+        return _message_key(self.token, nonce) if flags & MAC_FLAG else b""
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any) -> bool:
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any, key: bytes | None = None, seq: int = 0) -> bool:
         try:
             (size,) = struct.unpack("<I", await reader.readexactly(4))
         except asyncio.IncompleteReadError as exc:
@@ -161,7 +185,7 @@ class DataServer:
             nbytes = unpack(head, max_bytes=MAX_HEADER).get("nbytes")
             if not isinstance(nbytes, int) or not 0 <= nbytes <= self.max_payload:
                 raise WireError(f"tensor header declares {nbytes!r} payload bytes (at most {self.max_payload})")
-            await self.handler(_frames(head, reader, nbytes))
+            await self.handler(_frames(head, reader, nbytes, None if key is None else _tagger(key, seq, head)))
         except Exception as exc:  # a bad message never takes the server down; it closes this connection
             if not isinstance(exc, FusionError):
                 self.log.exception("tensor handler failed")
@@ -174,7 +198,9 @@ class DataServer:
         return True
 
 
-async def _frames(head: bytes, reader: asyncio.StreamReader, nbytes: int) -> AsyncIterator[bytes]:
+async def _frames(head: bytes, reader: asyncio.StreamReader, nbytes: int, tag: Any = None) -> AsyncIterator[bytes]:
+    """The message's frames; with ``tag`` (a running HMAC), its MAC is checked after the payload and
+    before the stream ends, so the handler never files a tensor whose MAC is wrong."""
     yield head
     left = nbytes
     while left:
@@ -182,7 +208,16 @@ async def _frames(head: bytes, reader: asyncio.StreamReader, nbytes: int) -> Asy
         if not chunk:
             raise WireError(f"tensor stream truncated: {nbytes - left} of {nbytes} bytes")
         left -= len(chunk)
+        if tag is not None:
+            tag.update(chunk)
         yield chunk
+    if tag is not None:
+        try:
+            got = await reader.readexactly(TAG)
+        except asyncio.IncompleteReadError:
+            raise WireError("tensor message truncated before its MAC") from None
+        if not hmac.compare_digest(got, tag.digest()):
+            raise WireError("tensor message fails its MAC: changed on the way (a relay or the network), or sent with another token")
 
 
 class _LinkDown(TransportError):
@@ -193,9 +228,14 @@ class DataClient:
     """One connection to a peer's DataServer; messages are pipelined, acks awaited in order. A
     connection that fails is made again, with backoff, within each push's deadline."""
 
-    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None, role: str = "worker") -> None:
+    def __init__(self, address: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None, role: str = "worker",
+                 mac: bool = False) -> None:
+        """``mac``: every message carries a MAC (a peer reached through a relay)."""
         self.address = address
         self.token = token
+        self.mac = mac
+        self._key = b""
+        self._seq = 0
         self.tls = tls
         self.protocol = protocol
         self.bytes_sent = 0
@@ -220,7 +260,8 @@ class DataClient:
                 if magic != MAGIC:
                     writer.close()
                     raise TransportError(f"{self.address} is not a fusionllm data port")
-                writer.write(_REPLY.pack(MAGIC, self.protocol, _mac(self.token, nonce)))
+                flags = MAC_FLAG if self.mac else 0
+                writer.write(_REPLY.pack(MAGIC, self.protocol, flags, _mac(self.token, nonce, flags)))
                 await writer.drain()
                 code, why = await asyncio.wait_for(_read_status(reader), HANDSHAKE_TIMEOUT)
             except ConnectionRefusedError:  # the host answered that nothing listens there: the process is gone, not the link
@@ -231,6 +272,7 @@ class DataClient:
                 writer.close()
                 raise AuthError(f"{self.address} {why}")
             self._writer = writer
+            self._key, self._seq = (_message_key(self.token, nonce) if self.mac else b""), 0
             self._reader_task = asyncio.create_task(self._read_acks(reader))
             return writer
 
@@ -297,6 +339,13 @@ class DataClient:
         writer.write(head)
         writer.writelines(payload)
         self.bytes_sent += 4 + sum(len(f) for f in frames)
+        if self._key:
+            tag = _tagger(self._key, self._seq, head)
+            for f in payload:
+                tag.update(f)
+            self._seq += 1
+            writer.write(tag.digest())
+            self.bytes_sent += TAG
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved also when drain() fails first
         try:
             await asyncio.wait_for(writer.drain(), timeout)
