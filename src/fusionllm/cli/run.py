@@ -189,6 +189,9 @@ def worker(
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
+    behind_nat: Annotated[bool, typer.Option("--behind-nat", help="Nobody can connect to this machine (NAT, a firewall): be reached through a relay without trying a direct connection first (found out at join anyway).")] = False,
+    relay: Annotated[bool, typer.Option("--relay", help="Relay for workers behind NAT (this worker must be reachable; it forwards their traffic on its link).")] = False,
+    relay_port: Annotated[int, typer.Option("--relay-port", min=0, max=65535, help="With --relay: the port workers behind NAT open tunnels to (0: any); hosted workers get one port each for control and data.")] = 0,
     inject_fault: Annotated[list[str] | None, typer.Option("--inject-fault", help="TESTS ONLY: corrupt what this worker sends: nan@STEP (a NaN in every tensor it sends at STEP) or scale@STEP[:FACTOR] (its gradients times FACTOR, default 1e6); repeatable.")] = None,
 ) -> None:
     """Join a coordinator, run the stage it assigns, exit when the run ends."""
@@ -205,6 +208,6 @@ def worker(
     config = WorkerConfig(
         join=join, token=load_token(token_file), device=device, threads=threads, listen=listen, advertise=advertise, data_port=data_port,
         coordinator_timeout=coordinator_timeout, rank=rank, backend=backend,
-        tls=TlsFiles.load(tls_cert, tls_key, tls_ca), faults=faults,
+        tls=TlsFiles.load(tls_cert, tls_key, tls_ca), faults=faults, behind_nat=behind_nat, relay=relay, relay_port=relay_port,
     )
     raise typer.Exit(run_worker(config))

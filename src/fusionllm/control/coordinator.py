@@ -27,6 +27,7 @@ from .dashboard import Dashboard
 from .hier_pauses import HierPauseMixin
 from .hierarchical import HierarchicalMixin
 from .membership import Membership
+from .reach import ReachMixin
 from .recovery import RecoveryMixin
 from .restart import Interrupted, RestartMixin, Stopped
 from .setup import SetupMixin
@@ -36,7 +37,7 @@ from .task import RunTask
 from .training import TrainingMixin
 
 
-class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepMixin, RestartMixin, HierarchicalMixin, HierPauseMixin):
+class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepMixin, RestartMixin, HierarchicalMixin, HierPauseMixin, ReachMixin):
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
                  on_ready: Callable[[int], None] = lambda _: None, handle_signals: bool = False) -> None:
         """``handle_signals``: SIGINT/SIGTERM stop the run for a restart (``restart.py``); the command
@@ -50,10 +51,11 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
         self.membership = Membership(cluster.workers)
         self.server = RpcServer(
             COORDINATOR_SERVICE, cluster.token, role="coordinator",
-            control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat},
+            control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat, "Reach": self._on_reach},
             tls=cluster.tls,
         )
         self.port = 0
+        self._init_reach()
         self.epoch = 0  # bumped by every recovery or re-plan; workers drop tensors of an earlier epoch
         self.recoveries = 0
         self.strikes: dict[str, int] = {}  # bad tensors blamed on each worker, by address (bad_steps.py)
@@ -76,6 +78,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
         unwatch = self._watch_signals() if self.handle_signals else None
         try:  # everything started is stopped in `finally`, also when cancelled while starting
             self.port = await self.server.start(self.cluster.listen)
+            await self._start_relay()  # for workers nobody can reach (reach.py)
             host = self.cluster.listen.rpartition(":")[0]
             self.on_ready(self.port)
             self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
@@ -134,6 +137,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
             self.status.state = "finished"
             await self._shutdown(run, restart=restart)
             await self.server.stop(0.5)
+            await self._stop_relay()
             if dashboard is not None:
                 await dashboard.stop()
             if unwatch is not None:

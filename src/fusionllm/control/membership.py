@@ -42,6 +42,7 @@ class Membership:
         self.state = "joining"
         self.full = asyncio.Event()
         self.spares: set[int] = set()
+        self.moves = 0  # workers behind NAT that came back through another relay
         self.incarnation = secrets.token_hex(8)  # this coordinator process: workers that see another one re-register
 
     async def register(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -84,12 +85,19 @@ class Membership:
     async def heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
         beat = Heartbeat.from_wire(msg)
         member = self.members.get(beat.worker)
+        if member is not None and beat.moved_from and member.address == beat.moved_from and beat.address:
+            self._move(member, beat)  # behind NAT, its relay went away: it is hosted by another one now
         if member is None or beat.address not in ("", member.address):  # its id changed in a re-plan it has not heard of yet
             member = next((m for m in self.members.values() if m.address == beat.address), None)
         if member is not None:
             member.last_seen = time.monotonic()
         # unknown: this coordinator restarted, or dropped it (lost while alive, or back under a new address)
         return HeartbeatReply(self.state, self.incarnation, known=member is not None).to_wire()
+
+    def _move(self, member: Member, beat: Heartbeat) -> None:
+        member.address = beat.address
+        member.info.update(address=beat.address, data_address=beat.data_address, relay=beat.relay)
+        self.moves += 1
 
     def stale(self, seconds: float) -> list[int]:
         """Members whose last heartbeat is older than ``seconds``."""

@@ -18,6 +18,7 @@ from fusionllm.control.adatopk import (  # noqa: F401 (AdaTopK in planning; re-e
     link_policy,
     with_compression,
 )
+from fusionllm.control.reach import routes
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.cost.model import CostModel
 from fusionllm.cost.work import OpWork
@@ -58,10 +59,13 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
     n = len(devices)
     bw = [[math.inf] * n for _ in range(n)]
     started = time.perf_counter()
+    infos = {w: m.info for w, m in members.items()}
     for i in range(n):
+        seen_from_i = routes(infos, i)[0]  # through a relay, or on the LAN between workers behind one NAT
         for j in range(n):
             if i != j:
-                reply = await clients[i].call("MeasureTo", {"address": members[j].address, "seconds": seconds}, timeout=seconds * 30 + 120)
+                address = seen_from_i.get(j) or members[j].address
+                reply = await clients[i].call("MeasureTo", {"address": address, "seconds": seconds}, timeout=seconds * 30 + 120)
                 bw[i][j] = float(reply["bps"])
     say(f"probed {n * (n - 1)} links in {time.perf_counter() - started:.1f} s; device speeds (reference cores): "
         + ", ".join(f"w{d.index}={d.cpus:.2f}" if d.cpus else f"w{d.index}={d.flops:.3g}flop/s" for d in devices))

@@ -8,7 +8,8 @@ from typing import Any
 
 from fusionllm.core.errors import FusionError, TransportError
 from fusionllm.core.metrics import JsonlWriter
-from fusionllm.transport.control import Aborted
+from fusionllm.transport.control import WORKER_SERVICE, Aborted
+from fusionllm.transport.rpc import RpcClient
 
 from .config import Replan, Run, WorkerLost
 
@@ -41,13 +42,27 @@ class RecoveryMixin:
             await self._raise_if_lost(run, str(exc))
             raise
 
+    def _readdressed(self, run: Run) -> None:
+        """Clients to workers behind NAT that moved to another relay (their old relay went away)."""
+        for w, client in list(run.clients.items()):
+            member = self.membership.members.get(w)
+            if member is not None and member.address != client.address:
+                run.clients[w] = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls)
+
     async def _raise_if_lost(self, run: Run, why: str) -> None:
         async def alive(w: int) -> bool:  # a dropped link is given --dead-after to come back; a refused connection is not
-            try:
-                await run.clients[w].call_retrying("Ping", {}, within=self.cluster.dead_after_s, timeout=3)
-                return True
-            except FusionError:
-                return False
+            began = time.monotonic()
+            while True:
+                self._readdressed(run)
+                try:
+                    await run.clients[w].call_retrying("Ping", {}, within=self.cluster.dead_after_s, timeout=3)
+                    return True
+                except FusionError:
+                    member = self.membership.members.get(w)
+                    # behind NAT, its relay gone: it comes back through another relay within --dead-after
+                    if member is None or not member.info.get("relay") or time.monotonic() - began > self.cluster.dead_after_s:
+                        return False
+                    await asyncio.sleep(0.2)
 
         answers = await asyncio.gather(*(alive(w) for w in run.plan.workers))
         dead = {w for w, ok in zip(run.plan.workers, answers, strict=True) if not ok}
@@ -72,6 +87,7 @@ class RecoveryMixin:
                 return False
 
         survivors = [w for w in run.plan.workers if w not in lost.workers]
+        self._readdressed(run)
         answers = await asyncio.gather(*(abort(w) for w in survivors))
         gone = set(lost.workers) | {w for w, ok in zip(survivors, answers, strict=True) if not ok}
         await self._leave(run, gone)

@@ -27,6 +27,7 @@ from fusionllm.transport.shards import read_selected, stage_keep
 from .capabilities import backend_of, place
 from .config import Run
 from .limits import check_message_sizes
+from .reach import routes
 
 
 class SetupMixin:
@@ -83,7 +84,6 @@ class SetupMixin:
                       compress_roles=c.compress_roles, seed=t.seed, precision=t.precision,
                       recompute=t.recompute, guard=c.guard, guard_factor=c.guard_factor)
         graph_json, plan_json = graph.to_json(), plan.to_json()
-        data_addresses = {str(m.id): str(m.info["data_address"]) for m in self.membership.members.values() if m.info.get("data_address")}
         infos = {w: m.info for w, m in self.membership.members.items()}
         replies: dict[int, Assigned] = {}
 
@@ -91,10 +91,11 @@ class SetupMixin:
             stage = plan.stage_of_worker(w)
             names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
-            head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in addresses.items()}, hyper=hyper,
-                          nbytes=len(blob), epoch=self.epoch, data_addresses=data_addresses, data=self.data_spec, load=load,
-                          program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
-                          step=self.start_step)
+            peers, data, through = routes(infos, w)  # LAN addresses between workers behind one NAT (reach.py)
+            head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in {**addresses, **peers}.items()}, hyper=hyper,
+                          nbytes=len(blob), epoch=self.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=self.data_spec,
+                          load=load, program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
+                          step=self.start_step, relayed=through)
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:
@@ -123,7 +124,8 @@ class SetupMixin:
         workers = {}
         for w, m in self.membership.members.items():
             workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
-                               "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers}
+                               "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers,
+                               "relay": m.info.get("relay") or None}
         bandwidth = {}
         if hw is not None:
             bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
@@ -189,3 +191,5 @@ class SetupMixin:
                 info = self.membership.members[w].info
                 dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
+        for line in self._relay_lines(addresses):
+            self.say(line)

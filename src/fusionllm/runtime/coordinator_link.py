@@ -61,6 +61,10 @@ class CoordinatorLink:
         def _stop(self, code: int) -> None: ...
         async def _abort_step(self) -> bool: ...
         def _advertise_host(self) -> str: ...
+        def _beat(self) -> Heartbeat: ...
+        def _nat_fields(self) -> dict[str, str]: ...
+        moved_from: str
+        tunnel: Any
 
     def _init_link(self) -> None:
         self.incarnation = ""  # the coordinator process this worker registered with
@@ -78,6 +82,7 @@ class CoordinatorLink:
             backend=b.name, software=b.software(), kinds=b.kinds(), torch_loaded="torch" in sys.modules,
             hostname=socket.gethostname(), pid=os.getpid(), threads=b.threads(), rank=self.config.rank,
             probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
+            **self._nat_fields(),
         )
         deadline = time.monotonic() + self.config.join_timeout
         while True:
@@ -102,8 +107,10 @@ class CoordinatorLink:
         while not self.done.is_set():
             await asyncio.sleep(min(self.config.heartbeat_s, 0.5) if self._gone else self.config.heartbeat_s)  # away: look more often
             try:
-                raw = await self.coordinator.call("Heartbeat", Heartbeat(self.id or 0, self.address).to_wire(), timeout=5)
+                raw = await self.coordinator.call("Heartbeat", self._beat().to_wire(), timeout=5)
                 reply = HeartbeatReply.from_wire(raw)
+                if reply.known:
+                    self.moved_from = ""
             except FusionError as exc:
                 self._went_away(f"stopped answering ({exc})")
                 # the next heartbeat on a new connection: after a silent outage (packets dropped, nothing reset) the
@@ -197,7 +204,7 @@ class CoordinatorLink:
         """A host found by the route towards the coordinator may have changed (another network, a new
         lease): heartbeats then carry the new address, which the coordinator does not know."""
         host = self.config.listen.rpartition(":")[0].strip("[]")
-        if self.config.advertise or host not in ("0.0.0.0", "::", ""):
+        if self.config.advertise or host not in ("0.0.0.0", "::", "") or self.tunnel is not None:  # behind NAT: the relay's address
             return
         try:
             now = self._advertise_host()

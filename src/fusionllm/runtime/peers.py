@@ -169,8 +169,11 @@ class PeerNet:
 
     Tensors go over a worker's data plane (``transport/stream.py``) when it has one, else over gRPC."""
 
-    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None, epoch: int = 0) -> None:
+    def __init__(self, addresses: dict[int, str], token: str, *, data_addresses: dict[int, str] | None = None, tls: TlsFiles | None = None, epoch: int = 0,
+                 relayed: set[int] | None = None) -> None:
+        """``relayed``: peers reached through a relay (their tensors carry a MAC per message)."""
         self.tls = tls
+        self.relayed = relayed or set()
         self.epoch = epoch  # stamped on every tensor (see Inbox.epoch)
         self.attempt = 0  # the running step's attempt (the worker sets it per Step), stamped on every tensor
         self.addresses = addresses
@@ -209,7 +212,7 @@ class PeerNet:
         started = time.perf_counter()
         if worker in self.data_addresses:
             if worker not in self._data:
-                self._data[worker] = DataClient(self.data_addresses[worker], self.token, tls=self.tls)
+                self._data[worker] = DataClient(self.data_addresses[worker], self.token, tls=self.tls, mac=worker in self.relayed)
             await self._data[worker].push(frames, timeout=timeout)
         else:
             await self.client(worker).push("Push", frames, timeout=timeout)

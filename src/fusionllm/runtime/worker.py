@@ -35,6 +35,7 @@ from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.coordinator_link import CoordinatorLink
 from fusionllm.runtime.faults import Fault
+from fusionllm.runtime.nat_link import NatLink
 from fusionllm.runtime.outer import OuterState
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
@@ -92,9 +93,12 @@ class WorkerConfig:
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
     handle_signals: bool = True  # SIGINT/SIGTERM stop the worker; False where it shares a process (harness.py)
     faults: tuple[Fault, ...] = ()  # tests only: tensors this worker corrupts on purpose (--inject-fault, runtime/faults.py)
+    behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
+    relay: bool = False  # a reachable worker that relays for workers behind NAT
+    relay_port: int = 0
 
 
-class Worker(CoordinatorLink):
+class Worker(CoordinatorLink, NatLink):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.id: int | None = None
@@ -124,6 +128,7 @@ class Worker(CoordinatorLink):
         self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
         self._init_link()
+        self._init_nat()
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -137,6 +142,9 @@ class Worker(CoordinatorLink):
             self.address = address
             data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
             self.data_address = f"{self._advertise_host()}:{data_port}"
+            await self._start_relay_offer(self._advertise_host())
+            await self._reach()  # behind NAT: hosted by a relay (nat_link.py)
+            address = self.address
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM) if self.config.handle_signals else ():
                 loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
@@ -152,6 +160,7 @@ class Worker(CoordinatorLink):
             await self._abort_step()
             if self.peers:
                 await self.peers.close()
+            await self._stop_nat()
             await self.coordinator.close()
             await self.data.stop()
             await self.server.stop(0.5)
@@ -174,7 +183,7 @@ class Worker(CoordinatorLink):
 
     # ---- handlers --------------------------------------------------------------------------------
     async def _on_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"worker": self.id}
+        return {"worker": self.id, "nonce": self.nonce}
 
     async def _on_measure_to(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The link probe: stream to another worker for a while, through this transport."""
@@ -243,7 +252,8 @@ class Worker(CoordinatorLink):
         self._runs.clear()
         self.id = msg.worker
         self.peers = PeerNet({int(k): v for k, v in msg.addresses.items()}, self.config.token,
-                             data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch)
+                             data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch,
+                             relayed=set(msg.relayed))
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program, faults=self.config.faults,

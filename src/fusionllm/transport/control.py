@@ -126,6 +126,11 @@ class Register(Message):
     rank: int | None = None
     probe: dict[str, float] = field(default_factory=dict)
     live: LiveState | None = None  # a worker coming back to a (restarted) coordinator: the stage it holds
+    relay: str = ""  # behind NAT: the relay that hosts it (its address and data_address are that relay's ports); "": reachable
+    seen: str = ""  # behind NAT: its public host as the relay saw it (workers behind one NAT share it)
+    lan_address: str = ""  # behind NAT: its own addresses, for peers behind the same NAT
+    lan_data_address: str = ""
+    relay_offer: str = ""  # a reachable worker started with --relay: the address of its relay
 
 
 @dataclass
@@ -166,6 +171,27 @@ class Registered(Message):
 class Heartbeat(Message):
     worker: int
     address: str = ""
+    moved_from: str = ""  # a worker behind NAT whose relay went away: its old address (address, data_address, relay: the new ones)
+    data_address: str = ""
+    relay: str = ""
+
+
+@dataclass
+class Reach(Message):
+    """A joining worker asks whether the coordinator can connect back to it; if not, which relay hosts it."""
+
+    address: str
+    data_address: str
+    behind_nat: bool = False  # --behind-nat: do not try, use a relay
+    avoid: list[str] = field(default_factory=list)  # relays that went away
+    nonce: str = ""  # the worker answers a Ping with it: connecting back reached this worker, not another machine
+
+
+@dataclass
+class ReachReply(Message):
+    reachable: bool
+    why: str = ""  # how connecting back failed
+    relay: str = ""  # the relay to open a tunnel to; an empty host ("":PORT) means the coordinator's host as the worker joined it
 
 
 @dataclass
@@ -236,6 +262,7 @@ class Assign(Message):
     program: list[str] | None = None  # the worker's validated action list (text form); None: the worker lowers the plan
     hier: str | None = None  # hierarchical mode: the HierPlan (JSON); ``plan`` is then this worker's group's plan
     step: int = -1  # steps the assigned state has completed (the worker reports it if the coordinator restarts); -1: unknown
+    relayed: list[int] = field(default_factory=list)  # peers reached through a relay: their tensors carry a MAC per message
 
 
 @dataclass

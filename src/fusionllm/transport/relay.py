@@ -124,6 +124,7 @@ class Relay:
         self.log = get_logger("transport", role)
         self.hosted: dict[str, Hosted] = {}  # tunnel id -> worker
         self.refusals = 0
+        self._copied = 0
         self._pending: dict[str, tuple[asyncio.Future, str]] = {}  # session -> (joined connection, tunnel id)
         self._server: asyncio.Server | None = None
         self._host = ""
@@ -135,7 +136,8 @@ class Relay:
         return int(self._server.sockets[0].getsockname()[1])
 
     def bytes_relayed(self) -> int:
-        return sum(h.bytes for h in self.hosted.values())
+        """Bytes copied for hosted workers since the relay started (both directions)."""
+        return self._copied
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -265,6 +267,7 @@ class Relay:
 
             def count(n: int) -> None:
                 hosted.bytes += n
+                self._copied += n
 
             spliced = True
             await splice((reader, writer), other, count)
@@ -285,12 +288,13 @@ class Relay:
         return True  # the connection now belongs to the session
 
 
-async def relay_connect(address: str, token: str, request: dict[str, Any], *, timeout: float = HANDSHAKE_S
+async def relay_connect(address: str, token: str, request: dict[str, Any], *, timeout: float = HANDSHAKE_S, source: str = ""
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Open an authenticated connection to a relay and send ``request``."""
+    """Open an authenticated connection to a relay (from the host ``source``, when given) and send ``request``."""
     host, _, port = address.rpartition(":")
+    bind = {"local_addr": (source, 0)} if source else {}
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port), limit=COPY), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port), limit=COPY, **bind), timeout)
         magic, protocol, nonce = _HELLO.unpack(await asyncio.wait_for(reader.readexactly(_HELLO.size), timeout))
         if magic != MAGIC:
             writer.close()
@@ -309,10 +313,12 @@ async def relay_connect(address: str, token: str, request: dict[str, Any], *, ti
 
 class Tunnel:
     """A worker's side: hosted by a relay, it joins each session the relay opens, connecting it to
-    ``targets[k]`` (its own servers). ``lost`` is set when the tunnel ends (the relay went away)."""
+    ``targets[k]`` (its own servers). ``lost`` is set when the tunnel ends (the relay went away).
+    ``source``: the host its connections to the relay leave from (default: the system's choice)."""
 
-    def __init__(self, relay: str, token: str, targets: list[str]) -> None:
+    def __init__(self, relay: str, token: str, targets: list[str], *, source: str = "") -> None:
         self.relay = relay
+        self.source = source
         self.token = token
         self.targets = targets
         self.ports: list[int] = []
@@ -330,7 +336,7 @@ class Tunnel:
         return [f"{host}:{p}" for p in self.ports]
 
     async def open(self) -> list[str]:
-        reader, writer = await relay_connect(self.relay, self.token, {"op": "host", "services": len(self.targets)})
+        reader, writer = await relay_connect(self.relay, self.token, {"op": "host", "services": len(self.targets)}, source=self.source)
         try:
             reply = await asyncio.wait_for(read_msg(reader), HANDSHAKE_S)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
@@ -370,7 +376,7 @@ class Tunnel:
 
     async def _session(self, sid: str, k: int) -> None:
         try:
-            reader, writer = await relay_connect(self.relay, self.token, {"op": "join", "session": sid})
+            reader, writer = await relay_connect(self.relay, self.token, {"op": "join", "session": sid}, source=self.source)
             (n,) = struct.unpack("<I", await asyncio.wait_for(reader.readexactly(4), HANDSHAKE_S))
             if n != 0:
                 writer.close()

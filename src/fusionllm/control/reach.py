@@ -1,0 +1,138 @@
+"""Workers nobody can reach (behind NAT): the coordinator checks each joining worker, and hosts or
+finds a relay for those it cannot connect back to.
+
+A joining worker asks ``Reach`` with its addresses and a nonce. The coordinator connects back to
+both its ports (with the token, within ``REACH_S``) and checks that the answer carries the nonce (a
+private address may name another machine on the coordinator's side). When that fails, or the worker
+says ``--behind-nat``, the reply names a relay: a reachable worker that offered ``--relay`` (the one
+hosting fewest), else the coordinator's own (``transport/relay.py``). The worker then joins with the
+relay's public ports as its addresses.
+
+Peers behind the same NAT (the relay saw them come from one public host) are given each other's own
+addresses: their tensors stay on their LAN. Every other link to a relayed worker goes through its
+relay; the plan printout marks those links, the probes measure them through the relay, and their
+tensors carry a MAC per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fusionllm.core.errors import FusionError
+from fusionllm.transport.control import WORKER_SERVICE, Reach, ReachReply
+from fusionllm.transport.relay import Relay
+from fusionllm.transport.rpc import RpcClient
+from fusionllm.transport.stream import DataClient
+
+REACH_S = 2.0  # how long connecting back to a joining worker may take
+
+
+async def connect_back(address: str, data_address: str, nonce: str, token: str, tls: Any = None, timeout: float = REACH_S) -> str:
+    """'' when both of a worker's ports answer with the token (and its Ping with ``nonce``); else why not."""
+    client = RpcClient(address, WORKER_SERVICE, token, tls=tls)
+    try:
+        reply = await client.call("Ping", {}, timeout=timeout)
+        if nonce and reply.get("nonce") != nonce:
+            return f"{address} answers, but it is another process (a private address of another machine?)"
+    except FusionError as exc:
+        return str(exc)
+    finally:
+        await client.close()
+    data = DataClient(data_address, token, tls=tls)
+    try:
+        await asyncio.wait_for(data._connect(), timeout)  # the handshake only
+    except (FusionError, asyncio.TimeoutError) as exc:
+        return f"data port {data_address}: {exc or 'timed out'}"
+    finally:
+        await data.close()
+    return ""
+
+
+def relayed(info: dict[str, Any]) -> bool:
+    return bool(info.get("relay"))
+
+
+def same_nat(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two workers behind one NAT: the relay saw both come from the same public host."""
+    return relayed(a) and relayed(b) and bool(a.get("seen")) and a.get("seen") == b.get("seen") and bool(a.get("lan_address"))
+
+
+def routes(infos: dict[int, dict[str, Any]], w: int) -> tuple[dict[int, str], dict[int, str], list[int]]:
+    """The addresses worker ``w`` uses for every member (LAN addresses for a peer behind its own NAT),
+    and which of them go through a relay."""
+    addresses, data, through = {}, {}, []
+    me = infos.get(w, {})
+    for p, info in infos.items():
+        if p != w and same_nat(me, info):
+            addresses[p], data[p] = str(info["lan_address"]), str(info.get("lan_data_address") or info.get("data_address", ""))
+        else:
+            addresses[p], data[p] = str(info.get("address", "")), str(info.get("data_address", ""))
+            if relayed(info) and p != w:
+                through.append(p)
+    return addresses, data, through
+
+
+class ReachMixin:
+    """The coordinator's half (``Coordinator`` mixes it in): its relay, and the Reach call."""
+
+    cluster: Any
+    membership: Any
+    say: Any
+
+    def _init_reach(self) -> None:
+        self.relay = Relay(self.cluster.token, role="coordinator relay")
+        self.relay_port = 0
+
+    async def _start_relay(self) -> None:
+        host = self.cluster.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        self.relay_port = await self.relay.start(host)
+
+    async def _stop_relay(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.relay.stop()
+
+    def _own_relay(self) -> str:
+        """The coordinator's relay: an empty host means the host each worker joined the coordinator at."""
+        host = self.cluster.listen.rpartition(":")[0]
+        return f"{'' if host.strip('[]') in ('0.0.0.0', '::', '') else host}:{self.relay_port}"
+
+    async def _on_reach(self, msg: dict[str, Any]) -> dict[str, Any]:
+        req = Reach.from_wire(msg)
+        if not req.behind_nat:
+            why = await connect_back(req.address, req.data_address, req.nonce, self.cluster.token, self.cluster.tls)
+            if not why:
+                return ReachReply(True).to_wire()
+        else:
+            why = "it says it is behind NAT (--behind-nat)"
+        return ReachReply(False, why, self._choose_relay(set(req.avoid))).to_wire()
+
+    def _choose_relay(self, avoid: set[str]) -> str:
+        """A reachable worker's relay (the least loaded) when one is offered, else the coordinator's."""
+        infos = [m.info for m in self.membership.members.values()]
+        load: dict[str, int] = {}
+        for info in infos:
+            if info.get("relay"):
+                load[str(info["relay"])] = load.get(str(info["relay"]), 0) + 1
+        offers = sorted({str(i["relay_offer"]) for i in infos if i.get("relay_offer") and not relayed(i)} - avoid)
+        if offers:
+            return min(offers, key=lambda r: (load.get(r, 0), r))
+        return self._own_relay()
+
+    def _relay_lines(self, addresses: dict[int, str]) -> list[str]:
+        """What the plan printout says about workers behind NAT."""
+        infos = {w: m.info for w, m in self.membership.members.items() if w in addresses}
+        lines = []
+        for w in sorted(infos):
+            if relayed(infos[w]):
+                relay = str(infos[w]["relay"])
+                lan = sorted(p for p in infos if p != w and same_nat(infos[w], infos[p]))
+                via = "the coordinator" if self._is_own(relay) else relay
+                lines.append(f"  worker {w} is behind NAT: reached through relay {via}" + (f"; direct to {lan} (same NAT)" if lan else ""))
+        return lines
+
+    def _is_own(self, relay: str) -> bool:
+        host, _, port = relay.rpartition(":")
+        own = self.cluster.listen.rpartition(":")[0]
+        return port == str(self.relay_port) and (host in ("", own) or own.strip("[]") in ("0.0.0.0", "::", ""))

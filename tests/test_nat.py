@@ -1,0 +1,154 @@
+"""Workers nobody can connect to (``--behind-nat``) train through relays, exactly like one process.
+
+In process, on loopback: a worker behind NAT is one that the coordinator does not try to reach; its
+listen host (127.0.0.x) stands for its NAT's public address, as the relay sees it. The testbed's real
+NAT (namespaces, nftables masquerade) is covered in ``test_testbed_nat.py`` and ``benchmarks/nat.py``.
+
+Why these can fail: a relayed tensor that is lost, doubled or changed moves a loss beyond 1e-5; a
+worker that is not served through its relay never joins (its private address is not reachable);
+a relay that dies without the worker moving to another leaves the run without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fusionllm.core.config import TrainConfig
+from fusionllm.harness import InProcessCluster, cluster_config, run_in_process
+from fusionllm.runtime.single import train_single
+from fusionllm.runtime.verify import TOLERANCE
+from fusionllm.runtime.worker import Worker
+from fusionllm.transport.stream import DataClient
+
+STEPS = 4
+
+
+def _train(steps: int = STEPS) -> TrainConfig:
+    return TrainConfig(model="gpt-nano", steps=steps, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0)
+
+
+def _close(losses: list[float], reference: list[float]) -> None:
+    assert len(losses) == len(reference)
+    for a, b in zip(losses, reference, strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b), (losses, reference)
+
+
+@pytest.fixture
+def data_clients(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every data-plane client made: (address, whether its messages carry a MAC)."""
+    made: list[tuple[str, bool]] = []
+    init = DataClient.__init__
+
+    def record(self: DataClient, address: str, token: str, **kw: object) -> None:
+        init(self, address, token, **kw)  # type: ignore[arg-type]
+        made.append((address, self.mac))
+
+    monkeypatch.setattr(DataClient, "__init__", record)
+    return made
+
+
+@pytest.mark.parametrize("same_nat", [False, True])
+def test_workers_behind_nat_train_like_one_process(same_nat: bool, data_clients: list[tuple[str, bool]]) -> None:
+    """Workers 1 and 2 behind NAT (two NATs, or one), hosted by the coordinator's relay; a pipeline of
+    three stages, so activations and gradients flow 0 <-> 1 <-> 2."""
+    train = _train()
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.2" if same_nat else "127.0.0.3"]
+    options = [{"listen": f"{h}:0", **({"behind_nat": True} if i else {})} for i, h in enumerate(hosts)]
+    coordinator_relay = {}
+
+    async def main() -> list:
+        async with InProcessCluster(train, cluster_config(3, micro_batches=2), worker_options=options) as c:
+            result = await c.run()
+            coordinator_relay["bytes"] = c.coordinator.relay.bytes_relayed()
+            coordinator_relay["lines"] = list(c.lines)
+        return [result, c.workers]
+
+    result, ws = asyncio.run(main())
+    _close(result.losses, train_single(train).losses)
+    assert ws[0].tunnel is None and ws[1].tunnel is not None and ws[2].tunnel is not None
+    assert coordinator_relay["bytes"] > 0
+    lines = "\n".join(coordinator_relay["lines"])
+    assert "worker 1 is behind NAT: reached through relay the coordinator" in lines, lines
+    peers1 = ws[1].peers
+    if same_nat:  # on their LAN: worker 1 reaches worker 2 at its own address, with no relay
+        assert peers1.data_addresses[2] == ws[2].lan_data_address and 2 not in peers1.relayed
+        assert "direct to [2] (same NAT)" in lines
+    else:  # through the relay, every tensor with its MAC
+        assert peers1.data_addresses[2] == ws[2].data_address != ws[2].lan_data_address
+        assert 2 in peers1.relayed and (ws[2].data_address, True) in data_clients
+    assert 0 not in peers1.relayed and (ws[0].data_address, False) in data_clients  # to a reachable worker: direct
+    assert (ws[1].data_address, True) in data_clients  # worker 0 to worker 1: through the relay
+
+
+async def _after_the_relay_joined(c: InProcessCluster) -> None:
+    """Workers behind NAT ask for a relay once a worker offering one has joined (a relay started first)."""
+    while c.coordinator is None or not any(m.info.get("relay_offer") for m in c.coordinator.membership.members.values()):
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def relay_first(monkeypatch: pytest.MonkeyPatch) -> dict:
+    holder: dict = {}
+    reach = Worker._reach
+
+    async def later(self: Worker) -> None:
+        if self.config.behind_nat:
+            await _after_the_relay_joined(holder["cluster"])
+        await reach(self)
+
+    monkeypatch.setattr(Worker, "_reach", later)
+    return holder
+
+
+def test_a_worker_that_offers_to_relay_hosts_the_workers_behind_nat(relay_first: dict) -> None:
+    train = _train()
+    options = [{"listen": "127.0.0.1:0", "relay": True}, {"listen": "127.0.0.2:0", "behind_nat": True}, {"listen": "127.0.0.3:0", "behind_nat": True}]
+
+    async def main() -> tuple:
+        async with InProcessCluster(train, cluster_config(3, micro_batches=2), worker_options=options) as c:
+            relay_first["cluster"] = c
+            result = await c.run()
+        return result, c.workers
+
+    result, ws = asyncio.run(main())
+    _close(result.losses, train_single(train).losses)
+    assert ws[1].tunnel.relay == ws[0].relay_offer == ws[2].tunnel.relay
+    assert ws[0].relay_server.bytes_relayed() > 0
+
+
+def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_first: dict) -> None:
+    """Worker 0 relays for workers 1 and 2 and dies mid-run: they move to the coordinator's relay and the
+    run re-plans on them from the newest checkpoint, and finishes."""
+    train = _train(steps=10)
+    cluster = cluster_config(3, micro_batches=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, dead_after_s=6.0, step_timeout=60.0)
+    options = [{"listen": "127.0.0.1:0", "relay": True}, {"listen": "127.0.0.2:0", "behind_nat": True}, {"listen": "127.0.0.3:0", "behind_nat": True}]
+    seen: dict = {}
+
+    async def main() -> None:
+        async with InProcessCluster(train, cluster, worker_options=options, stop_timeout=20.0) as c:
+            relay_first["cluster"] = c
+            killed = asyncio.Event()
+
+            def on_step(record: dict) -> None:
+                if record.get("step") == 4 and not killed.is_set():
+                    killed.set()
+                    c.workers[0].done.set()  # the relay's worker stops: its servers and its relay go
+
+            c.on_step = on_step
+            run = asyncio.create_task(c.run())
+            await asyncio.wait({run}, timeout=600)
+            c.on_step = lambda _: None
+            seen["result"] = run.result()
+            seen["lines"] = list(c.lines)
+            seen["relays"] = [w.tunnel.relay if w.tunnel else "" for w in c.workers]
+            seen["coordinator_relay"] = f"127.0.0.1:{c.coordinator.relay_port}"
+            seen["moves"] = c.coordinator.membership.moves
+
+    asyncio.run(main())
+    lines = "\n".join(seen["lines"])
+    assert "lost worker(s) [0]" in lines, lines
+    assert seen["relays"][1] == seen["relays"][2] == seen["coordinator_relay"], seen["relays"]
+    assert seen["moves"] == 2
+    assert len(seen["result"].losses) >= 10 - 4  # it went on from a checkpoint to the last step
