@@ -58,6 +58,22 @@ class Hardware:
             memory = d.memory or DEFAULT_CPU_MEMORY
             devices.append(Device(d.index, d.site, None if d.flops else d.cpus, d.flops, memory))
         n = len(devices)
-        bw = tuple(tuple(float(spec.bandwidth(i, j)) if i != j else math.inf for j in range(n)) for i in range(n))
+        bw = tuple(tuple(relayed_bps(spec, i, j) if i != j else math.inf for j in range(n)) for i in range(n))
         lat = tuple(tuple(spec.latency_ms(i, j) / 1000 if i != j else 0.0 for j in range(n)) for i in range(n))
         return Hardware(tuple(devices), bw, lat, spec.name)
+
+
+def relayed(spec: ClusterSpec, i: int, j: int) -> bool:
+    """Traffic between i and j goes through a relay: they are at different sites and one is behind NAT
+    (workers behind one NAT reach each other on their LAN)."""
+    si, sj = spec.site_of(i), spec.site_of(j)
+    return si.name != sj.name and (si.nat or sj.nat)
+
+
+def relayed_bps(spec: ClusterSpec, i: int, j: int) -> float:
+    """The rate from i to j: a relayed link runs at the slowest of the link and each NAT site's uplink
+    (both legs of the relay cross the NATed sites' access links)."""
+    bps = float(spec.bandwidth(i, j))
+    if relayed(spec, i, j):
+        bps = min([bps, *(float(spec.uplink_bps(s.name)) for s in (spec.site_of(i), spec.site_of(j)) if s.nat)])
+    return bps

@@ -74,6 +74,8 @@ class CoordinatorLink:
         self._gone = False  # it stopped answering (or said it is stopping): one log line, then one when it is back
         self._refused: float | None = None  # since when a re-registration is refused
         self._step_s = 0.0  # the last step's duration: how long a step in flight may still take
+        self._began = time.monotonic()  # Worker.run sets it again: joining is timed from there
+        self.join_s = 0.0  # from the start of run() to registered (the device probe, the reach check, a relay's tunnel)
 
     async def _register(self, address: str, info: dict[str, Any]) -> None:
         b = self.backend
@@ -84,19 +86,24 @@ class CoordinatorLink:
             probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
             **self._nat_fields(),
         )
-        deadline = time.monotonic() + self.config.join_timeout
+        reply = await self._joining("Register", self._request.to_wire())
+        self._joined(Registered.from_wire(reply))
+        self.join_s = time.monotonic() - self._began
+        self.log.info("joined %s as worker %d, serving on %s, %.3f s after it started", self.config.join, self.id, address, self.join_s)
+
+    async def _joining(self, method: str, msg: dict[str, Any], timeout: float = 10) -> dict[str, Any]:
+        """A call made while joining: tried again until the coordinator listens, within --join-timeout
+        (workers may start before it)."""
+        deadline = self._began + self.config.join_timeout
         while True:
             try:
-                reply = await self.coordinator.call("Register", self._request.to_wire(), timeout=10)
-                break
+                return await self.coordinator.call(method, msg, timeout=timeout)
             except (AuthError, RemoteError):
                 raise
             except TransportError as exc:
                 if time.monotonic() > deadline:
                     raise TransportError(f"could not join {self.config.join} within {self.config.join_timeout:.0f} s: {exc}") from None
-                await asyncio.sleep(0.5)
-        self._joined(Registered.from_wire(reply))
-        self.log.info("joined %s as worker %d, serving on %s", self.config.join, self.id, address)
+                await asyncio.sleep(0.2 if "refused" in str(exc) else 0.5)
 
     def _joined(self, reply: Registered) -> None:
         self.id, self.incarnation = reply.worker, reply.incarnation

@@ -44,6 +44,9 @@ class NatLink:
     log: Any
     _request: Register | None
 
+    if TYPE_CHECKING:  # CoordinatorLink's
+        async def _joining(self, method: str, msg: dict[str, Any], timeout: float = 10) -> dict[str, Any]: ...
+
     def _init_nat(self) -> None:
         self.nonce = secrets.token_hex(8)  # Ping answers carry it: the coordinator connecting back reached this process
         self.tunnel: Tunnel | None = None
@@ -81,7 +84,7 @@ class NatLink:
     async def _reach(self) -> None:
         """Ask the coordinator to connect back; when it cannot, be hosted by a relay."""
         direct = (self.address, self.data_address)
-        reply = ReachReply.from_wire(await self.coordinator.call(
+        reply = ReachReply.from_wire(await self._joining(
             "Reach", Reach(self.address, self.data_address, self.config.behind_nat, nonce=self.nonce).to_wire(), timeout=30))
         if reply.reachable:
             return

@@ -133,6 +133,7 @@ class Worker(CoordinatorLink, NatLink):
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
         beat: asyncio.Task | None = None
+        self._began = time.monotonic()
         try:  # everything started is stopped in `finally`, also when cancelled while starting
             if self.config.threads:
                 self.backend.set_threads(self.config.threads)
