@@ -121,6 +121,7 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
 
     out["control messages"] = ([pack(m.to_wire()) for m in messages], run_message, MAX_PAYLOAD)
     out["data-plane stream"] = data_plane_target(arrays)
+    out["relay request"] = relay_target()
     cluster = (ROOT / "examples" / "clusters" / "three-sites.toml").read_text().encode()
     out["cluster file"] = ([cluster], lambda b: parse_cluster(b.decode("utf-8", errors="strict")), 1 << 20)
     graph = trace_lm(build_model("gpt-nano", device="meta"), 2, 8, spec="gpt-nano").to_json().encode()
@@ -211,6 +212,35 @@ def data_plane_target(arrays: list) -> tuple[list[bytes], Callable[[bytes], obje
         return loop.run_until_complete(go())
 
     return seeds, run, 4 * MAX_PAYLOAD
+
+
+def relay_target() -> tuple[list[bytes], Callable[[bytes], object], int]:
+    """What a relay reads after the handshake: a u32 size and a msgpack request (``relay.read_msg``,
+    ``relay.parse_request``)."""
+    import asyncio
+    import struct
+
+    from fusionllm.transport.messages import pack
+    from fusionllm.transport.relay import parse_request, read_msg
+
+    seeds = [struct.pack("<I", len(b)) + b for b in (pack({"op": "host", "services": 2}), pack({"op": "join", "session": "ab" * 16}))]
+    loop = asyncio.new_event_loop()
+
+    def run(b: bytes) -> object:
+        async def go() -> object:
+            reader = asyncio.StreamReader()
+            reader.feed_data(b)
+            reader.feed_eof()
+            try:
+                return parse_request(await read_msg(reader))
+            except asyncio.IncompleteReadError as exc:
+                from fusionllm.core.errors import WireError
+
+                raise WireError(f"connection ended inside a request ({len(exc.partial)} bytes)") from None
+
+        return loop.run_until_complete(go())
+
+    return seeds, run, 1 << 20
 
 
 def main() -> int:

@@ -122,3 +122,29 @@ def test_a_local_cluster_trains_over_mutual_tls(pki: dict, tmp_path: Path) -> No
     )
     assert bad.returncode != 0 and "missing --tls-key, --tls-ca" in bad.stderr
     json.loads(out.read_text().splitlines()[-1])
+
+
+def test_workers_behind_nat_keep_tls_end_to_end_through_the_relay(pki: dict) -> None:
+    """The relay copies bytes: TLS runs between the endpoints, and the run trains as over direct links."""
+    from fusionllm.core.config import TrainConfig
+    from fusionllm.harness import InProcessCluster, cluster_config
+    from fusionllm.runtime.single import train_single
+    from fusionllm.runtime.verify import TOLERANCE
+
+    train = TrainConfig(model="gpt-nano", steps=2, batch_size=8, seq_len=16, lr=3e-3, warmup=1, eval_every=0, seed=0)
+    tls = pki["server"]
+    options = [{"listen": "127.0.0.1:0", "tls": tls}, {"listen": "127.0.0.2:0", "tls": tls, "behind_nat": True},
+               {"listen": "127.0.0.3:0", "tls": tls, "behind_nat": True}]
+    relayed: dict = {}
+
+    async def main() -> list[float]:
+        async with InProcessCluster(train, cluster_config(3, tls=tls), worker_options=options) as c:
+            result = await c.run()
+            relayed["bytes"] = c.coordinator.relay.bytes_relayed()
+            relayed["tunnels"] = [w.tunnel is not None for w in c.workers]
+        return result.losses
+
+    losses = asyncio.run(main())
+    reference = train_single(train).losses
+    assert all(abs(a - b) <= TOLERANCE * abs(b) for a, b in zip(losses, reference, strict=True)), (losses, reference)
+    assert relayed["tunnels"] == [False, True, True] and relayed["bytes"] > 0

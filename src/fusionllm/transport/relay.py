@@ -167,13 +167,11 @@ class Relay:
         try:
             if not await self._admit(reader, writer, peer):
                 return
-            msg = await asyncio.wait_for(read_msg(reader), HANDSHAKE_S)
-            if msg.get("op") == "host":
-                await self._host_worker(reader, writer, peer, msg)
-            elif msg.get("op") == "join":
-                keep = self._join(reader, writer, msg)
+            op, arg = parse_request(await asyncio.wait_for(read_msg(reader), HANDSHAKE_S))
+            if op == "host":
+                await self._host_worker(reader, writer, peer, arg)
             else:
-                raise WireError(f"unknown relay request {msg.get('op')!r}")
+                keep = self._join(reader, writer, arg)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError):
             pass
         except WireError as exc:
@@ -204,10 +202,7 @@ class Relay:
             self.log.warning("refused relay connection from %s: %s", peer, why)
         return not why
 
-    async def _host_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any, msg: dict[str, Any]) -> None:
-        n = msg.get("services")
-        if not isinstance(n, int) or not 1 <= n <= MAX_SERVICES:
-            raise WireError(f"a hosted worker asks for {n!r} services (1..{MAX_SERVICES})")
+    async def _host_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any, n: int) -> None:
         if len(self.hosted) >= MAX_HOSTED:
             raise WireError(f"this relay already hosts {MAX_HOSTED} workers")
         tid = secrets.token_hex(8)
@@ -278,14 +273,29 @@ class Relay:
             if not spliced:
                 writer.close()
 
-    def _join(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> bool:
-        sid = msg.get("session")
-        entry = self._pending.pop(sid, None) if isinstance(sid, str) else None
+    def _join(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sid: str) -> bool:
+        entry = self._pending.pop(sid, None)
         if entry is None or entry[0].done():
             raise WireError("joins an unknown or expired session")
         writer.write(struct.pack("<I", 0))  # an empty ack: the session is spliced from here on
         entry[0].set_result((reader, writer))
         return True  # the connection now belongs to the session
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[str, Any]:
+    """A relay request, checked: ("host", services) or ("join", session id)."""
+    op = msg.get("op")
+    if op == "host":
+        n = msg.get("services")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SERVICES:
+            raise WireError(f"a hosted worker asks for {n!r} services (1..{MAX_SERVICES})")
+        return op, n
+    if op == "join":
+        sid = msg.get("session")
+        if not isinstance(sid, str) or not 1 <= len(sid) <= 64:
+            raise WireError("a join names no session")
+        return op, sid
+    raise WireError(f"unknown relay request {op!r}")
 
 
 async def relay_connect(address: str, token: str, request: dict[str, Any], *, timeout: float = HANDSHAKE_S, source: str = ""
