@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEMO_STEPS ?= 300
 
-.PHONY: demo test test-fast test-soak lint install install-dev clean
+.PHONY: demo test test-fast test-soak lint install install-dev testbed-tools clean
 
 # Reuse a torch the system Python already has (venv with system site-packages); otherwise pin 2.13.0,
 # which on the development machines installs the CPU build that lies on disk.
@@ -25,6 +25,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
+# The testbed's NAT sites need nftables (`nft`): installed as root where apt-get is, never failing the
+# build (the NAT tests skip, saying what to install).
+testbed-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v nft >/dev/null 2>&1; then \
+		if apt-get install -y -qq nftables >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nftables >/dev/null 2>&1; }; \
+		then echo "installed nftables (for the testbed's NAT sites)"; \
+		else echo "could not install nftables (apt-get install nftables): the NAT testbed tests will skip"; fi; \
+	fi
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -37,7 +46,7 @@ lint: $(VENV)/.installed-dev
 
 # Three tiers (markers in pyproject.toml). `make test` (CI): every test but the soak tier, processes,
 # testbed (as root) and browser included.
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev testbed-tools
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest
 

@@ -477,8 +477,8 @@ def test_testbed_refuses_more_than_a_subnet_of_workers() -> None:
     from fusionllm.testbed.sh import TestbedError
     from fusionllm.testbed.testbed import Testbed
 
-    with pytest.raises(TestbedError, match="at most 240 workers"):
-        Testbed(parse_cluster(_site("A", devices="241")))
+    with pytest.raises(TestbedError, match="at most 230 workers"):
+        Testbed(parse_cluster(_site("A", devices="231")))
 
 
 def test_bad_site_name_and_name() -> None:

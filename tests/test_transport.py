@@ -7,6 +7,7 @@ import pytest
 
 from fusionllm.control.membership import Membership
 from fusionllm.core.errors import AuthError, FusionError, WireError
+from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.auth import load_token, token_matches
 from fusionllm.transport.frames import CHUNK, read_tensor, tensor_frames
 from fusionllm.transport.messages import pack, unpack
@@ -78,7 +79,7 @@ def test_rpc_refuses_wrong_token_and_protocol() -> None:
             assert (await good.call("Echo", {"x": 5}))["echo"] == 5
             with pytest.raises(AuthError, match="wrong token"):
                 await RpcClient(f"127.0.0.1:{port}", "test.Svc", "u" * 40).call("Echo", {"x": 1})
-            with pytest.raises(AuthError, match="protocol 99, this side speaks 1"):
+            with pytest.raises(AuthError, match=f"protocol 99, this side speaks {PROTOCOL_VERSION}"):
                 await RpcClient(f"127.0.0.1:{port}", "test.Svc", TOKEN, protocol=99).call("Echo", {"x": 1})
             assert server.refusals == 2
             await good.close()
@@ -96,8 +97,8 @@ def test_version_mismatch_names_both_versions() -> None:
         with pytest.raises(AuthError) as info:
             await m.register({"version": "0.0.9", "protocol": 1, "address": "127.0.0.1:1"})
         assert "worker runs fusionllm 0.0.9" in str(info.value) and f"coordinator runs fusionllm {fusionllm.__version__}" in str(info.value)
-        assert (await m.register({"version": fusionllm.__version__, "protocol": 1, "address": "127.0.0.1:1"}))["worker"] == 0
+        assert (await m.register({"version": fusionllm.__version__, "protocol": PROTOCOL_VERSION, "address": "127.0.0.1:1"}))["worker"] == 0
         with pytest.raises(FusionError, match="already has its 1 workers"):
-            await m.register({"version": fusionllm.__version__, "protocol": 1, "address": "127.0.0.1:2"})
+            await m.register({"version": fusionllm.__version__, "protocol": PROTOCOL_VERSION, "address": "127.0.0.1:2"})
 
     asyncio.run(main())

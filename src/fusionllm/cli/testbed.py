@@ -17,7 +17,7 @@ testbed_app = typer.Typer(help="An emulated cluster on this machine: namespaces,
 @user_errors
 def testbed_up(cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML).")]) -> None:
     """Bring the testbed up and leave it up (until `fusionllm testbed down`)."""
-    from fusionllm.cluster.spec import load_cluster
+    from fusionllm.cluster.spec import format_rate, load_cluster
     from fusionllm.testbed.testbed import Testbed
 
     tb = Testbed(load_cluster(cluster))
@@ -25,7 +25,11 @@ def testbed_up(cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML)
         raise FusionError(f"cannot emulate here: {tb.why_not}")
     tb.up()
     for s in tb.slots:
-        print(f"device {s.index}: site {s.site}, netns {s.netns}, {s.address}, cpus {s.cpus}")
+        where = f"{s.address} behind NAT (public {s.public})" if s.nat else s.address
+        print(f"device {s.index}: site {s.site}, netns {s.netns}, {where}, cpus {s.cpus}")
+    for r in tb.routers.values():
+        print(f"NAT site {r.site}: router netns {r.netns}, public {r.public}, private {r.private}.0/24, "
+              f"uplink {format_rate(r.uplink_bps)}; its workers open connections out, none come in")
     print(f"coordinator address: {tb.coordinator_host}; take it down with: fusionllm testbed down")
 
 
@@ -51,7 +55,7 @@ def testbed_probe(
     import tempfile
 
     from fusionllm.cluster.spec import format_rate, load_cluster
-    from fusionllm.testbed.probe import probe
+    from fusionllm.testbed.probe import probe, unprobed
     from fusionllm.testbed.testbed import Testbed
     from fusionllm.transport.auth import load_token
 
@@ -62,6 +66,9 @@ def testbed_probe(
         token = Path(tmp) / "token"
         load_token(token, create=True)
         results = probe(tb, token, seconds=seconds)
+        skipped = unprobed(tb)
+    if skipped:
+        console.print(f"[yellow]not probed: the sites behind NAT ({', '.join(skipped)}): nothing outside them can reach their workers[/yellow]")
     if as_json:
         print(json.dumps(results, indent=1))
         return

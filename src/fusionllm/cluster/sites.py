@@ -13,7 +13,7 @@ from typing import Any
 from fusionllm.cluster.units import format_rate
 from fusionllm.core.errors import ConfigError
 
-MAX_DEVICES = 100_000  # simulated clusters may be large; the testbed itself takes at most 240
+MAX_DEVICES = 100_000  # simulated clusters may be large; the testbed itself takes at most 230
 MAX_CPUS = 64.0  # per worker; a larger quota is almost certainly a typo
 
 _SITE_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -37,9 +37,11 @@ class SiteSpec:
     devices: int
     cpus: float
     bandwidth_bps: int  # between two workers of this site, each direction
-    latency_ms: float = 0.0  # recorded for the simulator, not emulated
+    latency_ms: float = 0.0  # one-way; the testbed delays it (testbed/delay.py)
     device_flops: float | None = None  # peak flop/s of one device, for the simulator
     device_memory: int | None = None  # bytes of one device, for the simulator
+    nat: bool = False  # behind a NAT: its workers open connections out, nothing from outside reaches them
+    uplink_bps: int | None = None  # a NAT site's access link, each direction (None: ClusterSpec.uplink_bps's default)
 
     def __post_init__(self) -> None:
         key = f"sites.{self.name}"
@@ -86,6 +88,21 @@ class SiteSpec:
             raise ConfigError(
                 f"{key}.device_memory: must be a positive whole number of bytes, got {self.device_memory!r}"
             )
+        if not isinstance(self.nat, bool):
+            raise ConfigError(f"{key}.nat: must be true or false, got {self.nat!r}")
+        if self.uplink_bps is not None:
+            if (
+                isinstance(self.uplink_bps, bool)
+                or not isinstance(self.uplink_bps, int)
+                or self.uplink_bps <= 0
+            ):
+                raise ConfigError(
+                    f"{key}.uplink: must be a positive whole number of bit/s, got {self.uplink_bps!r}"
+                )
+            if not self.nat:
+                raise ConfigError(
+                    f"{key}.uplink: only a NAT site has an uplink; add nat = true to site {self.name}, or remove uplink"
+                )
 
 
 @dataclass(frozen=True)
@@ -95,7 +112,7 @@ class LinkSpec:
     a: str
     b: str
     bandwidth_bps: int
-    latency_ms: float = 0.0  # recorded for the simulator, not emulated
+    latency_ms: float = 0.0  # one-way; the testbed delays it (testbed/delay.py)
 
     def __post_init__(self) -> None:
         key = f"link {self.a}-{self.b}"
@@ -225,6 +242,25 @@ class ClusterSpec:
             return 0.0
         return si.latency_ms if si is sj else self.link(si.name, sj.name).latency_ms
 
+    def nat_sites(self) -> list[str]:
+        """The sites behind a NAT, in file order."""
+        return [name for name, site in self.sites.items() if site.nat]
+
+    def is_natted(self, i: int) -> bool:
+        """Whether device `i` sits behind its site's NAT (it can open connections, not accept them from outside)."""
+        return self.site_of(i).nat
+
+    def uplink_bps(self, site: str) -> int:
+        """Bit/s of a site's access link, each direction: its `uplink`, or else the fastest of its
+        links to other sites, or else (a cluster of one site) its own bandwidth."""
+        if site not in self.sites:
+            raise ConfigError(f"cluster {self.name}: unknown site {site!r}; sites are {', '.join(self.sites)}")
+        s = self.sites[site]
+        if s.uplink_bps is not None:
+            return s.uplink_bps
+        rates = [link.bandwidth_bps for link in self.links.values() if site in (link.a, link.b)]
+        return max(rates, default=s.bandwidth_bps)
+
     def bandwidth_matrix(self) -> list[list[int]]:
         """bandwidth(i, j) for every pair of devices, 0 on the diagonal; symmetric."""
         n = self.num_devices
@@ -245,6 +281,9 @@ class ClusterSpec:
                     "latency_ms": s.latency_ms,
                     "device_flops": s.device_flops,
                     "device_memory": s.device_memory,
+                    "nat": s.nat,
+                    "uplink_bps": self.uplink_bps(name) if s.nat else None,
+                    "uplink": format_rate(self.uplink_bps(name)) if s.nat else None,
                 }
                 for name, s in self.sites.items()
             },

@@ -12,9 +12,24 @@ quotas), the planner and the simulator alike::
     sites = ["A", "B"]
     bandwidth = "20mbit"        # each direction, between any worker of A and any of B
 
-Optional keys, recorded for the simulator only (the testbed does not emulate them):
-``latency = "5ms"`` on sites and links, and on sites ``device = "a100"`` (a preset)
-or ``device_flops = "312tflops"`` / ``device_memory = "80GiB"``.
+A site may sit behind a NAT (its workers open connections out; nothing from outside reaches
+them unless they opened it)::
+
+    [sites.home]
+    devices = 2
+    cpus = 0.5
+    bandwidth = "1gbit"
+    nat = true                  # default false
+    uplink = "50mbit"           # its access link, each direction; default: the fastest of its links
+
+The testbed emulates it (a router namespace that masquerades, see `fusionllm.testbed.testbed`);
+``ClusterSpec.nat_sites()``, ``is_natted(i)`` and ``uplink_bps(site)`` tell everyone else.
+
+Optional: ``latency = "5ms"`` on sites and links, one-way (a request and its answer cost twice
+that); the simulator uses it and the testbed emulates it with a delaying forwarder in each worker's
+namespace (`fusionllm.testbed.delay`; simulated only where ``nft`` is missing). Recorded for the
+simulator only: on sites ``device = "a100"`` (a preset) or ``device_flops = "312tflops"`` /
+``device_memory = "80GiB"``.
 
 Every error is a one-line `ConfigError` of the form ``SOURCE: KEY.PATH: what is wrong``.
 
@@ -83,7 +98,7 @@ DEVICE_PRESETS: dict[str, tuple[float, int]] = {
 }
 
 TOP_KEYS = ("name", "sites", "links")
-SITE_KEYS = ("devices", "cpus", "bandwidth", "latency", "device", "device_flops", "device_memory")
+SITE_KEYS = ("devices", "cpus", "bandwidth", "latency", "device", "device_flops", "device_memory", "nat", "uplink")
 LINK_KEYS = ("sites", "bandwidth", "latency")
 
 
@@ -125,6 +140,8 @@ def _site(name: str, raw: object) -> SiteSpec:
         latency_ms=parse_latency(raw["latency"], f"{key}.latency") if "latency" in raw else 0.0,
         device_flops=flops,
         device_memory=memory,
+        nat=raw.get("nat", False),
+        uplink_bps=parse_rate(raw["uplink"], f"{key}.uplink") if "uplink" in raw else None,
     )
 
 

@@ -2,6 +2,8 @@
 
 One probe agent per device runs inside that device's namespace (and CPU quota); the orchestrator
 asks one agent to stream to another and reports the rate next to the cluster file's.
+Devices behind an emulated NAT are not probed: the orchestrator (in the root namespace) cannot reach
+their agents, and no agent outside their site can reach them (`unprobed` lists them).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ AGENT_PORT = 7400
 
 
 def pairs(tb: Testbed) -> list[tuple[int, int]]:
-    """One (src, dst) device pair per directed site pair, and one inside each site with two devices."""
+    """One (src, dst) device pair per directed site pair, and one inside each site with two devices
+    (devices behind a NAT left out)."""
     first: dict[str, list[int]] = {}
     for s in tb.slots:
-        first.setdefault(s.site, []).append(s.index)
+        if not s.nat:
+            first.setdefault(s.site, []).append(s.index)
     out = []
     for a, da in first.items():
         if len(da) > 1:
@@ -34,6 +38,11 @@ def pairs(tb: Testbed) -> list[tuple[int, int]]:
             if a != b:
                 out.append((da[0], db[0]))
     return out
+
+
+def unprobed(tb: Testbed) -> list[str]:
+    """The sites ``probe`` leaves out: those behind an emulated NAT."""
+    return sorted({s.site for s in tb.slots if s.nat})
 
 
 def probe(tb: Testbed, token_file: Path, *, seconds: float = 2.0) -> list[dict[str, Any]]:

@@ -17,8 +17,8 @@ class TestbedError(FusionError):
     __test__ = False
 
 
-def run(*cmd: str, check: bool = True) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run(*cmd: str, check: bool = True, stdin: str | None = None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, input=stdin)
     if check and proc.returncode != 0:
         raise TestbedError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout
@@ -35,4 +35,14 @@ def can_emulate() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"`{tool}` is not installed (Debian: apt-get install iproute2)"
+    return True, ""
+
+
+def can_nat() -> tuple[bool, str]:
+    """Whether this process can emulate NAT sites (a testbed, plus nftables for the routers' masquerade)."""
+    ok, why = can_emulate()
+    if not ok:
+        return ok, why
+    if shutil.which("nft") is None:
+        return False, "`nft` is not installed: NAT sites need nftables (Debian: apt-get install nftables; `make test` installs it as root)"
     return True, ""

@@ -9,13 +9,31 @@ Layout (everything named ``fusion-*``):
   their sites, or the site's own bandwidth) selected by destination address, and an unlimited
   default class for the coordinator. Each direction is shaped by its sender.
 
-``up`` records each namespace, link and cgroup it makes in a state file next to its lock file
+A site with ``nat = true`` (NAT site k, k = 0, 1, ... in file order) sits behind a router:
+
+- namespace ``fusion-r<k>``: an outside veth ``fusion-o<k>`` (bridge side) / ``wan`` at ``<subnet>.<240+k>``
+  (worker addresses stop at ``<subnet>.239``: at most 230 workers, 10 NAT sites), and an inside bridge
+  ``lan`` at ``<nat>.<k>.1/24`` (``<nat>`` is ``FUSIONLLM_TESTBED_NAT_SUBNET``, default ``10.214``);
+- the site's workers: their veth's bridge side ``fusion-v<i>`` is moved into ``fusion-r<k>`` and joins
+  ``lan``; ``eth0`` has the private address ``<nat>.<k>.<10+i>`` and a default route via ``<nat>.<k>.1``;
+- the router forwards, masquerades what leaves through ``wan`` (nftables), and forwards from ``wan``
+  only what belongs to a connection a worker opened. Nothing else has a route to ``<nat>.<k>.0/24``, so
+  the root namespace and the other workers reach a NATed worker only through a connection it opened;
+- shaping: the router's ``wan`` and ``lan`` each send at the site's ``uplink`` (coordinator traffic
+  unlimited, as on the workers); a NATed worker's ``eth0`` has classes for its own site's workers
+  (their private addresses) and for every reachable worker; a reachable worker's ``eth0`` has a class
+  ``1:<50+k>`` for router k's outside address at the link between the two sites, so traffic a relay
+  sends into the NAT site is shaped too. Workers of two different NAT sites cannot reach each other.
+
+``up`` records each namespace (routers' too), link and cgroup it makes in a state file next to its lock file
 (``/run/fusionllm-testbed.json``), as soon as it exists; ``down`` removes what that file lists and
 nothing else, so it cleans up after a crashed run (the file outlives it) but leaves alone anything
 named ``fusion-*`` that another program, or a person, made.
 
-Latency is not emulated: ``netem`` is not available in this kernel, and delaying inside our own
-transport would not delay TCP's acknowledgements, so it would not behave like a real long link.
+Latency (``latency`` on sites and links) is emulated by a delaying TCP forwarder in each worker's
+namespace that has links with a latency (``delay.py``: an nftables rule redirects the connections the
+worker opens to those peers; every chunk waits its link's one-way latency, each way). ``netem`` is not
+in this kernel. Without ``nft`` the testbed warns once and latency is simulated only.
 """
 
 from __future__ import annotations
@@ -30,13 +48,22 @@ from pathlib import Path
 
 from fusionllm.cluster.spec import ClusterSpec
 from fusionllm.core.logging import get_logger
-from fusionllm.testbed import cgroups
-from fusionllm.testbed.sh import PREFIX, TestbedError, can_emulate, run
+from fusionllm.testbed import cgroups, delay
+from fusionllm.testbed.sh import PREFIX, TestbedError, can_emulate, can_nat, run
 
 DEFAULT_SUBNET = os.environ.get("FUSIONLLM_TESTBED_SUBNET", "10.213.7")
+DEFAULT_NAT_SUBNET = os.environ.get("FUSIONLLM_TESTBED_NAT_SUBNET", "10.214")  # NAT site k: <this>.<k>.0/24
 BRIDGE = f"{PREFIX}-br"
 UNLIMITED = "10gbit"
-MAX_WORKERS = 240
+MAX_WORKERS = 230  # worker i at <subnet>.<10 + i>: .10 to .239
+ROUTER_BASE = 240  # NAT site k's router at <subnet>.<240 + k>: .240 to .249
+MAX_NAT_SITES = 10
+ROUTER_CLASS = 50  # htb class 1:<50 + k> on a reachable worker's eth0: traffic to NAT site k's router
+NFT_RULES = """table ip fusion_nat {
+  chain masq { type nat hook postrouting priority srcnat; oifname "wan" masquerade; }
+  chain inbound { type filter hook forward priority filter; iifname "wan" ct state established,related accept; iifname "wan" drop; }
+}
+"""  # in the router's own namespace (its own ruleset; it goes with the namespace)
 LOCK = "/run/fusionllm-testbed.lock"
 STATE = Path("/run/fusionllm-testbed.json")  # what up() made (and its pid): the only things down() removes
 KINDS = ("netns", "links", "cgroups")
@@ -53,6 +80,8 @@ class Slot:
     address: str
     cpus: float | None
     cgroup: str | None
+    nat: bool = False  # behind its site's emulated NAT: ``address`` is private, reachable from its own site only
+    public: str | None = None  # where its connections come from, seen from outside: the router's address if NATed, else ``address``
 
     def threads(self) -> int:
         return max(1, math.ceil(self.cpus)) if self.cpus else max(1, (os.cpu_count() or 1))
@@ -65,12 +94,29 @@ class Slot:
         return ["sh", "-c", join, "sh", "ip", "netns", "exec", self.netns]
 
 
+@dataclass(frozen=True)
+class Router:
+    """NAT site ``index``'s router: namespace ``netns``, ``public`` on the bridge, ``<private>.1`` inside."""
+
+    index: int
+    site: str
+    netns: str
+    public: str  # its outside address, on the testbed subnet
+    private: str  # the site's private /24, as "a.b.c"
+    uplink_bps: int
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.private}.1"
+
+
 class Testbed:
     """``with Testbed(spec) as tb:`` brings the emulated cluster up, and always down."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, spec: ClusterSpec, *, subnet: str = DEFAULT_SUBNET, emulate: bool | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, *, subnet: str = DEFAULT_SUBNET, nat_subnet: str = DEFAULT_NAT_SUBNET,
+                 emulate: bool | None = None) -> None:
         self.spec = spec
         self.subnet = subnet
         ok, why = can_emulate()
@@ -80,12 +126,46 @@ class Testbed:
         devices = spec.devices()
         if len(devices) > MAX_WORKERS:
             raise TestbedError(f"the testbed emulates at most {MAX_WORKERS} workers (one /24); {spec.name} has {len(devices)}: simulate it instead")
+        self.nat_subnet = nat_subnet
+        self.routers: dict[str, Router] = self._routers() if self.emulated else {}
         for d in devices:
             if self.emulated:
-                self.slots.append(Slot(d.index, d.site, f"{PREFIX}-w{d.index}", f"{subnet}.{10 + d.index}", d.cpus,
-                                       f"{PREFIX}-w{d.index}" if cgroups.available() else None))
+                r = self.routers.get(d.site)
+                address = f"{r.private if r else subnet}.{10 + d.index}"
+                self.slots.append(Slot(d.index, d.site, f"{PREFIX}-w{d.index}", address, d.cpus,
+                                       f"{PREFIX}-w{d.index}" if cgroups.available() else None,
+                                       nat=r is not None, public=r.public if r else address))
             else:
-                self.slots.append(Slot(d.index, d.site, None, "127.0.0.1", None, None))
+                self.slots.append(Slot(d.index, d.site, None, "127.0.0.1", None, None, public="127.0.0.1"))
+
+    def _routers(self) -> dict[str, Router]:
+        """One router per NAT site, if this machine can make them (a one-line error naming what is missing)."""
+        names = self.spec.nat_sites()
+        if not names:
+            return {}
+        ok, why = can_nat()
+        if not ok:
+            raise TestbedError(f"cluster {self.spec.name} has NAT sites ({', '.join(names)}) but {why}")
+        if len(names) > MAX_NAT_SITES:
+            raise TestbedError(f"the testbed emulates at most {MAX_NAT_SITES} NAT sites; {self.spec.name} has {len(names)}: simulate it instead")
+        try:
+            private = ipaddress.ip_network(f"{self.nat_subnet}.0.0/16")
+        except ValueError:
+            raise TestbedError(f"NAT subnet {self.nat_subnet!r} is not two numbers a.b; set FUSIONLLM_TESTBED_NAT_SUBNET to one such as 10.214") from None
+        if private.overlaps(ipaddress.ip_network(f"{self.subnet}.0/24")):
+            raise TestbedError(f"NAT subnet {private} holds the testbed subnet {self.subnet}.0/24; set FUSIONLLM_TESTBED_NAT_SUBNET to another a.b")
+        return {name: Router(k, name, f"{PREFIX}-r{k}", f"{self.subnet}.{ROUTER_BASE + k}", f"{self.nat_subnet}.{k}", self.spec.uplink_bps(name))
+                for k, name in enumerate(names)}
+
+    def rate(self, i: int, j: int) -> int:
+        """Bit/s the testbed lets worker i send to worker j: their link, capped by the uplink of a NAT site it crosses."""
+        bps = self.spec.bandwidth(i, j)
+        a, b = self.spec.site_of(i), self.spec.site_of(j)
+        if a is not b:
+            for site in (a, b):
+                if site.nat:
+                    bps = min(bps, self.spec.uplink_bps(site.name))
+        return bps
 
     @property
     def coordinator_host(self) -> str:
@@ -136,13 +216,19 @@ class Testbed:
             self._record("links", BRIDGE)
             run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", BRIDGE)
             run("ip", "link", "set", BRIDGE, "up")
+            for router in self.routers.values():
+                self._add_router(router)
             for slot in self.slots:
                 self._add_worker(slot)
+            for router in self.routers.values():
+                self._shape_router(router)
             for slot in self.slots:
                 self._shape(slot)
                 if slot.cgroup:
                     cgroups.create(slot.cgroup, slot.cpus or 1.0)
                     self._record("cgroups", slot.cgroup)
+            # latency: a forwarder per namespace with delayed links, stopped by PID in down() (and killed with its namespace)
+            self._delays = delay.start(self.spec, {s.index: s.netns for s in self.slots}, {s.index: s.address for s in self.slots})
         except BaseException:
             self.down()  # what it made so far, and the lock
             raise
@@ -155,7 +241,8 @@ class Testbed:
     def _check_free(self) -> None:
         """Refuse to take over a ``fusion-*`` name that no state file lists: someone else made it."""
         taken = leftovers()
-        ours = {"netns": {s.netns for s in self.slots}, "links": {BRIDGE, *(f"{PREFIX}-v{s.index}" for s in self.slots)},
+        ours = {"netns": {s.netns for s in self.slots} | {r.netns for r in self.routers.values()},
+                "links": {BRIDGE, *(f"{PREFIX}-v{s.index}" for s in self.slots), *(f"{PREFIX}-o{r.index}" for r in self.routers.values())},
                 "cgroups": {s.cgroup for s in self.slots if s.cgroup}}
         clash = {k: sorted(set(taken[k]) & ours[k]) for k in KINDS}
         if any(clash.values()):
@@ -184,13 +271,48 @@ class Testbed:
         self._lockfile.flush()
 
     def _check_subnet(self) -> None:
-        net = ipaddress.ip_network(f"{self.subnet}.0/24")
+        nets = {ipaddress.ip_network(f"{self.subnet}.0/24"): "FUSIONLLM_TESTBED_SUBNET to another x.y.z"}
+        nets |= {ipaddress.ip_network(f"{r.private}.0/24"): "FUSIONLLM_TESTBED_NAT_SUBNET to another x.y" for r in self.routers.values()}
         for line in run("ip", "-4", "-o", "addr", "show").splitlines():
             parts = line.split()
             if "inet" in parts:
                 addr = ipaddress.ip_interface(parts[parts.index("inet") + 1])
-                if addr.ip in net and not parts[1].startswith(PREFIX):
-                    raise TestbedError(f"subnet {net} is in use on {parts[1]}; set FUSIONLLM_TESTBED_SUBNET to another x.y.z")
+                for net, fix in nets.items():
+                    if addr.ip in net and not parts[1].startswith(PREFIX):
+                        raise TestbedError(f"subnet {net} is in use on {parts[1]}; set {fix}")
+
+    def _add_router(self, r: Router) -> None:
+        """NAT site ``r``'s router: ``wan`` on the bridge, ``lan`` (a bridge) for the site's workers, masquerade."""
+        ns, host, peer = r.netns, f"{PREFIX}-o{r.index}", f"{PREFIX}-q{r.index}"
+        ex = ("ip", "netns", "exec", ns)
+        run("ip", "netns", "add", ns)
+        self._record("netns", ns)
+        run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+        self._record("links", host)
+        run("ip", "link", "set", peer, "netns", ns)
+        run("ip", "link", "set", host, "master", BRIDGE)
+        run("ip", "link", "set", host, "up")
+        run(*ex, "ip", "link", "set", peer, "name", "wan")
+        run(*ex, "ip", "addr", "add", f"{r.public}/24", "dev", "wan")
+        run(*ex, "ip", "link", "set", "wan", "up")
+        run(*ex, "ip", "link", "set", "lo", "up")
+        run(*ex, "ip", "link", "add", "lan", "type", "bridge")
+        run(*ex, "ip", "addr", "add", f"{r.gateway}/24", "dev", "lan")
+        run(*ex, "ip", "link", "set", "lan", "up")
+        run(*ex, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")  # this namespace's own switch
+        run(*ex, "nft", "-f", "-", stdin=NFT_RULES)
+
+    def _shape_router(self, r: Router) -> None:
+        """Out through ``wan`` and in through ``lan``, at the uplink; the coordinator's traffic unlimited."""
+        for dev, coordinator in (("wan", "dst"), ("lan", "src")):
+            tc = ["ip", "netns", "exec", r.netns, "tc"]
+            run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:9", "htb", "rate", UNLIMITED)
+            run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *_rate(r.uplink_bps))
+            for cls in ("1:9", "1:10"):  # a bridge has no queue length for htb's default leaf to take
+                run(*tc, "qdisc", "add", "dev", dev, "parent", cls, "pfifo", "limit", "1000")
+            run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", coordinator, f"{self.subnet}.1/32", "flowid", "1:9")
 
     def _add_worker(self, slot: Slot) -> None:
         ns, host, peer = slot.netns, f"{PREFIX}-v{slot.index}", f"{PREFIX}-p{slot.index}"
@@ -199,20 +321,28 @@ class Testbed:
         run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
         self._record("links", host)  # the peer goes with it (and with the namespace, once moved there)
         run("ip", "link", "set", peer, "netns", ns)
-        run("ip", "link", "set", host, "master", BRIDGE)
-        run("ip", "link", "set", host, "up")
+        router = self.routers.get(slot.site) if slot.nat else None
+        if router is None:
+            run("ip", "link", "set", host, "master", BRIDGE)
+            run("ip", "link", "set", host, "up")
+        else:  # on the router's inside bridge (it goes with the router's namespace, or the worker's)
+            run("ip", "link", "set", host, "netns", router.netns)
+            run("ip", "netns", "exec", router.netns, "ip", "link", "set", host, "master", "lan")
+            run("ip", "netns", "exec", router.netns, "ip", "link", "set", host, "up")
         run("ip", "netns", "exec", ns, "ip", "link", "set", peer, "name", "eth0")
         run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{slot.address}/24", "dev", "eth0")
         run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
         run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        if router is not None:
+            run("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", router.gateway)
 
     def _shape(self, slot: Slot) -> None:
         tc = ["ip", "netns", "exec", slot.netns, "tc"]
         run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "9")
         run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:9", "htb", "rate", UNLIMITED)
         for other in self.slots:
-            if other.index == slot.index:
-                continue
+            if other.index == slot.index or (other.nat and other.site != slot.site):
+                continue  # a NATed worker of another site has no address here: its router's class (below) takes that
             bps = self.spec.bandwidth(slot.index, other.index)
             burst = max(16_000, bps // 8 // 250)  # about 4 ms of traffic: exact at low rates, no stalls at high
             cls = f"1:{100 + other.index}"
@@ -221,6 +351,13 @@ class Testbed:
             run(*tc, "qdisc", "add", "dev", "eth0", "parent", cls, "pfifo", "limit", "1000")
             run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                 "match", "ip", "dst", f"{other.address}/32", "flowid", cls)
+        for r in [] if slot.nat else self.routers.values():  # a NATed worker reaches no other NAT site
+            cls = f"1:{ROUTER_CLASS + r.index}"  # what this worker sends into the NAT site over a connection opened from there
+            run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                *_rate(self.spec.link(slot.site, r.site).bandwidth_bps))
+            run(*tc, "qdisc", "add", "dev", "eth0", "parent", cls, "pfifo", "limit", "1000")
+            run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", "dst", f"{r.public}/32", "flowid", cls)
 
     def set_link_rate(self, i: int, j: int, bps: int) -> None:
         """Change the rate from worker i to worker j while running (a link that slows down)."""
@@ -231,11 +368,19 @@ class Testbed:
         if lock is None:
             return  # never up (or down already): what the state file lists is another testbed's
         try:
+            delay.stop(getattr(self, "_delays", []))
+            self._delays = []
             if self.emulated:
                 down()
         finally:
             lock.close()  # releases the flock
             self._lockfile = None
+
+
+def _rate(bps: int) -> list[str]:
+    """htb arguments for ``bps``, with a burst of about 4 ms of traffic: exact at low rates, no stalls at high."""
+    burst = str(max(16_000, bps // 8 // 250))
+    return ["rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", burst, "cburst", burst]
 
 
 def set_link_rate(i: int, j: int, bps: int) -> None:

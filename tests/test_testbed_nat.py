@@ -1,0 +1,307 @@
+"""NAT sites: the cluster file's `nat` / `uplink`, and the testbed's routers (root, nftables): a NATed
+worker reaches out, nothing reaches in unless it opened the connection, and `down` leaves nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from fusionllm.cluster.spec import SiteSpec, parse_cluster
+from fusionllm.core.errors import ConfigError
+from fusionllm.testbed.sh import TestbedError, can_emulate, can_nat, run
+from fusionllm.testbed.testbed import LOCK, STATE, Slot, Testbed, down, leftovers
+
+OK, WHY = can_nat()
+needs_nat = pytest.mark.skipif(not OK, reason=f"NAT testbed needs root on Linux with iproute2 and nftables: {WHY}")
+needs_root = pytest.mark.skipif(not can_emulate()[0], reason=f"testbed needs root on Linux with iproute2: {can_emulate()[1]}")
+
+SPEC = """
+[sites.pub]
+devices = 1
+cpus = 0.3
+bandwidth = "1gbit"
+[sites.home]
+devices = 2
+cpus = 0.3
+bandwidth = "1gbit"
+nat = true
+uplink = "{uplink}"
+[[links]]
+sites = ["pub", "home"]
+bandwidth = "{link}"
+"""
+PORT = 7311
+
+# One connection: print "ready", then the address of the first peer (and read, or send, `size` bytes).
+SERVER = """
+import socket, sys
+port, wait, size, send = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "send"
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", port))
+s.listen()
+s.settimeout(wait)
+print("ready", flush=True)
+try:
+    c, peer = s.accept()
+except OSError:
+    print("none", flush=True)
+    sys.exit(1)
+print(peer[0], flush=True)
+if send:
+    c.sendall(bytes(size))
+else:
+    while size > 0:
+        size -= len(c.recv(1 << 16)) or size
+c.close()
+"""
+# Connect, then send or receive `size` bytes; print "connected SECONDS", or the error.
+CLIENT = """
+import socket, sys, time
+host, port, wait, size, send = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "send"
+try:
+    c = socket.create_connection((host, port), timeout=wait)
+except OSError as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(1)
+c.settimeout(60)
+t = time.monotonic()
+if send:
+    c.sendall(bytes(size))
+    c.shutdown(socket.SHUT_WR)
+while c.recv(1 << 16):  # until the server closes: it has read (or we have received) everything
+    pass
+print("connected", time.monotonic() - t)
+"""
+
+
+def _spec(uplink: str = "50mbit", link: str = "100mbit"):
+    return parse_cluster(SPEC.format(uplink=uplink, link=link), source="nat.toml")
+
+
+def _server(slot: Slot, *, wait: float = 20, size: int = 0, send: bool = False) -> subprocess.Popen:
+    proc = subprocess.Popen([*slot.command_prefix(), sys.executable, "-c", SERVER, str(PORT), str(wait), str(size), "send" if send else "recv"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    return proc
+
+
+def _connect(slot: Slot, host: str, *, wait: float = 5, size: int = 0, send: bool = False) -> tuple[bool, str]:
+    proc = subprocess.run([*slot.command_prefix(), sys.executable, "-c", CLIENT, host, str(PORT), str(wait), str(size), "send" if send else "recv"],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode == 0, proc.stdout.strip() + proc.stderr.strip()
+
+
+def _first_peer(server: subprocess.Popen) -> str:
+    out, err = server.communicate(timeout=60)
+    return out.strip() or err
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def _machine_lock(wait: float) -> Iterator[bool]:
+    """Hold the testbeds' lock (True), or not within ``wait`` s (False: another process's testbed is up,
+    and the state file is its own: ``down()`` now would tear it down)."""
+    with open(LOCK, "a+") as f:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture()
+def clean() -> Iterator[None]:
+    """No test leaves a fusion-* name behind; names that were there before (anyone's) are not ours to judge.
+    The machine is shared: another process's testbed is waited for, and never taken down."""
+    with _machine_lock(300) as free:
+        if not free:
+            pytest.skip(f"another testbed held {LOCK} for 5 minutes")
+        down()  # what a crashed earlier run recorded
+        before = leftovers()
+    yield
+    with _machine_lock(0) as free:
+        if not free:
+            return  # another testbed came up as ours went down: what exists now is not ours to judge
+        left = {k: sorted(set(v) - set(before[k])) for k, v in leftovers().items()}
+        down()
+        assert left == {"netns": [], "links": [], "cgroups": []}, f"the testbed left {left}"
+        assert not STATE.exists(), STATE.read_text()
+
+
+# --- the cluster file -------------------------------------------------------------------
+
+
+def test_nat_and_uplink_parse_and_default() -> None:
+    spec = _spec(uplink="30mbit")
+    assert spec.nat_sites() == ["home"]
+    assert [spec.is_natted(i) for i in range(3)] == [False, True, True]
+    assert spec.uplink_bps("home") == 30_000_000
+    home = spec.to_dict()["sites"]["home"]
+    assert (home["nat"], home["uplink"], spec.to_dict()["sites"]["pub"]["uplink"]) == (True, "30mbit", None)
+    # no uplink: the fastest of its links; no links: its own bandwidth
+    text = SPEC.replace('uplink = "{uplink}"\n', "").format(link="80mbit") + '[sites.far]\ndevices = 1\ncpus = 0.3\nbandwidth = "1gbit"\n'
+    text += '[[links]]\nsites = ["home", "far"]\nbandwidth = "200mbit"\n[[links]]\nsites = ["pub", "far"]\nbandwidth = "5mbit"\n'
+    assert parse_cluster(text).uplink_bps("home") == 200_000_000
+    alone = parse_cluster('[sites.h]\ndevices = 1\ncpus = 0.5\nbandwidth = "1gbit"\nnat = true\n')
+    assert alone.uplink_bps("h") == 1_000_000_000
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('nat = "yes"', "nat.toml: sites.h.nat: must be true or false, got 'yes'"),
+    ('nat = 1', "nat.toml: sites.h.nat: must be true or false, got 1"),
+    ('uplink = "50mbit"', "nat.toml: sites.h.uplink: only a NAT site has an uplink; add nat = true to site h, or remove uplink"),
+    ('nat = true\nuplink = "fast"', "nat.toml: sites.h.uplink:"),
+    ('nat = true\nuplink = 5', "nat.toml: sites.h.uplink:"),
+])
+def test_nat_and_uplink_errors(body: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_cluster(f'[sites.h]\ndevices = 1\ncpus = 0.5\nbandwidth = "1gbit"\n{body}\n', source="nat.toml")
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="sites.h.uplink: must be a positive"):
+        SiteSpec("h", 1, 0.5, 1_000_000, nat=True, uplink_bps=0)
+
+
+def test_without_emulation_a_nat_site_runs_on_loopback() -> None:
+    tb = Testbed(_spec(), emulate=False)
+    assert [(s.nat, s.address, s.public) for s in tb.slots] == [(False, "127.0.0.1", "127.0.0.1")] * 3
+    assert tb.routers == {} and tb.rate(0, 1) == 50_000_000  # the uplink caps the 100 Mbit/s link
+
+
+@needs_root
+def test_a_nat_site_without_nft_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fusionllm.testbed.sh as sh
+
+    which = sh.shutil.which
+    monkeypatch.setattr(sh.shutil, "which", lambda tool: None if tool == "nft" else which(tool))
+    with pytest.raises(TestbedError, match=r"cluster nat has NAT sites \(home\) but `nft` is not installed.*apt-get install nftables") as info:
+        Testbed(_spec())
+    assert "\n" not in str(info.value)
+
+
+# --- the emulated routers ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_nat
+def test_nat_slots_reach_out_and_nothing_reaches_in(clean: None) -> None:
+    with Testbed(_spec()) as tb:
+        pub, h1, h2 = tb.slots
+        router = tb.routers["home"]
+        assert (pub.nat, pub.public) == (False, pub.address) and pub.address == f"{tb.subnet}.10"
+        assert (h1.nat, h1.address, h1.public) == (True, f"{tb.nat_subnet}.0.11", f"{tb.subnet}.240") == (True, f"{router.private}.11", router.public)
+        # out, to a reachable worker: the server sees the router's outside address
+        server = _server(pub)
+        try:
+            ok, why = _connect(h1, pub.address)
+            assert ok, why
+            assert _first_peer(server) == router.public
+        finally:
+            _stop(server)
+        # out, to the coordinator's address in the root namespace
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((tb.coordinator_host, PORT))
+            s.listen()
+            s.settimeout(10)
+            client = subprocess.Popen([*h2.command_prefix(), sys.executable, "-c", CLIENT, tb.coordinator_host, str(PORT), "5", "0", "recv"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                conn, peer = s.accept()
+                conn.close()
+                assert peer[0] == router.public
+                assert client.wait(10) == 0, client.stdout.read()
+            finally:
+                _stop(client)
+        # in: neither a reachable worker nor the root namespace gets to a NATed worker's private address,
+        # not even with a route to it through the router (its firewall drops what no worker opened)
+        server = _server(h2, wait=60)
+        try:
+            ok, why = _connect(pub, h2.address, wait=2)
+            assert not ok and "unreachable" in why.lower(), why  # no route at all
+            assert "fusion" not in run("ip", "route", "get", h2.address)  # the root namespace has none either
+            # (its default route may lead to something that accepts any connection: the server below must not see it)
+            with contextlib.suppress(OSError):
+                socket.create_connection((h2.address, PORT), timeout=2).close()
+            run("ip", "netns", "exec", pub.netns, "ip", "route", "add", f"{router.private}.0/24", "via", router.public)
+            ok, why = _connect(pub, h2.address, wait=2)
+            assert not ok and "timed out" in why, why  # dropped by the router's forward chain
+            # two workers of the NAT site: directly, on their private addresses (and the first to get through)
+            ok, why = _connect(h1, h2.address)
+            assert ok, why
+            assert _first_peer(server) == h1.address
+        finally:
+            _stop(server)
+
+
+@pytest.mark.slow
+@needs_nat
+def test_the_uplink_is_shaped_both_ways(clean: None) -> None:
+    """A loose lower bound: 2.5 MB through a 20 Mbit/s uplink take >= 0.7 s (1 s at the rate) where the
+    1 Gbit/s link alone would take 0.02 s; load only makes it slower, so it cannot fail by being busy."""
+    size = 2_500_000
+    with Testbed(_spec(uplink="20mbit", link="1gbit")) as tb:
+        pub, h1, _ = tb.slots
+        router = tb.routers["home"]
+        wan = run("ip", "netns", "exec", router.netns, "tc", "class", "show", "dev", "wan")
+        assert "rate 20Mbit" in wan, wan
+        assert "rate 1Gbit" in run("ip", "netns", "exec", pub.netns, "tc", "class", "show", "dev", "eth0", "classid", "1:50")
+        for send in (True, False):  # out of the site (wan), then into it (lan), on a connection h1 opens
+            server = _server(pub, size=size, send=not send)
+            try:
+                ok, out = _connect(h1, pub.address, size=size, send=send)
+                assert ok, out
+                assert float(out.split()[1]) >= 0.7, (send, out)
+            finally:
+                _stop(server)
+        assert sum(v for (i, _), v in tb.link_bytes().items() if i == h1.index) >= size  # tc counted h1's upload
+
+
+@pytest.mark.slow
+@needs_nat
+def test_down_removes_the_routers_after_a_crash(clean: None) -> None:
+    tb = Testbed(_spec())
+    tb.up()  # and never taken down, as if the process had died
+    state = json.loads(STATE.read_text())
+    assert {"fusion-r0", "fusion-w1"} <= set(state["netns"]) and "fusion-o0" in state["links"], state
+    assert {"fusion-r0", "fusion-w0", "fusion-w1", "fusion-w2"} <= set(leftovers()["netns"])
+    proc = subprocess.run([sys.executable, "-m", "fusionllm", "testbed", "down"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "netns=4" in proc.stdout, proc.stdout + proc.stderr
+    left = leftovers()
+    assert not any(set(state[k]) & set(left[k]) for k in ("netns", "links", "cgroups")), left
+    tb._lockfile.close()  # the lock a dead process would have dropped
+    tb._lockfile = None
+
+
+@pytest.mark.slow
+@needs_nat
+def test_up_refuses_a_router_name_it_did_not_make(clean: None) -> None:
+    try:
+        run("ip", "netns", "add", "fusion-r0")
+        with pytest.raises(TestbedError, match=r"fusion-r0 \(netns\) already exist.*ip netns delete fusion-r0"):
+            Testbed(_spec()).up()
+        assert "fusion-r0" in leftovers()["netns"]
+    finally:
+        run("ip", "netns", "delete", "fusion-r0", check=False)
