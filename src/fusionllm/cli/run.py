@@ -98,6 +98,7 @@ def coordinator(
     checkpoint_every: CkptEveryOpt = 0,
     resume: ResumeOpt = False,
     stop_timeout: StopTimeoutOpt = 60.0,
+    relay_port: Annotated[int, typer.Option("--relay-port", min=0, max=65535, help="The port workers behind NAT open tunnels to (the coordinator's relay, on --listen's host; 0: any free port).")] = 0,
     join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
     scheduler: SchedulerOpt = None,
     hardware: HardwareOpt = None,
@@ -153,6 +154,7 @@ def coordinator(
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard,
+        relay_port=relay_port,
         **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )
     if config is not None:

@@ -55,7 +55,7 @@ def testbed_probe(
     import tempfile
 
     from fusionllm.cluster.spec import format_rate, load_cluster
-    from fusionllm.testbed.probe import probe, unprobed
+    from fusionllm.testbed.probe import probe
     from fusionllm.testbed.testbed import Testbed
     from fusionllm.transport.auth import load_token
 
@@ -66,22 +66,21 @@ def testbed_probe(
         token = Path(tmp) / "token"
         load_token(token, create=True)
         results = probe(tb, token, seconds=seconds)
-        skipped = unprobed(tb)
-    if skipped:
-        console.print(f"[yellow]not probed: the sites behind NAT ({', '.join(skipped)}): nothing outside them can reach their workers[/yellow]")
     if as_json:
         print(json.dumps(results, indent=1))
         return
     for r in results:
         ratio = r["measured_bps"] / r["spec_bps"]
-        print(f"{r['src']:>6} -> {r['dst']:<6} spec {format_rate(r['spec_bps']):>9}  measured {r['measured_bps'] / 1e6:9.2f} Mbit/s  ({ratio:.1%})")
+        via = "  through the relay" if r.get("relayed") else ""
+        print(f"{r['src']:>6} -> {r['dst']:<6} spec {format_rate(r['spec_bps']):>9}  measured {r['measured_bps'] / 1e6:9.2f} Mbit/s  ({ratio:.1%}){via}")
 
 
 @testbed_app.command("agent", hidden=True)
 @user_errors
-def testbed_agent(listen: Annotated[str, typer.Option()], token_file: Annotated[Path, typer.Option("--token-file")]) -> None:
+def testbed_agent(listen: Annotated[str, typer.Option()], token_file: Annotated[Path, typer.Option("--token-file")],
+                  relay: Annotated[str | None, typer.Option(help="Behind NAT: be hosted by this relay.")] = None) -> None:
     """(internal) the probe agent run inside a namespace."""
     from fusionllm.testbed.agent import run_agent
     from fusionllm.transport.auth import load_token
 
-    run_agent(listen, load_token(token_file))
+    run_agent(listen, load_token(token_file), relay)

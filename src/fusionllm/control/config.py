@@ -63,6 +63,7 @@ class ClusterConfig:
     outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
     stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
+    relay_port: int = 0  # the coordinator's relay for workers behind NAT (control/reach.py): its tunnel port on --listen's host (0: any)
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -87,7 +87,7 @@ class ReachMixin:
 
     async def _start_relay(self) -> None:
         host = self.cluster.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-        self.relay_port = await self.relay.start(host)
+        self.relay_port = await self.relay.start(host, self.cluster.relay_port)
 
     async def _stop_relay(self) -> None:
         with contextlib.suppress(Exception):

@@ -207,7 +207,7 @@ class Testbed:
             log.warning("testbed not emulated (%s): workers run on loopback with no limits", self.why_not)
             return
         self._lock()
-        self._made: dict[str, list[str]] = {k: [] for k in KINDS}
+        self._made: dict[str, list[str]] = {k: [] for k in (*KINDS, "routes")}
         try:
             self._check_subnet()
             down()  # leftovers of a crashed run (the lock says no live testbed owns them)
@@ -218,6 +218,10 @@ class Testbed:
             run("ip", "link", "set", BRIDGE, "up")
             for router in self.routers.values():
                 self._add_router(router)
+                # nothing outside routes to a NAT site's private addresses (as on the internet): refused at once
+                # here, instead of leaving through this machine's default route
+                run("ip", "route", "add", "unreachable", f"{router.private}.0/24")
+                self._record("routes", f"{router.private}.0/24")
             for slot in self.slots:
                 self._add_worker(slot)
             for router in self.routers.values():
@@ -411,10 +415,14 @@ def down() -> dict[str, list[str]]:
             run("ip", "link", "delete", name, check=False)
             removed["links"].append(name)
     removed["cgroups"] = cgroups.remove(state["cgroups"])
+    routes = [r for r in state.get("routes", []) if isinstance(r, str)]  # (a state file from before NAT sites has none)
+    for net in routes:
+        run("ip", "route", "del", "unreachable", net, check=False)
+    kept = [r for r in routes if f"unreachable {r}" in run("ip", "route", "show", "type", "unreachable", check=False)]
     present = leftovers()
     left = {k: [n for n in state[k] if n in present[k]] for k in KINDS}
-    if any(left.values()):
-        _write_state({"owner": state["owner"], **left})
+    if any(left.values()) or kept:
+        _write_state({"owner": state["owner"], **left, "routes": kept})
         log.warning("testbed down: could not remove %s (still listed in %s)", left, STATE)
     else:
         STATE.unlink(missing_ok=True)
