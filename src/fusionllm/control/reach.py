@@ -26,7 +26,7 @@ from fusionllm.transport.relay import Relay
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.stream import DataClient
 
-REACH_S = 2.0  # how long connecting back to a joining worker may take
+REACH_S = 1.5  # how long connecting back to a joining worker may take (the worker probes its device meanwhile)
 
 
 async def connect_back(address: str, data_address: str, nonce: str, token: str, tls: Any = None, timeout: float = REACH_S) -> str:

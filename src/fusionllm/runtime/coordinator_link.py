@@ -83,13 +83,23 @@ class CoordinatorLink:
             version=__version__, protocol=PROTOCOL_VERSION, address=address, data_address=self.data_address, device=info,
             backend=b.name, software=b.software(), kinds=b.kinds(), torch_loaded="torch" in sys.modules,
             hostname=socket.gethostname(), pid=os.getpid(), threads=b.threads(), rank=self.config.rank,
-            probe={"matmul_flops": await asyncio.to_thread(b.matmul_flops, self.config.device, self.config.probe_seconds)},
+            probe={"matmul_flops": await self._device_probe()},
             **self._nat_fields(),
         )
         reply = await self._joining("Register", self._request.to_wire())
         self._joined(Registered.from_wire(reply))
         self.join_s = time.monotonic() - self._began
         self.log.info("joined %s as worker %d, serving on %s, %.3f s after it started", self.config.join, self.id, address, self.join_s)
+
+    def _start_device_probe(self) -> None:
+        """The device probe (achieved matmul FLOP/s) runs while the worker finds out whether it can be reached."""
+        self._probe_task = asyncio.create_task(asyncio.to_thread(self.backend.matmul_flops, self.config.device, self.config.probe_seconds))
+
+    async def _device_probe(self) -> float:
+        task = getattr(self, "_probe_task", None)
+        if task is None:
+            return await asyncio.to_thread(self.backend.matmul_flops, self.config.device, self.config.probe_seconds)
+        return await task
 
     async def _joining(self, method: str, msg: dict[str, Any], timeout: float = 10) -> dict[str, Any]:
         """A call made while joining: tried again until the coordinator listens, within --join-timeout

@@ -144,6 +144,7 @@ class Worker(CoordinatorLink, NatLink):
             data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
             self.data_address = f"{self._advertise_host()}:{data_port}"
             await self._start_relay_offer(self._advertise_host())
+            self._start_device_probe()
             await self._reach()  # behind NAT: hosted by a relay (nat_link.py)
             address = self.address
             loop = asyncio.get_running_loop()
