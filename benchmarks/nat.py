@@ -14,7 +14,7 @@ Each run plans with ``--scheduler opfence`` and no ``--hardware``: the coordinat
 through the transport (through the relays where a link is relayed), and the plan record keeps those
 rates. Reported:
 
-- every step's loss against one process (``train_single_task``, the plan's micro-batches): goal 1e-5;
+- every step's loss against one process (``train_single``, the plan's micro-batches): goal 1e-5;
 - each relayed link's probed rate against its shaped rate (the slowest of the link, the NAT sites'
   uplinks, and the relay's link): goal at least 90%;
 - join time (``fusionllm worker`` start to registered, from the workers' own log line) of the NATed
@@ -98,14 +98,13 @@ def reference(args: argparse.Namespace, micro_batches: int, tmp: Path) -> list[f
     import torch
 
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single_task
+    from fusionllm.runtime.single import train_single
 
     torch.set_num_threads(1)
     metrics = tmp / f"single-{micro_batches}.jsonl"
     config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=2, seed=0,
                          eval_every=0, metrics=str(metrics))
-    train_single_task(config, micro_batches=micro_batches)
-    return [r["loss"] for r in records(metrics) if "step" in r]
+    return train_single(config, micro_batches=micro_batches).losses
 
 
 def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -145,14 +144,17 @@ def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     ref = reference(args, int(plan["micro_batches"]), tmp)
     err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
     links = []
-    # the relay's own link: traffic A -> NATed worker leaves A (shaped at the link), enters the NAT site (uplink)
+    hosts = {int(w): (info.get("address") or "").rpartition(":")[0] for w, info in plan["workers"].items()}
     for key, bps in plan.get("bandwidth_bps", {}).items():
         a, b = (int(w[1:]) for w in key.split("->"))
-        via = relays[0] if relays else None
-        path = [(a, b)] if not relayed(spec, a, b) else [(a, via), (via, b)] if via not in (a, b) else [(a, b)]
-        goal = min(shaped[p] for p in path if p[0] != p[1])
-        links.append({"link": key, "relayed": relayed(spec, a, b), "path": "->".join(f"w{x}" for x in [path[0][0], *(p[1] for p in path)]),
-                      "probed_bps": bps, "shaped_bps": goal, "ratio": bps / goal})
+        through = relayed(spec, a, b) and nat[b]  # traffic into a NAT site goes through the relay that hosts b
+        relay = (plan["workers"][str(b)].get("relay") or "").rpartition(":")[0] if through else ""
+        via = next((w for w, h in hosts.items() if h == relay and not nat[w]), None) if relay else None
+        path = [(a, b)] if not through or via is None else [p for p in ((a, via), (via, b)) if p[0] != p[1]]
+        goal = min(shaped[p] for p in path)
+        links.append({"link": key, "relayed": through, "relay": "none" if not through else f"w{via}" if via is not None else "coordinator",
+                      "path": "->".join(f"w{x}" for x in [path[0][0], *(p[1] for p in path)]), "probed_bps": bps, "shaped_bps": goal,
+                      "ratio": bps / goal})
     reachable = [joins[i] for i in joins if not nat[i]]
     natted = [joins[i] for i in joins if nat[i]]
     return {"cluster": name, "workers": len(nat), "natted": [i for i in nat if nat[i]], "steps": len(losses), "max_rel_loss_err": err,
@@ -168,10 +170,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         nat = [f"{v:.2f}" for k, v in sorted(r["join_s"].items()) if int(k) in r["natted"]]
         out.append(f"| {r['cluster']} | {r['steps']} | {r['max_rel_loss_err']:.1e} (goal {GOAL_LOSS:g}) | {', '.join(reach)} / {', '.join(nat)} "
                    f"| {r['join_extra_s']:+.2f} (goal <= {GOAL_JOIN_S:g}) |")
-    out += ["", "| cluster | link | relayed | path | probed | shaped | ratio (goal >= 0.9 on relayed links) |", "|---|---|---|---|---|---|---|"]
+    out += ["", "| cluster | link | through a relay | path | probed | shaped | ratio (goal >= 0.9 on relayed links) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         for link in r["links"]:
-            out.append(f"| {r['cluster']} | {link['link']} | {'yes' if link['relayed'] else 'no'} | {link['path']} | "
+            out.append(f"| {r['cluster']} | {link['link']} | {link['relay']} | {link['path']} | "
                        f"{link['probed_bps'] / 1e6:.1f} Mbit/s | {link['shaped_bps'] / 1e6:.1f} Mbit/s | {link['ratio']:.2f} |")
     out += ["", f"Command: `python benchmarks/nat.py --rate {args.rate} --steps {args.steps} --model {args.model}`; "
             "probed rates are the coordinator's own link probes (`MeasureTo`, through the relays), shaped rates what the testbed's tc allows."]

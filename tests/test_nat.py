@@ -94,7 +94,7 @@ def relay_first(monkeypatch: pytest.MonkeyPatch) -> dict:
     reach = Worker._reach
 
     async def later(self: Worker) -> None:
-        if self.config.behind_nat:
+        if self.config.behind_nat and not holder.get("off"):
             await _after_the_relay_joined(holder["cluster"])
         await reach(self)
 
@@ -102,20 +102,29 @@ def relay_first(monkeypatch: pytest.MonkeyPatch) -> dict:
     return holder
 
 
-def test_a_worker_that_offers_to_relay_hosts_the_workers_behind_nat(relay_first: dict) -> None:
+@pytest.mark.parametrize("relay_joins_first", [True, False])
+def test_a_worker_that_offers_to_relay_hosts_the_workers_behind_nat(relay_joins_first: bool, relay_first: dict) -> None:
+    """Workers behind NAT use the relay a worker offers; those that joined before it (hosted by the
+    coordinator's relay meanwhile) move to it before the first plan."""
     train = _train()
     options = [{"listen": "127.0.0.1:0", "relay": True}, {"listen": "127.0.0.2:0", "behind_nat": True}, {"listen": "127.0.0.3:0", "behind_nat": True}]
+    if not relay_joins_first:
+        options = options[1:] + options[:1]  # (the workers start together: the NATed ones join first or with it)
+    relay_first["off"] = not relay_joins_first
 
     async def main() -> tuple:
         async with InProcessCluster(train, cluster_config(3, micro_batches=2), worker_options=options) as c:
             relay_first["cluster"] = c
             result = await c.run()
-        return result, c.workers
+            moved = c.coordinator.relay.bytes_relayed()
+        return result, c.workers, moved
 
-    result, ws = asyncio.run(main())
+    result, ws, through_coordinator = asyncio.run(main())
     _close(result.losses, train_single(train).losses)
-    assert ws[1].tunnel.relay == ws[0].relay_offer == ws[2].tunnel.relay
-    assert ws[0].relay_server.bytes_relayed() > 0
+    relay = next(w for w in ws if w.config.relay)
+    natted = [w for w in ws if w.config.behind_nat]
+    assert [w.tunnel.relay for w in natted] == [relay.relay_offer] * 2
+    assert relay.relay_server.bytes_relayed() > through_coordinator
 
 
 def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_first: dict) -> None:

@@ -95,6 +95,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
                 ) from None
             self.membership.state = "running"
             self.status.state = "planning"
+            await self._rehome()  # workers behind NAT to the relays workers offer (reach.py)
             if self.cluster.sync == "hierarchical":  # groups with their own step clocks (hierarchical.py): no re-plans
                 hier = await self._setup_hier()
                 self.status.state = "running"

@@ -120,6 +120,28 @@ class ReachMixin:
             return min(offers, key=lambda r: (load.get(r, 0), r))
         return self._own_relay()
 
+    async def _rehome(self) -> None:
+        """Before the first plan: workers behind NAT that the coordinator hosts because they joined before
+        any worker offered to relay move to the offered relays (a reachable worker's link, not the
+        coordinator's, then carries their traffic)."""
+        hosted = [m for m in self.membership.members.values() if relayed(m.info) and self._is_own(str(m.info["relay"]))]
+        if not hosted or not any(m.info.get("relay_offer") for m in self.membership.members.values()):
+            return
+        for member in hosted:
+            relay = self._choose_relay(set())
+            if self._is_own(relay):
+                return
+            client = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls)
+            try:
+                reply = await client.call("Rehome", {"relay": relay}, timeout=30)
+            except FusionError as exc:
+                self.say(f"worker {member.id} stays on the coordinator's relay: moving it to {relay} failed ({exc})")
+                continue
+            finally:
+                await client.close()
+            member.address = str(reply["address"])
+            member.info.update(address=member.address, data_address=str(reply["data_address"]), relay=str(reply["relay"]))
+
     def _relay_lines(self, addresses: dict[int, str]) -> list[str]:
         """What the plan printout says about workers behind NAT."""
         infos = {w: m.info for w, m in self.membership.members.items() if w in addresses}

@@ -3,6 +3,8 @@
 Compute: a calibrated op time (measured on one reference CPU thread) runs at the device's speed;
 an accelerator runs an op's counted FLOPs at ``gpu_efficiency`` of its peak. A transfer costs the
 link latency, a per-message overhead, and its bytes at the link's rate (times the codec ratio).
+``latency(src, dst)`` is one-way: a message arrives one latency after its transfer, and a sender that
+waits for the ack (the data plane acks every tensor) waits one more, the reverse direction's.
 """
 
 from __future__ import annotations
@@ -150,9 +152,11 @@ class CostModel:
         return 2 * (n - 1) * self.allreduce_round_seconds(nbytes, group)
 
     def allreduce_round_seconds(self, nbytes: int, group: list[int]) -> float:
+        """One round of the ring: each member sends its chunk to the next and waits for the ack (a
+        round trip) and for the previous member's chunk before the next round (``runtime/reduce.py``)."""
         n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
-        return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) for a, b in ring)
+        return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) + self.latency(b, a) for a, b in ring)
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         """What a worker's STEP action costs it: AdamW over its parameters and, on a CPU device, the

@@ -115,11 +115,29 @@ class NatLink:
             return {"relay_offer": self.relay_offer}
         return {"relay": self.tunnel.relay, "seen": self.seen, "lan_address": self.lan_address, "lan_data_address": self.lan_data_address}
 
+    async def _on_rehome(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The coordinator moves this worker to a relay offered by a worker (one joined after it): the
+        new tunnel first, then the answer (it travels through the old one), then the old one closes."""
+        relay = str(msg.get("relay", ""))
+        if self.tunnel is None or not relay:
+            raise FusionError("Rehome: this worker is not hosted by a relay")
+        old = self.tunnel
+        self.moved_from = self.moved_from or self.address  # a heartbeat before the coordinator took the answer says so
+        await self._host_at(relay)
+        self.log.info("moved from the relay %s to %s: reached as %s", old.relay, relay, self.address)
+        if self._request is not None:
+            self._request.address, self._request.data_address, self._request.relay = self.address, self.data_address, relay
+        asyncio.get_running_loop().call_later(2.0, lambda: asyncio.ensure_future(old.close()))
+        return {"address": self.address, "data_address": self.data_address, "relay": relay}
+
     async def _watch_relay(self) -> None:
         while not self.done.is_set() and self.tunnel is not None:
-            await self.tunnel.lost.wait()
+            tunnel = self.tunnel
+            await tunnel.lost.wait()
             if self.done.is_set():
                 return
+            if tunnel is not self.tunnel:
+                continue  # moved on purpose (Rehome)
             old, dead = self.address, self.tunnel.relay
             self.log.warning("the relay %s went away; finding another", dead)
             began = time.monotonic()

@@ -114,7 +114,8 @@ class Worker(CoordinatorLink, NatLink):
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
                      "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
-                     "OuterSync": self._on_outer_sync, "Regroup": self._on_regroup},
+                     "OuterSync": self._on_outer_sync, "Regroup": self._on_regroup,
+                     "Rehome": self._on_rehome},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)

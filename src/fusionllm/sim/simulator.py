@@ -5,9 +5,12 @@ function the runtime uses), resolved: a SEND or RECV names its peers and edges, 
 recomputes where a tensor goes. ``F``/``B`` take the cost model's compute time; on a CPU-quota device
 they run at full speed until the cgroup's quota of the current 100 ms period is spent, then wait for
 the next period, as the kernel's CFS bandwidth control does. ``SEND_*`` queue each tensor on the
-directed link (one transfer at a time per link); ``RECV_*`` wait for arrival; ``REDUCE`` is a ring
-all-reduce among the workers sharing gradients; ``STEP`` is the global norm barrier plus AdamW and
-the step's own CPU on each worker (``CostModel.optimizer_seconds``).
+directed link (one transfer at a time per link); a tensor arrives one latency after its transfer
+and its ack is back one latency later; ``RECV_*`` wait for arrival; ``REDUCE`` is a ring all-reduce
+among the workers sharing gradients; ``STEP`` waits for the acks of the worker's tensors, then the
+gradient-norm all-gather (each worker's share reaches every other one latency later, its own shares'
+acks a round trip later), then AdamW and the step's own CPU on each worker
+(``CostModel.optimizer_seconds``), as ``StageRuntime._step`` does.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     pos = dict.fromkeys(plan.workers, 0)
     arrival: dict[tuple, float] = {}
     link_free: dict[tuple[int, int], float] = defaultdict(float)
+    acked: dict[int, float] = defaultdict(float)  # per worker: when the ack of its last tensor is back
     link_bytes: dict[str, int] = defaultdict(int)
     link_busy: dict[str, float] = defaultdict(float)
     busy: dict[int, float] = defaultdict(float)
@@ -128,6 +132,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         link_bytes[name] += int(cost.wire_bytes(nbytes, w, dst))
         link_busy[name] += dur
         arrival[key] = start + dur + cost.latency(w, dst)
+        acked[w] = max(acked[w], arrival[key] + cost.latency(dst, w))
         sizes[key] = nbytes
         decode[key] = cost.codec_cpu_seconds(nbytes, w, dst, sender=False)
         clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes) + cost.codec_cpu_seconds(nbytes, w, dst, sender=True))
@@ -174,11 +179,13 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
                 clock[w] = arrival[("reduced", group)]
                 reduce_idx[w] += 1
         elif a.kind == "STEP":
-            barrier[("step",)][w] = max(clock[w], max((link_free[(w, d)] for d in workers if (w, d) in link_free), default=0.0))
-            if len(barrier[("step",)]) < len(workers):
+            entry = barrier[("step",)]
+            entry[w] = max(clock[w], acked[w])  # every tensor of the step acknowledged
+            if len(entry) < len(workers):
                 return False
             params = sum(cost.graph.params[p].meta.nbytes for n in stage_nodes[s] for p in set(cost.graph.node(n).params.values()))
-            t0 = max(barrier[("step",)].values())
+            # the gradient-norm all-gather: every other worker's share, and the acks of this worker's own
+            t0 = max(max(entry[v] + cost.latency(v, w) for v in workers), entry[w] + max(cost.latency(w, v) + cost.latency(v, w) for v in workers))
             clock[w] = cpu[w].run(t0, cost.optimizer_seconds(params, device[w]))
         if keep_timeline and a.kind in ("F", "B", "REDUCE", "STEP"):
             timeline.append((w, str(a), t0, clock[w]))
