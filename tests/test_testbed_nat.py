@@ -243,7 +243,7 @@ def test_nat_slots_reach_out_and_nothing_reaches_in(clean: None) -> None:
             assert not ok and "unreachable" in why.lower(), why  # no route at all
             # the root namespace has an unreachable route for the NAT site's subnet (nothing leaves by its default route)
             assert f"unreachable {router.private}.0/24" in run("ip", "route", "show", "type", "unreachable")
-            with pytest.raises(OSError, match="unreachable"):
+            with pytest.raises(OSError, match="No route to host"):
                 socket.create_connection((h2.address, PORT), timeout=2).close()
             run("ip", "netns", "exec", pub.netns, "ip", "route", "add", f"{router.private}.0/24", "via", router.public)
             ok, why = _connect(pub, h2.address, wait=2)
@@ -306,3 +306,57 @@ def test_up_refuses_a_router_name_it_did_not_make(clean: None) -> None:
         assert "fusion-r0" in leftovers()["netns"]
     finally:
         run("ip", "netns", "delete", "fusion-r0", check=False)
+
+
+TRAIN_SPEC = """
+name = "nat-train"
+[sites.pub]
+devices = 1
+cpus = 0.5
+bandwidth = "1gbit"
+[sites.h1]
+devices = 1
+cpus = 0.5
+bandwidth = "1gbit"
+nat = true
+[sites.h2]
+devices = 1
+cpus = 0.5
+bandwidth = "1gbit"
+nat = true
+[[links]]
+sites = ["pub", "h1"]
+bandwidth = "100mbit"
+[[links]]
+sites = ["pub", "h2"]
+bandwidth = "100mbit"
+[[links]]
+sites = ["h1", "h2"]
+bandwidth = "100mbit"
+"""
+
+
+@pytest.mark.slow
+@needs_nat
+def test_workers_behind_two_nats_train_like_one_process(clean: None, tmp_path) -> None:
+    """`fusionllm train` on a cluster with two NAT sites: the coordinator finds it cannot reach their
+    workers, hosts them through its relay, and a pipeline through all three devices (h1 -> h2 through
+    the relay) gives the losses of one process."""
+    cluster = tmp_path / "nat-train.toml"
+    cluster.write_text(TRAIN_SPEC)
+    a, b = tmp_path / "tb.jsonl", tmp_path / "single.jsonl"
+    common = ["--model", "gpt-nano", "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--seed", "2"]
+    base = [sys.executable, "-m", "fusionllm"]
+    proc = subprocess.run([*base, "train", "--cluster", str(cluster), "--scheduler", "params", *common, "--metrics", str(a),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    assert "worker 1 is behind NAT: reached through relay the coordinator" in text, text[-3000:]
+    assert "worker 2 is behind NAT" in text
+    subprocess.run([*base, "train", "--single-process", *common, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
+    la = [r["loss"] for r in map(json.loads, a.read_text().splitlines()) if "step" in r]
+    lb = [r["loss"] for r in map(json.loads, b.read_text().splitlines()) if "step" in r]
+    assert len(la) == len(lb) == 4
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
+    plan = next(r for r in map(json.loads, a.read_text().splitlines()) if r.get("event") == "plan")
+    assert [plan["workers"][w]["relay"] is not None for w in ("0", "1", "2")] == [False, True, True]
