@@ -10,9 +10,10 @@ and real ``fusionllm worker`` processes in their namespaces, compression off:
 - ``two-nats``: site A (reachable, ``--relay``) and two NAT sites H1 and H2 of one worker each: the two
   NATed workers exchange activations and gradients through A's relay (H1 -> A -> H2), never directly.
 
-Each run plans with ``--scheduler opfence`` and no ``--hardware``: the coordinator probes every link
-through the transport (through the relays where a link is relayed), and the plan record keeps those
-rates. Reported:
+Each run plans with ``--scheduler params`` (a pipeline through every device, so activations and
+gradients cross the relayed links) and no ``--hardware``: the coordinator probes every link through
+the transport (through the relays where a link is relayed), and the plan record keeps those rates.
+Reported:
 
 - every step's loss against one process (``train_single``, the plan's micro-batches): goal 1e-5;
 - each relayed link's probed rate against its shaped rate (the slowest of the link, the NAT sites'
@@ -20,7 +21,11 @@ rates. Reported:
 - join time (``fusionllm worker`` start to registered, from the workers' own log line) of the NATed
   workers against the reachable one: goal at most 2 s more (all workers start together).
 
+- ``random:SEED``: a random CPU cluster (``cluster.random``, 2-3 sites, 3-4 devices, random rates) whose
+  sites are put behind NAT at random (at least one, never all: the first reachable worker relays).
+
     sudo python benchmarks/nat.py            # writes benchmarks/results/nat.{json,md,png}
+    sudo python benchmarks/nat.py --clusters nat-site two-nats random:1 random:2 --models gpt-micro gpt-nano
 """
 
 from __future__ import annotations
@@ -82,6 +87,26 @@ sites = ["H1", "H2"]
 bandwidth = "{rate}"
 """,
 }
+RANDOM_SHAPE = {"kind": "cpu", "sites": (2, 3), "devices": (3, 4), "latency": False}
+
+
+def cluster_text(name: str, rate: str) -> str:
+    """A named cluster's TOML; ``random:SEED``: a random CPU cluster with a random half of its sites
+    (at least one, not all) behind NAT."""
+    if not name.startswith("random:"):
+        return CLUSTERS[name].format(rate=rate)
+    import random
+
+    from fusionllm.cluster.random import ClusterShape, random_cluster_toml
+
+    seed = int(name.split(":", 1)[1])
+    text = random_cluster_toml(seed, ClusterShape(**RANDOM_SHAPE))
+    sites = re.findall(r"^\[sites\.(\w+)\]$", text, flags=re.M)
+    rng = random.Random(f"nat-{seed}")
+    natted = set(rng.sample(sites, rng.randint(1, len(sites) - 1)))
+    return re.sub(r"^\[sites\.(\w+)\]$", lambda m: m.group(0) + ("\nnat = true" if m.group(1) in natted else ""), text, flags=re.M)
+
+
 JOINED = re.compile(r"joined \S+ as worker (\d+), serving on (\S+), ([0-9.]+) s after it started")
 
 
@@ -89,33 +114,34 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def train_args(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+def train_args(args: argparse.Namespace, model: str) -> list[str]:
+    return ["--model", model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", "2", "--seed", "0", "--eval-every", "0"]
 
 
-def reference(args: argparse.Namespace, micro_batches: int, tmp: Path) -> list[float]:
+def reference(args: argparse.Namespace, model: str, micro_batches: int, tmp: Path) -> list[float]:
     import torch
 
     from fusionllm.core.config import TrainConfig
     from fusionllm.runtime.single import train_single
 
     torch.set_num_threads(1)
-    metrics = tmp / f"single-{micro_batches}.jsonl"
-    config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=2, seed=0,
+    metrics = tmp / f"single-{model}-{micro_batches}.jsonl"
+    config = TrainConfig(model=model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=2, seed=0,
                          eval_every=0, metrics=str(metrics))
     return train_single(config, micro_batches=micro_batches).losses
 
 
-def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+def run_cluster(name: str, model: str, args: argparse.Namespace, tmp: Path) -> dict:
     from fusionllm.cluster.hardware import relayed
     from fusionllm.cluster.spec import parse_cluster
     from fusionllm.control.local_cluster import run_local_cluster
     from fusionllm.testbed.testbed import Testbed
 
-    text = CLUSTERS[name].format(rate=args.rate)
-    spec = parse_cluster(text, name)
-    metrics, run_dir = tmp / f"{name}.jsonl", tmp / f"run-{name}"
+    text = cluster_text(name, args.rate)
+    spec = parse_cluster(text, name.replace(":", "-"))
+    slug = f"{name.replace(':', '-')}-{model}"
+    metrics, run_dir = tmp / f"{slug}.jsonl", tmp / f"run-{slug}"
     os.environ["FUSIONLLM_LOGLEVEL"] = "INFO"  # the workers' join line
     with Testbed(spec) as tb:
         if not tb.emulated:
@@ -124,9 +150,9 @@ def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         relays = [s.index for s in tb.slots if not s.nat][:1]
         for i in relays:
             worker_args[i] += ["--relay"]
-        coord = [*train_args(args), "--compress", "none", "--scheduler", "opfence", "--probe-seconds", str(args.probe_seconds),
+        coord = [*train_args(args, model), "--compress", "none", "--scheduler", "params", "--probe-seconds", str(args.probe_seconds),
                  "--metrics", str(metrics)]
-        print(f"[{name}] {len(tb.slots)} workers, NATed: {[s.index for s in tb.slots if s.nat]}, relay: worker {relays}", flush=True)
+        print(f"[{name}, {model}] {len(tb.slots)} workers, NATed: {[s.index for s in tb.slots if s.nat]}, relay: worker {relays}", flush=True)
         code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
         if code != 0:
             raise SystemExit(f"{name}: training failed (exit {code}); logs in {run_dir}")
@@ -141,7 +167,7 @@ def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
             if m:
                 joins[i] = float(m.group(3))
     losses = [r["loss"] for r in rec if "step" in r]
-    ref = reference(args, int(plan["micro_batches"]), tmp)
+    ref = reference(args, model, int(plan["micro_batches"]), tmp)
     err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
     links = []
     hosts = {int(w): (info.get("address") or "").rpartition(":")[0] for w, info in plan["workers"].items()}
@@ -155,27 +181,33 @@ def run_cluster(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         links.append({"link": key, "relayed": through, "relay": "none" if not through else f"w{via}" if via is not None else "coordinator",
                       "path": "->".join(f"w{x}" for x in [path[0][0], *(p[1] for p in path)]), "probed_bps": bps, "shaped_bps": goal,
                       "ratio": bps / goal})
+    relayed_keys = {link["link"] for link in links if link["relayed"]}
+    moved = sum(v for r in rec if "step" in r for k, v in (r.get("bytes") or {}).items() if k in relayed_keys)
     reachable = [joins[i] for i in joins if not nat[i]]
     natted = [joins[i] for i in joins if nat[i]]
-    return {"cluster": name, "workers": len(nat), "natted": [i for i in nat if nat[i]], "steps": len(losses), "max_rel_loss_err": err,
-            "micro_batches": plan["micro_batches"], "links": links, "join_s": joins,
+    return {"cluster": name, "model": model, "sites": {s.name: ("NAT" if s.nat else "reachable") for s in spec.sites.values()}, "workers": len(nat), "natted": [i for i in nat if nat[i]], "steps": len(losses), "max_rel_loss_err": err,
+            "micro_batches": plan["micro_batches"], "links": links, "join_s": joins, "relayed_training_bytes": moved,
+            "stages": [s["workers"] for s in plan["stages"]],
             "join_extra_s": (max(natted) - max(reachable)) if natted and reachable else None,
             "first_step_s": next((r.get("step_s") for r in rec if r.get("step") == 0), None)}
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    out = ["| cluster | steps | max loss error vs one process | join: reachable / NATed (s) | NATed extra (s) |", "|---|---|---|---|---|"]
+    out = ["| cluster | model | stages (workers) | steps | training bytes through relays | max loss error vs one process | join: reachable / NATed (s) | NATed extra (s) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reach = [f"{v:.2f}" for k, v in sorted(r["join_s"].items()) if int(k) not in r["natted"]]
         nat = [f"{v:.2f}" for k, v in sorted(r["join_s"].items()) if int(k) in r["natted"]]
-        out.append(f"| {r['cluster']} | {r['steps']} | {r['max_rel_loss_err']:.1e} (goal {GOAL_LOSS:g}) | {', '.join(reach)} / {', '.join(nat)} "
+        out.append(f"| {r['cluster']} | {r['model']} | {r['stages']} | {r['steps']} | {r['relayed_training_bytes'] / 1e6:.1f} MB | {r['max_rel_loss_err']:.1e} (goal {GOAL_LOSS:g}) | {', '.join(reach)} / {', '.join(nat)} "
                    f"| {r['join_extra_s']:+.2f} (goal <= {GOAL_JOIN_S:g}) |")
-    out += ["", "| cluster | link | through a relay | path | probed | shaped | ratio (goal >= 0.9 on relayed links) |", "|---|---|---|---|---|---|---|"]
+    out += ["", "| cluster | model | link | through a relay | path | probed | shaped | ratio (goal >= 0.9 on relayed links) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for link in r["links"]:
-            out.append(f"| {r['cluster']} | {link['link']} | {link['relay']} | {link['path']} | "
+            out.append(f"| {r['cluster']} | {r['model']} | {link['link']} | {link['relay']} | {link['path']} | "
                        f"{link['probed_bps'] / 1e6:.1f} Mbit/s | {link['shaped_bps'] / 1e6:.1f} Mbit/s | {link['ratio']:.2f} |")
-    out += ["", f"Command: `python benchmarks/nat.py --rate {args.rate} --steps {args.steps} --model {args.model}`; "
+    out += ["", "Sites: " + "; ".join(f"{r['cluster']}: " + ", ".join(f"{k} {v}" for k, v in r["sites"].items())
+                                      for r in {r["cluster"]: r for r in rows}.values()), "",
+            f"Command: `python benchmarks/nat.py --rate {args.rate} --steps {args.steps} --clusters {' '.join(args.clusters)} --models {' '.join(args.models)}`; "
             "probed rates are the coordinator's own link probes (`MeasureTo`, through the relays), shaped rates what the testbed's tc allows."]
     return out
 
@@ -190,7 +222,7 @@ def plot(rows: list[dict], out: Path) -> None:
     labels, ratios, colours = [], [], []
     for r in rows:
         for link in r["links"]:
-            labels.append(f"{r['cluster']}\n{link['link']}")
+            labels.append(f"{r['cluster']} {r['model']}\n{link['link']}")
             ratios.append(link["ratio"])
             colours.append("tab:orange" if link["relayed"] else "tab:blue")
     ax.bar(range(len(ratios)), ratios, color=colours)
@@ -204,9 +236,9 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
+    p.add_argument("--clusters", nargs="+", default=list(CLUSTERS), help=f"{', '.join(CLUSTERS)} or random:SEED")
     p.add_argument("--rate", default="40mbit", help="the links between sites (and the NAT sites' uplinks)")
-    p.add_argument("--model", default="gpt-micro")
+    p.add_argument("--models", nargs="+", default=["gpt-micro"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -218,7 +250,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fusionllm-nat-") as tmp:
         for name in args.clusters:
-            rows.append(run_cluster(name, args, Path(tmp)))
+            for model in args.models:
+                rows.append(run_cluster(name, model, args, Path(tmp)))
     write(args.out, "nat", rows, table(rows, args), {"goals": {"loss": GOAL_LOSS, "relayed_rate": GOAL_RATE, "join_extra_s": GOAL_JOIN_S}})
     plot(rows, args.out)
     return 0

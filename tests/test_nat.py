@@ -161,3 +161,45 @@ def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_
     assert seen["relays"][1] == seen["relays"][2] == seen["coordinator_relay"], seen["relays"]
     assert seen["moves"] == 2
     assert len(seen["result"].losses) >= 10 - 4  # it went on from a checkpoint to the last step
+
+
+def test_routes_keep_lan_traffic_on_the_lan_and_mark_relayed_peers() -> None:
+    from fusionllm.control.reach import routes
+
+    infos = {
+        0: {"address": "pub:1", "data_address": "pub:2"},
+        1: {"address": "relay:11", "data_address": "relay:12", "relay": "relay:9", "seen": "nat-a", "lan_address": "10.0.0.1:1", "lan_data_address": "10.0.0.1:2"},
+        2: {"address": "relay:21", "data_address": "relay:22", "relay": "relay:9", "seen": "nat-a", "lan_address": "10.0.0.2:1", "lan_data_address": "10.0.0.2:2"},
+        3: {"address": "relay:31", "data_address": "relay:32", "relay": "relay:9", "seen": "nat-b", "lan_address": "10.0.0.3:1", "lan_data_address": "10.0.0.3:2"},
+    }
+    addresses, data, through = routes(infos, 1)
+    assert addresses[2] == "10.0.0.2:1" and data[2] == "10.0.0.2:2"  # behind the same NAT: its own address
+    assert data[3] == "relay:32" and data[0] == "pub:2"  # another NAT: its relay; a reachable worker: direct
+    assert sorted(through) == [3]
+    _, data0, through0 = routes(infos, 0)
+    assert data0[1] == "relay:12" and sorted(through0) == [1, 2, 3]
+
+
+def test_relayed_links_are_costed_at_the_nat_uplinks() -> None:
+    from fusionllm.cluster.hardware import Hardware, relayed
+    from fusionllm.cluster.spec import parse_cluster
+
+    spec = parse_cluster("""
+[sites.a]
+devices = 1
+cpus = 0.5
+bandwidth = "1gbit"
+[sites.h]
+devices = 2
+cpus = 0.5
+bandwidth = "1gbit"
+nat = true
+uplink = "20mbit"
+[[links]]
+sites = ["a", "h"]
+bandwidth = "100mbit"
+""")
+    hw = Hardware.from_spec(spec)
+    assert relayed(spec, 0, 1) and not relayed(spec, 1, 2)  # into the NAT site; on its LAN
+    assert hw.bps(0, 1) == hw.bps(1, 0) == 20e6  # the uplink, slower than the link
+    assert hw.bps(1, 2) == 1e9
