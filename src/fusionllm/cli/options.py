@@ -47,6 +47,7 @@ CkptEveryOpt = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoin
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the workers' live state when every stage is present at one step (a coordinator restarted while its workers ran on), else from the newest complete checkpoint in --checkpoint-dir.")]
 StopTimeoutOpt = Annotated[float, typer.Option("--stop-timeout", min=1.0, help="On Ctrl+C or SIGTERM: seconds for the step in flight to end and the final checkpoint to be written before the coordinator stops regardless (the workers wait for a restart; a second Ctrl+C stops at once).")]
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
+CollectivesOpt = Annotated[str, typer.Option("--collectives", help="auto: torch workers joined by fast links with uncompressed traffic form a torch.distributed group (gloo on CPUs, NCCL on GPUs) and all-reduce replicas and tied weights through it; off: every tensor on the project's own data plane.")]
 CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
 DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.schedule.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)

@@ -16,6 +16,7 @@ from fusionllm.cli.options import (
     SYNC_MODES,
     BatchOpt,
     CandidatesOpt,
+    CollectivesOpt,
     CompressOpt,
     FragmentsOpt,
     ImageSizeOpt,
@@ -79,11 +80,13 @@ def plan_cmd(
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
     task: TaskOpt = "lm",
     image_size: ImageSizeOpt = 32,
+    collectives: CollectivesOpt = "auto",
 ) -> None:
     """Plan a model on a cluster: fences, stage per device, links, predicted step time, the bottleneck,
     and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
     import json
 
+    from fusionllm.control.collectives import check_mode, planned_worlds
     from fusionllm.control.hierarchy_planning import describe_hier, sync_report
     from fusionllm.control.planning import describe
     from fusionllm.planner import offline, offline_hier, task_request
@@ -103,8 +106,10 @@ def plan_cmd(
             _print_hier(info)
             print(f"planned in {info['planning_seconds']:.2f} s")
         return
-    _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
+    graph, hw, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
+    worlds = planned_worlds(graph, plan, hw) if check_mode(collectives) == "auto" else []
     info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
+    info["collectives"] = [w.record() for w in worlds]
     if as_json:
         print(json.dumps(info, indent=1))
         return
@@ -115,6 +120,8 @@ def plan_cmd(
               f"{st['params']:,} params, {st['memory_bytes'] / 2**20:.1f} MiB, sends {st['sends_bytes_per_micro_batch'] / 2**10:.0f} KiB per micro-batch")
     if info["unused_devices"]:
         print(f"  unused devices: {info['unused_devices']}")
+    for world in worlds:
+        print(f"  {world.line()}" + (f", all-reduces {'; '.join(','.join(f'w{w}' for w in g) for g in world.reduce)}" if world.reduce else ""))
     print(f"predicted: {pred['step_time_s']:.3f} s/step, {pred['tokens_per_s']:.0f} tokens/s, bubble {pred['bubble_fraction']:.0%}")
     print(f"bottleneck: {info['bottleneck']}")
     print(f"utilization {info['utilization']:.0%} of the cluster's compute: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))

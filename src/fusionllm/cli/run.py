@@ -17,6 +17,7 @@ from fusionllm.cli.options import (
     BlockingOpt,
     CkptDirOpt,
     CkptEveryOpt,
+    CollectivesOpt,
     CompressOpt,
     DashboardOpt,
     DataOpt,
@@ -104,6 +105,7 @@ def coordinator(
     hardware: HardwareOpt = None,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
+    collectives: CollectivesOpt = "auto",
     eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (computed by the workers in the pipeline) every N steps and at the end; 0: never.")] = 0,
     eval_batches: EvalBatchesOpt = 4,
     tls_cert: TlsCertOpt = None,
@@ -154,7 +156,7 @@ def coordinator(
         scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard,
-        relay_port=relay_port,
+        relay_port=relay_port, collectives=collectives,
         **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
     )
     if config is not None:

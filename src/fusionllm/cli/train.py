@@ -16,6 +16,7 @@ from fusionllm.cli.options import (
     BlockingOpt,
     CkptDirOpt,
     CkptEveryOpt,
+    CollectivesOpt,
     CompressOpt,
     DashboardOpt,
     DataOpt,
@@ -109,6 +110,7 @@ def train(
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     hardware: Annotated[Path | None, typer.Option(help="With --cluster local:N and --scheduler: plan with this cluster file's rates (N devices) instead of probing the workers.")] = None,
     compress: CompressOpt = "none",
+    collectives: CollectivesOpt = "auto",
     backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -167,7 +169,7 @@ def train(
             stop_timeout=stop_timeout, scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries,
-            dashboard=dashboard, compress_roles=compress_roles,
+            dashboard=dashboard, compress_roles=compress_roles, collectives=collectives,
             **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
         ))
         run_dir.mkdir(parents=True, exist_ok=True)

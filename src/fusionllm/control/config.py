@@ -64,6 +64,7 @@ class ClusterConfig:
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
     stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
     relay_port: int = 0  # the coordinator's relay for workers behind NAT (control/reach.py): its tunnel port on --listen's host (0: any)
+    collectives: str = "auto"  # auto: torch.distributed (gloo/NCCL) inside fast fences of torch workers (control/collectives.py); off: the data plane only
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -80,6 +81,8 @@ class ClusterConfig:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
         if not self.stop_timeout > 0:
             raise ConfigError(f"--stop-timeout must be > 0 seconds, got {self.stop_timeout}")
+        if self.collectives not in ("auto", "off"):
+            raise ConfigError(f"--collectives {self.collectives!r}: choose auto (torch.distributed inside fast fences) or off")
         if self.guard not in ("retry", "stop", "off"):
             raise ConfigError(f"--numeric-guard {self.guard!r}: choose retry, stop or off")
         if not self.guard_factor > 1:
@@ -142,6 +145,7 @@ class Run:
     hier: str | None = None  # hierarchical mode: the HierPlan's JSON, sent with every assignment (``plan`` is the group's)
     val_metric: float | None = None  # the last evaluation's task metric (accuracy), when the workers computed it
     policy: Any = None  # hierarchical mode with --compress adatopk: this group's LinkPolicy (the synchronous run's is the coordinator's)
+    worlds: list[Any] = field(default_factory=list)  # torch.distributed groups of this plan (control/collectives.py World)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE, Shu
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
 from .bad_steps import BadStepMixin
+from .collectives import RendezvousStore
 from .config import ClusterConfig, Evict, OnStep, Replan, Run, Say, WorkerLost
 from .dashboard import Dashboard
 from .hier_pauses import HierPauseMixin
@@ -66,6 +67,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
         self.policy: Any = None
         self._measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan uses them)
         self._graph_json = self._plan_json = ""
+        self.rendezvous = RendezvousStore(cluster.listen.rpartition(":")[0].strip("[]"))  # torch.distributed's store, made at the first world
 
     def _load_data(self) -> None:
         """The corpus's digest (workers check their copy against it)."""
@@ -139,6 +141,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
             await self._shutdown(run, restart=restart)
             await self.server.stop(0.5)
             await self._stop_relay()
+            self.rendezvous.close()
             if dashboard is not None:
                 await dashboard.stop()
             if unwatch is not None:

@@ -18,13 +18,14 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, make_plan
 from fusionllm.schedule.validate import validate_plan
-from fusionllm.transport.control import WORKER_SERVICE, Assign, Assigned, Hyper
+from fusionllm.transport.control import WORKER_SERVICE, Assign, Assigned, Collective, Hyper
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import pack
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import read_selected, stage_keep
 
 from .capabilities import backend_of, place
+from .collectives import World, find_worlds, world_prefix
 from .config import Run
 from .limits import check_message_sizes
 from .reach import routes
@@ -71,6 +72,7 @@ class SetupMixin:
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         run = Run(graph, plan, clients, actions=programs)
+        run.worlds = await self._worlds(run, infos, cost)
         self._print_plan(run, addresses)
         await self._assign(run, addresses, states, load, codec)
         self.plan_record = self._plan_event(run, addresses, cost)
@@ -86,6 +88,7 @@ class SetupMixin:
         graph_json, plan_json = graph.to_json(), plan.to_json()
         infos = {w: m.info for w, m in self.membership.members.items()}
         replies: dict[int, Assigned] = {}
+        collective = self._collectives(run.worlds)
 
         async def assign(w: int) -> None:
             stage = plan.stage_of_worker(w)
@@ -95,7 +98,7 @@ class SetupMixin:
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in {**addresses, **peers}.items()}, hyper=hyper,
                           nbytes=len(blob), epoch=self.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=self.data_spec,
                           load=load, program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
-                          step=self.start_step, relayed=through)
+                          step=self.start_step, relayed=through, collective=collective.get(w))
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:
@@ -131,7 +134,33 @@ class SetupMixin:
             bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
         return {"event": "plan", "epoch": self.epoch, "scheduler": plan.meta.get("scheduler") or self.cluster.scheduler, "schedule": plan.schedule,
                 "micro_batches": plan.micro_batches, "predicted_step_s": plan.meta.get("predicted_step_s"), "stages": stages,
-                "workers": workers, "bandwidth_bps": bandwidth}
+                "workers": workers, "bandwidth_bps": bandwidth, "collectives": [world.record() for world in run.worlds]}
+
+    async def _worlds(self, run: Run, infos: dict[int, Any], cost: Any) -> list[World]:
+        """The plan's torch.distributed groups (``--collectives auto``): fast, uncompressed links between torch workers."""
+        c = self.cluster
+        if c.collectives == "off":
+            return []
+        hw = getattr(cost, "hw", None)
+        members = sorted(self.membership.members.values(), key=lambda m: m.id)
+        # a cluster file's rates judge the links, not host names (the testbed's namespaces share one host name)
+        if hw is None and c.hardware and all(m.origin >= 0 for m in members):
+            from fusionllm.control.planning import hardware_from_file
+
+            hw = await asyncio.to_thread(lambda: hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members]))
+        ratios = self.policy.ratios() if self.policy is not None else None
+        return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress, roles=c.compress_roles,
+                                       ratios=ratios, bps=hw.bps if hw is not None else None, hosts=not c.hardware)
+
+    def _collectives(self, worlds: list[World]) -> dict[int, Collective]:
+        """Per member of a world, where and how it forms its process group."""
+        if not worlds:
+            return {}
+        host = self.cluster.listen.rpartition(":")[0].strip("[]")
+        store = f"{'' if host in ('', '0.0.0.0', '::') else host}:{self.rendezvous.port()}"  # an empty host: as the worker joined
+        return {w: Collective(store, world_prefix(self.cluster.token, self.epoch, world.index), list(world.workers), world.backend, world.index,
+                              [list(g) for g in world.reduce])
+                for world in worlds for w in world.workers}
 
     async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.control.planning import (
@@ -191,5 +220,8 @@ class SetupMixin:
                 info = self.membership.members[w].info
                 dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
+        for world in run.worlds:
+            reduce = "; ".join(",".join(f"w{w}" for w in g) for g in world.reduce)
+            self.say(f"  {world.line()}" + (f", all-reduces {reduce}" if reduce else ""))
         for line in self._relay_lines(addresses):
             self.say(line)

@@ -4,7 +4,8 @@ The loop runs the worker's lowered action list for each step and makes no decisi
 ``F``/``B`` run the executor (in a thread, so tensors keep arriving meanwhile), ``SEND_*`` push
 the edges each peer of the action names to that peer, ``RECV_*`` wait for the edges each of its
 peers sends (a tensor is filed by kind, step, micro-batch, edge and sending worker), ``REDUCE``
-ring-all-reduces gradients shared with other workers, ``STEP`` clips by the global gradient norm
+ring-all-reduces gradients shared with other workers (through ``torch.distributed`` for groups
+inside the worker's world, ``runtime/collective.py``), ``STEP`` clips by the global gradient norm
 (its shares gathered from every worker over the data plane) and applies AdamW. Where a tensor
 goes is the action's own data (``schedule.plan.resolve``); nothing here recomputes it.
 
@@ -102,6 +103,7 @@ class StageRuntime:
                 raise FusionError(f"worker {worker}: --precision bf16 needs the torch backend (this worker runs {type(self.executor).__name__})")
             self.executor.autocast = "bfloat16"
         self._groups = self._shared_groups()
+        self.collective: Any = None  # the torch worker's process group (runtime/collective.py World), set by the worker
         self.actions = program if program is not None else worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
         if any(a.stage != self.stage.index for a in self.actions):
             raise FusionError(f"worker {worker}: its program holds actions of another stage than {self.stage.index}")
@@ -337,6 +339,10 @@ class StageRuntime:
 
     async def _reduce(self, a: Action, st: _StepState) -> None:
         for group, names in self._groups.items():
+            if self.collective is not None and self.collective.reduces(group):  # inside a fast fence: gloo or NCCL, in a thread
+                params = self.executor.trainable()
+                await self.collective.reduce(group, [params[n] for n in names])
+                continue
             ring = list(group)
             gid = "g" + "-".join(map(str, group))  # the same on every member (an index in each worker's own list is not)
             # a chunk completed by one member must reach all members identically: on a ring of two

@@ -40,6 +40,7 @@ from fusionllm.runtime.outer import OuterState
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
+from fusionllm.runtime.world_link import WorldLink
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.hierarchy import HierPlan, exchange
 from fusionllm.schedule.plan import Plan
@@ -98,7 +99,7 @@ class WorkerConfig:
     relay_port: int = 0
 
 
-class Worker(CoordinatorLink, NatLink):
+class Worker(CoordinatorLink, NatLink, WorldLink):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.id: int | None = None
@@ -130,6 +131,7 @@ class Worker(CoordinatorLink, NatLink):
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
         self._init_link()
         self._init_nat()
+        self._init_world()  # torch.distributed inside a fast fence (world_link.py)
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -161,6 +163,8 @@ class Worker(CoordinatorLink, NatLink):
             if beat is not None:
                 beat.cancel()
             await self._abort_step()
+            self._drop_world()
+            await self._world_left(5.0)
             if self.peers:
                 await self.peers.close()
             await self._stop_nat()
@@ -200,6 +204,7 @@ class Worker(CoordinatorLink, NatLink):
     async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
         aborted = await self._abort_step()
+        self._drop_world()  # the next assignment forms a new one
         self._runs.clear()  # a call asked after an Abort runs anew
         if self.peers is not None:
             await self.peers.close()  # connections to a dead peer must not linger
@@ -246,6 +251,7 @@ class Worker(CoordinatorLink, NatLink):
         momentum = {k.removeprefix("outer/momentum/"): np.asarray(v, dtype=np.float32) for k, v in tensors.items()
                     if k.startswith("outer/momentum/")}
         await self._abort_step()
+        self._drop_world()
         if self.outer is not None:
             self.outer.cancel()
             self.outer = None
@@ -261,6 +267,8 @@ class Worker(CoordinatorLink, NatLink):
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program, faults=self.config.faults,
         )
+        if msg.collective is not None:
+            self.runtime.collective = await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout)
         if msg.hier is not None:
             self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime, momentum)
         self.live = None if msg.hier is not None else LiveState(  # what it reports to a restarted coordinator

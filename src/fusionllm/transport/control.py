@@ -246,6 +246,20 @@ class Hyper(Message):
 
 
 @dataclass
+class Collective(Message):
+    """The ``torch.distributed`` process group a worker forms with the other members of its world
+    (control/collectives.py): rendezvous at the coordinator's store, under a prefix only holders of
+    the token can derive."""
+
+    store: str  # HOST:PORT of the coordinator's TCPStore; an empty HOST: the coordinator's host as the worker joined it
+    prefix: str  # the world's key prefix (HMAC of the token)
+    ranks: list[int]  # worker ids, sorted: rank i is ranks[i]
+    backend: str  # gloo | nccl
+    group: int = 0  # the world's number in the plan (for logs)
+    reduce: list[list[int]] = field(default_factory=list)  # reduce groups (sorted worker ids) all-reduced through it, in this order
+
+
+@dataclass
 class Assign(Message):
     """The head frame of an assignment; the stage's weights follow as raw safetensors chunks."""
 
@@ -263,6 +277,7 @@ class Assign(Message):
     hier: str | None = None  # hierarchical mode: the HierPlan (JSON); ``plan`` is then this worker's group's plan
     step: int = -1  # steps the assigned state has completed (the worker reports it if the coordinator restarts); -1: unknown
     relayed: list[int] = field(default_factory=list)  # peers reached through a relay: their tensors carry a MAC per message
+    collective: Collective | None = None  # this worker's world (torch workers only); None: every tensor on the data plane
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""Worlds: the torch workers of a plan that move tensors with ``torch.distributed`` among themselves.
+
+Inside a fast fence, gloo (CPUs) or NCCL (GPUs) all-reduce far faster than the project's own
+Python data plane. ``find_worlds`` is a pure function of the plan, as placed and lowered: two
+workers are joined when the plan exchanges tensors between them (members of one reduce group:
+replicas of a stage, holders of a tied weight; or a SEND between consecutive stages), that traffic
+is uncompressed on the link, and the link is fast: the same ``hostname`` in both workers' Register
+info, or the cost model's bandwidth >= ``min_bps`` (1 Gbit/s) when the hardware is known; where a
+cluster file describes the links, its rates alone decide. A world is a
+connected component of >= 2 torch workers; each worker is in at most one. Workers of one process
+(the in-process harness) never share a world: ``init_process_group`` is once per process.
+
+Only reduce groups whose every member is in one world, with their own traffic uncompressed, are
+all-reduced through it (``World.reduce``); everything else keeps the data plane.
+
+The rendezvous is a ``TCPStore`` the coordinator hosts (``RendezvousStore``); each world's keys sit
+under a prefix derived from the run's token (``world_prefix``), so a process without the token
+can neither find nor write them. What gloo opens afterwards between the members is NOT
+authenticated: its connections carry raw tensors, as NCCL's do (runtime/collective.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.errors import ConfigError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.actions import Action
+from fusionllm.schedule.plan import Plan, shared_groups
+
+from .capabilities import backend_of
+
+FAST_BPS = 1e9  # a link at least this fast (bit/s) is inside a fence
+MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class World:
+    """One process group: ``workers`` (sorted: rank i is ``workers[i]``), its backend, and the
+    reduce groups (sorted worker ids) all-reduced through it."""
+
+    index: int
+    workers: tuple[int, ...]
+    backend: str  # gloo | nccl
+    reduce: tuple[tuple[int, ...], ...] = ()
+
+    def line(self) -> str:
+        return f"group {self.index}: {','.join(f'w{w}' for w in self.workers)} ({self.backend})"
+
+    def record(self) -> dict[str, Any]:
+        return {"group": self.index, "workers": list(self.workers), "backend": self.backend, "reduce": [list(g) for g in self.reduce]}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"--collectives {mode!r}: choose auto (torch.distributed inside fast fences) or off")
+    return mode
+
+
+def raw_link(compress: str, roles: str, role: str, ratios: Mapping[tuple[int, int], float] | None, a: int, b: int) -> bool:
+    """Whether ``role`` traffic (act, grad, reduce) between ``a`` and ``b`` crosses uncompressed."""
+    codec = parse_codec(compress)
+    if codec.kind == "none" or role not in set(roles.split(",")):
+        return True
+    if codec.kind == "adatopk":  # the policy's decision at plan time
+        ratios = ratios or {}
+        return ratios.get((a, b), 1.0) >= 1.0 and ratios.get((b, a), 1.0) >= 1.0
+    return False
+
+
+def fast_link(infos: Mapping[int, Mapping[str, Any]], a: int, b: int, bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> bool:
+    """The same host (with ``hosts``), or ``bps(a, b)``, the cost model's rate when the hardware is
+    known, at least ``min_bps`` both ways. ``hosts=False`` where a cluster file describes the links:
+    its rates alone decide (the testbed's namespaces share one host name behind shaped links)."""
+    host_a, host_b = infos[a].get("hostname") or "", infos[b].get("hostname") or ""
+    if hosts and host_a and host_a == host_b:
+        return True
+    return bps is not None and bool(min(bps(a, b), bps(b, a)) >= min_bps)  # NaN (unknown) is not fast
+
+
+def _own_process(infos: Mapping[int, Mapping[str, Any]], a: int, b: int) -> bool:
+    """Two workers of one process (the harness): they cannot be ranks of two process groups."""
+    ia, ib = infos[a], infos[b]
+    return bool(ia.get("pid")) and ia.get("pid") == ib.get("pid") and ia.get("hostname") == ib.get("hostname")
+
+
+def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, Mapping[str, Any]], *,
+                compress: str = "none", roles: str = "act,grad,reduce", ratios: Mapping[tuple[int, int], float] | None = None,
+                bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
+    """The worlds of a placed plan (see the module's docstring), numbered by their lowest worker."""
+    torch_workers = {w for w in plan.workers if backend_of(infos.get(w, {})) == "torch"}
+
+    def joins(a: int, b: int, role_list: tuple[str, ...]) -> bool:
+        return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and fast_link(infos, a, b, bps, min_bps, hosts)
+                and all(raw_link(compress, roles, r, ratios, a, b) for r in role_list))
+
+    groups = sorted({g for entries in shared_groups(graph, plan).values() for g, _, _ in entries})
+    edges: set[tuple[int, int]] = set()
+    for g in groups:
+        edges |= {(a, b) for i, a in enumerate(g) for b in g[i + 1 :] if joins(a, b, ("reduce",))}
+    for w, program in programs.items():
+        for action in program:
+            if action.kind in ("SEND_F", "SEND_B"):
+                for p in action.peers:
+                    a, b = sorted((w, p.worker))
+                    if a != b and joins(a, b, ("act", "grad")):
+                        edges.add((a, b))
+    parent = {w: w for w in torch_workers}
+
+    def root(w: int) -> int:
+        while parent[w] != w:
+            parent[w] = parent[parent[w]]
+            w = parent[w]
+        return w
+
+    for a, b in edges:
+        parent[root(a)] = root(b)
+    components: dict[int, list[int]] = {}
+    for w in sorted(torch_workers):
+        components.setdefault(root(w), []).append(w)
+    worlds = []
+    for members in sorted((tuple(m) for m in components.values() if len(m) >= 2), key=lambda m: m[0]):
+        inside = set(members)
+        reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b, ("reduce",)) for i, a in enumerate(g) for b in g[i + 1 :]))
+        cuda = all(str(infos[w].get("device", {}).get("kind", "cpu")) == "cuda" for w in members)
+        worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce))
+    return worlds
+
+
+def world_prefix(token: str, epoch: int, group: int) -> str:
+    """The store keys' prefix of one world: only holders of the token can derive it."""
+    return hmac.new(token.encode(), f"collective:{epoch}:{group}".encode(), hashlib.sha256).hexdigest()
+
+
+class RendezvousStore:
+    """The coordinator's ``TCPStore`` (created at the first world, closed at the end of the run)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._store: Any = None
+
+    def port(self) -> int:
+        if self._store is None:  # the coordinator loads torch only when a world exists
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(self.host or "0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        return int(self._store.port)
+
+    def close(self) -> None:
+        self._store = None  # the server stops with its last reference
+
+
+def planned_worlds(graph: OpGraph, plan: Plan, hw: Any, **kw: Any) -> list[World]:
+    """The worlds of a plan made offline from a cluster file (``fusionllm plan``): every device a torch
+    worker in a process of its own, links judged by the file's rates, an accelerator on CUDA."""
+    from fusionllm.schedule.validate import validate_plan
+
+    infos = {w: {"backend": "torch", "pid": w + 1, "device": {"kind": "cuda" if hw.devices[w].flops else "cpu"}} for w in range(len(hw))}
+    return find_worlds(graph, plan, validate_plan(graph, plan), infos, bps=hw.bps, hosts=False, **kw)

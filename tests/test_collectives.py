@@ -1,0 +1,118 @@
+"""Worlds (control/collectives.py): which torch workers form a torch.distributed group, without processes;
+and (slow) gloo's sum giving every member the same bits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fusionllm.control.collectives import find_worlds, world_prefix
+from fusionllm.control.config import ClusterConfig
+from fusionllm.core.errors import ConfigError, WireError
+from fusionllm.models import build_model
+from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.schedule.plan import make_plan
+from fusionllm.schedule.validate import validate_plan
+from fusionllm.transport.control import Assign, Collective, Hyper
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_lm(build_model("gpt-nano", device="meta"), 2, 32)
+
+
+def _infos(n: int, **per: dict) -> dict[int, dict]:
+    """``n`` torch workers on one host, each its own process; ``per`` overrides worker ``w<i>``'s fields."""
+    return {w: {"backend": "torch", "hostname": "h", "pid": 100 + w, "device": {"kind": "cpu"}, **per.get(f"w{w}", {})} for w in range(n)}
+
+
+def _worlds(graph, n: int, infos: dict, replicas: list[int] | None = None, **kw):
+    plan = make_plan(graph, n, replicas=replicas, micro_batches=2)
+    return find_worlds(graph, plan, validate_plan(graph, plan), infos, **kw)
+
+
+def test_replicas_on_one_host_form_one_gloo_world_with_every_reduce_group(graph) -> None:
+    (world,) = _worlds(graph, 4, _infos(4), replicas=[2, 2])
+    assert world.workers == (0, 1, 2, 3) and world.backend == "gloo"
+    assert world.reduce == ((0, 1), (0, 1, 2, 3), (2, 3))  # stage replicas, and wte tied with lm_head
+    assert world.line() == "group 0: w0,w1,w2,w3 (gloo)"
+
+
+def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
+    # another host for workers 2 and 3: two worlds, each a stage's replicas; the tied weight crosses hosts
+    two = _worlds(graph, 4, _infos(4, w2={"hostname": "g"}, w3={"hostname": "g"}), replicas=[2, 2])
+    assert [(w.workers, w.reduce) for w in two] == [((0, 1), ((0, 1),)), ((2, 3), ((2, 3),))]
+    # the cost model's rates decide over host names (the testbed's namespaces share one host)
+    rates = {"bps": lambda a, b: 1e10 if (a < 2) == (b < 2) else 1e8}
+    assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], hosts=False, **rates)] == [(0, 1), (2, 3)]
+    # probed rates (no cluster file): one host is fast whatever the probe measured, and a fast link joins two hosts
+    assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], **rates)] == [(0, 1, 2, 3)]
+    assert [w.workers for w in _worlds(graph, 4, _infos(4, w1={"hostname": "g"}), replicas=[2, 2], **rates)] == [(0, 1, 2, 3)]
+    # a compressed reduce: each replica's pipeline (raw) still forms a world, but no group reduces through it
+    pipes = _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16", roles="reduce")
+    assert [(w.workers, w.reduce) for w in pipes] == [((0, 2), ()), ((1, 3), ())]
+    assert _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16") == []
+    # adatopk: links its policy leaves raw only
+    ratios = {(0, 2): 0.5, (2, 0): 0.5, (1, 3): 0.5, (3, 1): 0.5, (0, 3): 0.5, (3, 0): 0.5, (1, 2): 0.5, (2, 1): 0.5}
+    assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="adatopk", ratios=ratios)] == [(0, 1), (2, 3)]
+    # a NumPy worker is in no world; one process (the harness) makes no world
+    assert [w.workers for w in _worlds(graph, 4, _infos(4, w3={"backend": "numpy"}), replicas=[2, 2])] == [(0, 1, 2)]
+    assert _worlds(graph, 2, {w: {**i, "pid": 7} for w, i in _infos(2).items()}) == []
+
+
+def test_nccl_only_when_every_member_is_on_cuda(graph) -> None:
+    cuda = {"device": {"kind": "cuda"}}
+    assert _worlds(graph, 2, _infos(2, w0=cuda, w1=cuda))[0].backend == "nccl"
+    assert _worlds(graph, 2, _infos(2, w0=cuda))[0].backend == "gloo"
+
+
+def test_the_prefix_needs_the_token_and_differs_per_epoch_and_group() -> None:
+    p = world_prefix("secret", 0, 0)
+    assert len(p) == 64 and p not in {world_prefix("other", 0, 0), world_prefix("secret", 1, 0), world_prefix("secret", 0, 1)}
+
+
+def test_collective_travels_typed_in_assign() -> None:
+    spec = Collective("127.0.0.1:1234", "ab" * 32, [0, 2], "gloo", 0, [[0, 2]])
+    head = Assign(worker=0, graph="{}", plan="{}", addresses={}, hyper=Hyper(lr=1e-3), nbytes=0, collective=spec)
+    assert Assign.from_wire(head.to_wire()).collective == spec
+    assert Assign.from_wire({**head.to_wire(), "collective": None}).collective is None
+    with pytest.raises(WireError, match="ranks"):
+        Assign.from_wire({**head.to_wire(), "collective": {**spec.to_wire(), "ranks": ["0"]}})
+
+
+def test_collectives_option_is_checked() -> None:
+    assert ClusterConfig(listen="127.0.0.1:0", token="t", workers=2).collectives == "auto"
+    with pytest.raises(ConfigError, match="--collectives 'on'"):
+        ClusterConfig(listen="127.0.0.1:0", token="t", workers=2, collectives="on")
+
+
+GLOO_SUM = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("p", store), rank=rank, world_size=3)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1_000_003, generator=g) * 10 ** torch.randint(-6, 6, (1_000_003,), generator=g)  # sums that depend on the order
+    dist.all_reduce(x)
+    sys.stdout.buffer.write(x.numpy().tobytes())
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_gloo_sum_gives_every_member_the_same_bits(tmp_path: Path) -> None:
+    """Why it can fail: an all-reduce where each member adds the others' values in its own order
+    gives members different roundings, and replicas would drift apart step by step."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script = tmp_path / "sum.py"
+    script.write_text(GLOO_SUM)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(store.port)], stdout=subprocess.PIPE) for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outs[0]) == 4 * 1_000_003 and outs[0] == outs[1] == outs[2]

@@ -1,0 +1,132 @@
+"""torch.distributed inside a fence, with real processes (``init_process_group`` is once per process,
+so the in-process harness never forms a world): replicas and tied weights all-reduced through gloo
+train as one process does, and a lost worker's world forms again with the workers left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Started
+
+pytestmark = pytest.mark.slow  # real processes
+
+BASE = [sys.executable, "-m", "fusionllm"]
+RUN = ["--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--seed", "3"]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(tmp_path: Path, started: Started):
+    yield
+    left = started.stop(tmp_path)
+    assert not left, f"processes left running: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    out = tmp_path_factory.mktemp("single") / "single.jsonl"
+    subprocess.run([*BASE, "train", "--single-process", *RUN, "--steps", "4", "--metrics", str(out)], check=True, capture_output=True, timeout=300)
+    return _losses(out)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(path: Path) -> list[float]:
+    return [r["loss"] for r in _records(path) if "step" in r]
+
+
+def _train(tmp_path: Path, *args: str) -> tuple[str, list[dict]]:
+    out = tmp_path / "m.jsonl"
+    proc = subprocess.run([*BASE, "train", *args, *RUN, "--steps", "4", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout + proc.stderr, _records(out)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_replicas_and_tied_weights_through_gloo_train_as_one_process(tmp_path: Path, mode: str, reference: list[float]) -> None:
+    """Why it can fail: a bucket summed twice or not at all, gradients copied back to the wrong
+    parameters, replicas that end with different sums, or a group formed in another order on one
+    member (a hang: new_group is collective)."""
+    text, records = _train(tmp_path, "--cluster", "local:4", "--replicas", "2,2", "--collectives", mode)
+    losses = [r["loss"] for r in records if "step" in r]
+    assert len(losses) == len(reference) == 4
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, reference, strict=True)), (losses, reference)
+    plan = next(r for r in records if r.get("event") == "plan")
+    moved = records[-1]["bytes"]
+    replica_bytes = moved.get("w0->w1", 0) + moved.get("w2->w3", 0)  # the replicas' all-reduce, when it goes over the data plane
+    if mode == "auto":
+        assert "group 0: w0,w1,w2,w3 (gloo), all-reduces w0,w1; w0,w1,w2,w3; w2,w3" in text.replace("\n", " ").replace("  ", " "), text[-2000:]
+        assert plan["collectives"] == [{"group": 0, "workers": [0, 1, 2, 3], "backend": "gloo", "reduce": [[0, 1], [0, 1, 2, 3], [2, 3]]}]
+        assert replica_bytes == 0  # gloo carried it
+    else:
+        assert "(gloo)" not in text and plan["collectives"] == []
+        assert replica_bytes > 0
+
+
+def test_a_tied_weight_across_a_pipeline_through_gloo_trains_as_one_process(tmp_path: Path, reference: list[float]) -> None:
+    """wte (stage 0) and lm_head (stage 1) are one tensor: its two gradients summed through gloo."""
+    text, records = _train(tmp_path, "--cluster", "local:2")
+    losses = [r["loss"] for r in records if "step" in r]
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, reference, strict=True)) and len(losses) == 4, (losses, reference)
+    assert "group 0: w0,w1 (gloo), all-reduces w0,w1" in text, text[-2000:]
+
+
+def _pids_of(run_dir: Path, rank: int) -> list[int]:
+    """The worker process of ``rank`` that this test's run started (its command line names the run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            text = [a.decode(errors="replace") for a in argv]
+            if "worker" in text and f"{run_dir}/token" in text and "--rank" in text and text[text.index("--rank") + 1] == str(rank):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Path, how: str) -> None:
+    """Why it can fail: survivors stuck in an all-reduce with the dead (or hung: its sockets stay
+    open, so gloo waits for its timeout) worker, a process group not destroyed before the next one
+    forms, or a new group under the old epoch's keys."""
+    out, run_dir, ckpt = tmp_path / "m.jsonl", tmp_path / "run", tmp_path / "ckpt"
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:4", "--replicas", "2,2", *RUN, "--steps", "12", "--checkpoint-dir", str(ckpt),
+                             "--checkpoint-every", "2", "--metrics", str(out), "--run-dir", str(run_dir), "--dead-after", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = 0
+    try:
+        deadline = time.monotonic() + 240
+        while len([r for r in _records(out) if "step" in r]) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, "training ended early or never reached step 4"
+            time.sleep(0.1)
+        (victim,) = _pids_of(run_dir, 2)
+        os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if victim and how == "hang":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+    assert proc.returncode == 0, text[-3000:]
+    records = _records(out)
+    (event,) = [r for r in records if r.get("event") == "recovery"]
+    assert event["lost"] == [2] and event["workers"] == 3
+    assert max(r["step"] for r in records if "step" in r) == 11
+    flat = text.replace("\n", " ")
+    assert "group 0: w0,w1,w2,w3 (gloo)" in flat and "group 0: w0,w1,w2 (gloo)" in flat, text[-3000:]
+    plans = [r for r in records if r.get("event") == "plan"]
+    assert plans[-1]["collectives"][0]["workers"] == [0, 1, 2]
