@@ -116,3 +116,9 @@ def test_gloo_sum_gives_every_member_the_same_bits(tmp_path: Path) -> None:
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert len(outs[0]) == 4 * 1_000_003 and outs[0] == outs[1] == outs[2]
+
+
+def test_workers_behind_nat_are_in_no_world(graph) -> None:
+    """gloo's full mesh connects every pair directly: a worker reached through a relay cannot be a member."""
+    natted = _infos(4, w2={"relay": "r:1"}, w3={"relay": "r:1"})
+    assert [w.workers for w in _worlds(graph, 4, natted, replicas=[2, 2])] == [(0, 1)]

@@ -93,7 +93,8 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
                 compress: str = "none", roles: str = "act,grad,reduce", ratios: Mapping[tuple[int, int], float] | None = None,
                 bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
     """The worlds of a placed plan (see the module's docstring), numbered by their lowest worker."""
-    torch_workers = {w for w in plan.workers if backend_of(infos.get(w, {})) == "torch"}
+    # a worker behind NAT is reached only through its relay (reach.py): gloo's full mesh cannot reach it
+    torch_workers = {w for w in plan.workers if backend_of(infos.get(w, {})) == "torch" and not infos.get(w, {}).get("relay")}
 
     def joins(a: int, b: int, role_list: tuple[str, ...]) -> bool:
         return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and fast_link(infos, a, b, bps, min_bps, hosts)
