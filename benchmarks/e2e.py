@@ -69,6 +69,9 @@ SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer; a function (a
     "uniform": ("uniform", "gpipe", "none"),
     "opfence": ("opfence", "1f1b", "none"),
     "opfence+adatopk": ("opfence", "1f1b", "adatopk"),
+    # data parallel by hand: two replicas of two stages (4 devices), the replica all-reduce on the data plane or in a gloo group
+    "replicas": ("replicas:2,2", "1f1b", "none", "--collectives", "off"),
+    "replicas+gloo": ("replicas:2,2", "1f1b", "none", "--collectives", "auto"),
 }
 
 
@@ -113,10 +116,10 @@ def run_peer(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) ->
         raise RuntimeError(f"the peer failed (exit codes {codes}); its log: {log}\n{log.read_text()[-2000:]}")
 
 
-def run_fusion(tb: Testbed, path: Path, system: tuple[str, str, str], args: argparse.Namespace, metrics: Path, run_dir: Path) -> None:
-    scheduler, schedule, codec = system
-    coord = [*common_args(args), "--scheduler", scheduler, "--schedule", schedule, "--compress", codec,
-             "--hardware", str(path), "--metrics", str(metrics)]
+def run_fusion(tb: Testbed, path: Path, system: tuple[str, ...], args: argparse.Namespace, metrics: Path, run_dir: Path) -> None:
+    scheduler, schedule, codec, *extra = system
+    plan = ["--replicas", scheduler.split(":", 1)[1]] if scheduler.startswith("replicas:") else ["--scheduler", scheduler, "--hardware", str(path)]
+    coord = [*common_args(args), *plan, "--schedule", schedule, "--compress", codec, "--metrics", str(metrics), *extra]
     worker_args, prefixes = tb.worker_launch()
     code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
     if code != 0:

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -205,6 +206,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         for link in r["links"]:
             out.append(f"| {r['cluster']} | {r['model']} | {link['link']} | {link['relay']} | {link['path']} | "
                        f"{link['probed_bps'] / 1e6:.1f} Mbit/s | {link['shaped_bps'] / 1e6:.1f} Mbit/s | {link['ratio']:.2f} |")
+    for cap, what in ((1e9, "shaped at 1 Gbit/s or less"), (float("inf"), "all")):
+        rel = sorted(link["ratio"] for r in rows for link in r["links"] if link["relayed"] and link["shaped_bps"] <= cap)
+        direct = sorted(link["ratio"] for r in rows for link in r["links"] if not link["relayed"] and link["shaped_bps"] <= cap)
+        if rel and direct:
+            out += ["", f"Links {what}: {len(rel)} relayed, probed/shaped median {statistics.median(rel):.2f} (min {rel[0]:.2f}; "
+                    f"{sum(x >= GOAL_RATE for x in rel)} of {len(rel)} at >= {GOAL_RATE}); {len(direct)} direct, median "
+                    f"{statistics.median(direct):.2f} (min {direct[0]:.2f})."]
     out += ["", "Sites: " + "; ".join(f"{r['cluster']}: " + ", ".join(f"{k} {v}" for k, v in r["sites"].items())
                                       for r in {r["cluster"]: r for r in rows}.values()), "",
             f"Command: `python benchmarks/nat.py --rate {args.rate} --steps {args.steps} --clusters {' '.join(args.clusters)} --models {' '.join(args.models)}`; "
@@ -246,7 +254,13 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probe-seconds", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--report", action="store_true", help="only rewrite nat.md and nat.png from nat.json (with the arguments given)")
     args = p.parse_args()
+    if args.report:
+        doc = json.loads((args.out / "nat.json").read_text())
+        write(args.out, "nat", doc["results"], table(doc["results"], args), {"goals": doc.get("goals", {})})
+        plot(doc["results"], args.out)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="fusionllm-nat-") as tmp:
         for name in args.clusters:
