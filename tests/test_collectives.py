@@ -39,13 +39,16 @@ def test_replicas_on_one_host_form_one_gloo_world_with_every_reduce_group(graph)
     (world,) = _worlds(graph, 4, _infos(4), replicas=[2, 2])
     assert world.workers == (0, 1, 2, 3) and world.backend == "gloo"
     assert world.reduce == ((0, 1), (0, 1, 2, 3), (2, 3))  # stage replicas, and wte tied with lm_head
-    assert world.line() == "group 0: w0,w1,w2,w3 (gloo)"
+    assert world.carries == ((0, 2), (1, 3), (2, 0), (3, 1))  # each replica's pipeline, both directions
+    assert world.line() == "group 0: w0,w1,w2,w3 (gloo), all-reduces w0,w1; w0,w1,w2,w3; w2,w3; carries w0->w2, w1->w3, w2->w0, w3->w1"
+    assert world.record()["carries"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
 
 
 def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
     # another host for workers 2 and 3: two worlds, each a stage's replicas; the tied weight crosses hosts
     two = _worlds(graph, 4, _infos(4, w2={"hostname": "g"}, w3={"hostname": "g"}), replicas=[2, 2])
     assert [(w.workers, w.reduce) for w in two] == [((0, 1), ((0, 1),)), ((2, 3), ((2, 3),))]
+    assert [w.carries for w in two] == [(), ()]  # the pipeline's links cross hosts: the data plane
     # the cost model's rates decide over host names (the testbed's namespaces share one host)
     rates = {"bps": lambda a, b: 1e10 if (a < 2) == (b < 2) else 1e8}
     assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], hosts=False, **rates)] == [(0, 1), (2, 3)]
@@ -55,6 +58,10 @@ def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
     # a compressed reduce: each replica's pipeline (raw) still forms a world, but no group reduces through it
     pipes = _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16", roles="reduce")
     assert [(w.workers, w.reduce) for w in pipes] == [((0, 2), ()), ((1, 3), ())]
+    assert [w.carries for w in pipes] == [((0, 2), (2, 0)), ((1, 3), (3, 1))]
+    # compressed activations: the replicas' world all-reduces, but carries no pipeline link
+    acts = _worlds(graph, 4, _infos(4, w2={"hostname": "g"}, w3={"hostname": "g"}), replicas=[2, 2], compress="fp16", roles="act")
+    assert [(w.workers, w.carries) for w in acts] == [((0, 1), ()), ((2, 3), ())]
     assert _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16") == []
     # adatopk: links its policy leaves raw only
     ratios = {(0, 2): 0.5, (2, 0): 0.5, (1, 3): 0.5, (3, 1): 0.5, (0, 3): 0.5, (3, 0): 0.5, (1, 2): 0.5, (2, 1): 0.5}
@@ -76,7 +83,7 @@ def test_the_prefix_needs_the_token_and_differs_per_epoch_and_group() -> None:
 
 
 def test_collective_travels_typed_in_assign() -> None:
-    spec = Collective("127.0.0.1:1234", "ab" * 32, [0, 2], "gloo", 0, [[0, 2]])
+    spec = Collective("127.0.0.1:1234", "ab" * 32, [0, 2], "gloo", 0, [[0, 2]], [[0, 2], [2, 0]])
     head = Assign(worker=0, graph="{}", plan="{}", addresses={}, hyper=Hyper(lr=1e-3), nbytes=0, collective=spec)
     assert Assign.from_wire(head.to_wire()).collective == spec
     assert Assign.from_wire({**head.to_wire(), "collective": None}).collective is None

@@ -152,3 +152,27 @@ def test_the_balanced_split_and_the_simulator_agree_on_a_scaled_model() -> None:
     vec = cost.op_vector(dev)
     assert sum(vec[pos[n]] for n in a) == pytest.approx(
         cost.compute_seconds(a, dev, False) + cost.compute_seconds(a, dev, True) - 2 * cost.action_overhead_s)
+
+
+def test_a_link_a_world_carries_is_predicted_faster_than_the_same_link_on_the_data_plane() -> None:
+    """gloo's measured point to point (benchmarks/results/collectives.md) against the data plane's
+    framing, per-message overhead and copies, on the same 10 Gbit/s link; and a two-stage pipeline
+    whose plan says the world carries its links (``plan.meta["carried"]``) predicts a shorter step."""
+    graph = trace_lm(build_model("gpt-nano", device="meta"), 4, 16)
+    devices = tuple(Device(i, "s", 1.0, None, 4 << 30) for i in range(2))
+    hw = Hardware(devices, ((math.inf, 1e10), (1e10, math.inf)), ((0.0, 1e-4), (1e-4, 0.0)))
+    cost = CostModel(graph, _synthetic(graph, 1e-3, 5e-4), hw)
+    world = replace(cost, carried=frozenset({(0, 1), (1, 0)}))
+    for nbytes in (8 << 10, 1 << 20, 16 << 20):
+        plane = cost.transfer_seconds(nbytes, 0, 1) + 2 * cost.message_cpu_seconds(nbytes, 0, 1)
+        gloo = world.transfer_seconds(nbytes, 0, 1) + 2 * world.message_cpu_seconds(nbytes, 0, 1)
+        assert gloo < plane, (nbytes, gloo, plane)
+    assert world.transfer_seconds(1 << 30, 0, 1) >= (1 << 30) * 8 / 1e10  # never faster than the link itself
+    assert world.wire_bytes(1000, 0, 1) == 1000 and world.transfer_seconds(1000, 0, 1, raw=True) == cost.transfer_seconds(1000, 0, 1, raw=True)
+    a, b = balanced_partition(graph, 2)
+    req = Request(4, 16, 2)
+    plain = Plan([StagePlan(0, a, [0]), StagePlan(1, b, [1])], "1f1b", 2)
+    carried = Plan([StagePlan(0, a, [0]), StagePlan(1, b, [1])], "1f1b", 2, meta={"carried": [[0, 1], [1, 0]]})
+    on_plane, through_world = simulate(plain, cost, req), simulate(carried, cost, req)
+    assert through_world.step_time_s < on_plane.step_time_s
+    assert simulate(plain, world, req).step_time_s == pytest.approx(through_world.step_time_s)  # the cost model's field says the same

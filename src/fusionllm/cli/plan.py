@@ -86,7 +86,7 @@ def plan_cmd(
     and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
     import json
 
-    from fusionllm.control.collectives import check_mode, planned_worlds
+    from fusionllm.control.collectives import carried_links, check_mode, planned_worlds
     from fusionllm.control.hierarchy_planning import describe_hier, sync_report
     from fusionllm.control.planning import describe
     from fusionllm.planner import offline, offline_hier, task_request
@@ -108,6 +108,8 @@ def plan_cmd(
         return
     graph, hw, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
     worlds = planned_worlds(graph, plan, hw) if check_mode(collectives) == "auto" else []
+    if carried_links(worlds):  # the prediction prices the links the worlds carry as gloo's (sim.simulator.with_carried)
+        plan.meta["carried"] = [list(p) for p in sorted(carried_links(worlds))]
     info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
     info["collectives"] = [w.record() for w in worlds]
     if as_json:
@@ -121,7 +123,7 @@ def plan_cmd(
     if info["unused_devices"]:
         print(f"  unused devices: {info['unused_devices']}")
     for world in worlds:
-        print(f"  {world.line()}" + (f", all-reduces {'; '.join(','.join(f'w{w}' for w in g) for g in world.reduce)}" if world.reduce else ""))
+        print(f"  {world.line()}")
     print(f"predicted: {pred['step_time_s']:.3f} s/step, {pred['tokens_per_s']:.0f} tokens/s, bubble {pred['bubble_fraction']:.0%}")
     print(f"bottleneck: {info['bottleneck']}")
     print(f"utilization {info['utilization']:.0%} of the cluster's compute: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))

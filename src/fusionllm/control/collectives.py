@@ -11,7 +11,10 @@ connected component of >= 2 torch workers; each worker is in at most one. Worker
 (the in-process harness) never share a world: ``init_process_group`` is once per process.
 
 Only reduce groups whose every member is in one world, with their own traffic uncompressed, are
-all-reduced through it (``World.reduce``); everything else keeps the data plane.
+all-reduced through it (``World.reduce``), and only the SEND links between two members whose
+activations and gradients both cross uncompressed are carried by it point to point
+(``World.carries``, ``runtime/carrier.py``); everything else keeps the data plane (links that
+cross worlds, compressed links, NumPy workers).
 
 The rendezvous is a ``TCPStore`` the coordinator hosts (``RendezvousStore``); each world's keys sit
 under a prefix derived from the run's token (``world_prefix``), so a process without the token
@@ -41,19 +44,33 @@ MODES = ("auto", "off")
 
 @dataclass(frozen=True)
 class World:
-    """One process group: ``workers`` (sorted: rank i is ``workers[i]``), its backend, and the
-    reduce groups (sorted worker ids) all-reduced through it."""
+    """One process group: ``workers`` (sorted: rank i is ``workers[i]``), its backend, the reduce
+    groups (sorted worker ids) all-reduced through it, and the links (src, dst) whose activations and
+    gradients it carries point to point (``dist.isend``/``irecv``) instead of the data plane."""
 
     index: int
     workers: tuple[int, ...]
     backend: str  # gloo | nccl
     reduce: tuple[tuple[int, ...], ...] = ()
+    carries: tuple[tuple[int, int], ...] = ()
 
     def line(self) -> str:
-        return f"group {self.index}: {','.join(f'w{w}' for w in self.workers)} ({self.backend})"
+        """``group 0: w0,w1 (gloo), all-reduces w0,w1; carries w0->w1, w1->w0``"""
+        text = f"group {self.index}: {','.join(f'w{w}' for w in self.workers)} ({self.backend})"
+        if self.reduce:
+            text += ", all-reduces " + "; ".join(",".join(f"w{w}" for w in g) for g in self.reduce)
+        if self.carries:
+            text += "; carries " + ", ".join(f"w{a}->w{b}" for a, b in self.carries)
+        return text
 
     def record(self) -> dict[str, Any]:
-        return {"group": self.index, "workers": list(self.workers), "backend": self.backend, "reduce": [list(g) for g in self.reduce]}
+        return {"group": self.index, "workers": list(self.workers), "backend": self.backend, "reduce": [list(g) for g in self.reduce],
+                "carries": [list(p) for p in self.carries]}
+
+
+def carried_links(worlds: list[World]) -> frozenset[tuple[int, int]]:
+    """Every link some world carries: what the cost model prices at gloo's rate (``CostModel.carried``)."""
+    return frozenset(p for world in worlds for p in world.carries)
 
 
 def check_mode(mode: str) -> str:
@@ -102,6 +119,7 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
 
     groups = sorted({g for entries in shared_groups(graph, plan).values() for g, _, _ in entries})
     edges: set[tuple[int, int]] = set()
+    sends: set[tuple[int, int]] = set()  # directed links that carry activations or gradients
     for g in groups:
         edges |= {(a, b) for i, a in enumerate(g) for b in g[i + 1 :] if joins(a, b, ("reduce",))}
     for w, program in programs.items():
@@ -111,6 +129,7 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
                     a, b = sorted((w, p.worker))
                     if a != b and joins(a, b, ("act", "grad")):
                         edges.add((a, b))
+                        sends.add((w, p.worker))
     parent = {w: w for w in torch_workers}
 
     def root(w: int) -> int:
@@ -129,7 +148,8 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
         inside = set(members)
         reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b, ("reduce",)) for i, a in enumerate(g) for b in g[i + 1 :]))
         cuda = all(str(infos[w].get("device", {}).get("kind", "cpu")) == "cuda" for w in members)
-        worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce))
+        carries = tuple(sorted((a, b) for a, b in sends if a in inside and b in inside))
+        worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce, carries))
     return worlds
 
 

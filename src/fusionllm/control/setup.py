@@ -16,7 +16,7 @@ from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import Action
-from fusionllm.schedule.plan import Plan, make_plan
+from fusionllm.schedule.plan import Plan, Request, make_plan
 from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE, Assign, Assigned, Collective, Hyper
 from fusionllm.transport.frames import CHUNK
@@ -25,7 +25,7 @@ from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import read_selected, stage_keep
 
 from .capabilities import backend_of, place
-from .collectives import World, find_worlds, world_prefix
+from .collectives import World, carried_links, find_worlds, world_prefix
 from .config import Run
 from .limits import check_message_sizes
 from .reach import routes
@@ -66,13 +66,19 @@ class SetupMixin:
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         if codec.kind == "adatopk":
             from fusionllm.control.adatopk import adatopk_policy
-            from fusionllm.schedule.plan import Request
-
             self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, self.task.items_per_row, plan.micro_batches))
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         run = Run(graph, plan, clients, actions=programs)
         run.worlds = await self._worlds(run, infos, cost)
+        carried = sorted(carried_links(run.worlds))
+        if carried:  # the simulator prices them as gloo's (sim.simulator.with_carried); the plan metrics record lists them
+            plan.meta["carried"] = [list(p) for p in carried]
+            if cost is not None and "predicted_step_s" in plan.meta:
+                from fusionllm.sim.simulator import simulate
+
+                req = Request(t.batch_size, self.task.items_per_row, plan.micro_batches, plan.schedule)
+                plan.meta["predicted_step_s"] = (await asyncio.to_thread(simulate, plan, cost, req)).step_time_s
         self._print_plan(run, addresses)
         await self._assign(run, addresses, states, load, codec)
         self.plan_record = self._plan_event(run, addresses, cost)
@@ -134,7 +140,8 @@ class SetupMixin:
             bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
         return {"event": "plan", "epoch": self.epoch, "scheduler": plan.meta.get("scheduler") or self.cluster.scheduler, "schedule": plan.schedule,
                 "micro_batches": plan.micro_batches, "predicted_step_s": plan.meta.get("predicted_step_s"), "stages": stages,
-                "workers": workers, "bandwidth_bps": bandwidth, "collectives": [world.record() for world in run.worlds]}
+                "workers": workers, "bandwidth_bps": bandwidth, "collectives": [world.record() for world in run.worlds],
+                "carried": [f"w{a}->w{b}" for a, b in sorted(carried_links(run.worlds))]}
 
     async def _worlds(self, run: Run, infos: dict[int, Any], cost: Any) -> list[World]:
         """The plan's torch.distributed groups (``--collectives auto``): fast, uncompressed links between torch workers."""
@@ -159,7 +166,7 @@ class SetupMixin:
         host = self.cluster.listen.rpartition(":")[0].strip("[]")
         store = f"{'' if host in ('', '0.0.0.0', '::') else host}:{self.rendezvous.port()}"  # an empty host: as the worker joined
         return {w: Collective(store, world_prefix(self.cluster.token, self.epoch, world.index), list(world.workers), world.backend, world.index,
-                              [list(g) for g in world.reduce])
+                              [list(g) for g in world.reduce], [list(p) for p in world.carries])
                 for world in worlds for w in world.workers}
 
     async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
@@ -221,7 +228,6 @@ class SetupMixin:
                 dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
         for world in run.worlds:
-            reduce = "; ".join(",".join(f"w{w}" for w in g) for g in world.reduce)
-            self.say(f"  {world.line()}" + (f", all-reduces {reduce}" if reduce else ""))
+            self.say(f"  {world.line()}")
         for line in self._relay_lines(addresses):
             self.say(line)

@@ -90,6 +90,8 @@ class TrainingMixin:
                 "bytes": self._link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
                 "rss": {str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
             }
+            if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/carrier.py)
+                record["carried_bytes"] = self._link_bytes(run, replies, carried=True)
             if "predicted_step_s" in run.plan.meta:
                 record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
             if c.compress != "none":
@@ -169,13 +171,15 @@ class TrainingMixin:
             if aborting is not None:
                 await aborting
 
-    def _link_bytes(self, run: Run, replies: dict[int, StepDone]) -> dict[str, int]:
+    def _link_bytes(self, run: Run, replies: dict[int, StepDone], *, carried: bool = False) -> dict[str, int]:
+        """Bytes per link this step: the data plane's, or (``carried``) those a world carried point to point."""
         out = {}
         for w, rep in replies.items():
-            for dst, total in rep.bytes_to.items():
+            for dst, total in (rep.carried_to if carried else rep.bytes_to).items():
                 link = f"w{w}->w{dst}"
-                out[link] = total - run.bytes_before.get(link, 0)
-                run.bytes_before[link] = total
+                seen = ("carried " if carried else "") + link
+                out[link] = total - run.bytes_before.get(seen, 0)
+                run.bytes_before[seen] = total
         return out
 
     def _check_failures(self, run: Run, step: int, replies: dict[int, StepDone]) -> None:

@@ -5,6 +5,11 @@ an accelerator runs an op's counted FLOPs at ``gpu_efficiency`` of its peak. A t
 link latency, a per-message overhead, and its bytes at the link's rate (times the codec ratio).
 ``latency(src, dst)`` is one-way: a message arrives one latency after its transfer, and a sender that
 waits for the ack (the data plane acks every tensor) waits one more, the reverse direction's.
+
+A link that a ``torch.distributed`` world carries (``carried``: activations and gradients through
+gloo's isend/irecv, ``runtime/carrier.py``) costs gloo's measured time for its size (no codec, no
+data-plane framing, no per-message overhead of the data plane), never less than its bytes at the
+link's rate, and a fraction of the data plane's CPU per message (no copies into frames).
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from fusionllm.graph.ir import OpGraph
 
 REFERENCE_FLOPS = 5e10  # one reference CPU thread, when ops are not calibrated
 HEADER_BYTES = 120  # frame header and gRPC framing of one tensor message
+# gloo isend/irecv of one tensor between two processes on 127.0.0.1, the receiver's wall time
+# (bytes, seconds): benchmarks/collectives.py, benchmarks/results/collectives.md (1-64 MB:
+# 0.52-1.93 GB/s; the data plane measured 0.45-0.22 GB/s on the same sizes).
+GLOO_P2P_SECONDS = ((1 << 20, 2.0e-3), (4 << 20, 5.5e-3), (16 << 20, 14.1e-3), (64 << 20, 34.8e-3))
 
 
 def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -57,6 +66,10 @@ class CostModel:
     step_overhead_s: float = 6e-3  # the coordinator's Step round trip and the norm reduction
     optimizer_bytes_per_s: float = 4e8  # AdamW over fp32 parameters on one reference thread
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)  # codec ratio per link
+    # links (src, dst) a torch.distributed world carries (control/collectives.py ``carried_links``),
+    # set by whoever knows the worlds (the coordinator, ``fusionllm plan``); the rest: the data plane
+    carried: frozenset[tuple[int, int]] = frozenset()
+    carried_message_cpu_s: float = 2e-4  # one end of a carried message: a thread hand-off and a 96-byte header, no copies
     # What a worker process holds beyond its tensors once it has trained a step: torch's kernels and
     # thread pools, the autograd engine, the allocator, gRPC and the data plane. Measured as peak -
     # base resident bytes of gpt-micro stages and of one gpt-micro process on this CPU machine
@@ -129,15 +142,23 @@ class CostModel:
         return t / self.cpu_rate(device) if device.cpus else t
 
     # ---- communication -----------------------------------------------------------------------------
+    def is_carried(self, src: int, dst: int) -> bool:
+        """Whether a world carries the link (gloo/NCCL point to point) instead of the data plane."""
+        return (src, dst) in self.carried
+
     def ratio(self, src: int, dst: int) -> float:
-        return self.ratios.get((src, dst), 1.0)
+        return 1.0 if self.is_carried(src, dst) else self.ratios.get((src, dst), 1.0)
 
     def wire_bytes(self, nbytes: int, src: int, dst: int) -> float:
+        if self.is_carried(src, dst):
+            return float(nbytes)
         return nbytes * self.ratio(src, dst) + HEADER_BYTES
 
     def transfer_seconds(self, nbytes: float, src: int, dst: int, *, raw: bool = False) -> float:
         """Time a message occupies the link (without latency); ``raw``: not through the link's codec."""
         bps = self.hw.bps(src, dst)
+        if self.is_carried(src, dst) and not raw:  # gloo's measured time, bounded by the link's rate
+            return max(nbytes * 8 / bps if math.isfinite(bps) else 0.0, interpolate(GLOO_P2P_SECONDS, nbytes))
         wire = nbytes + HEADER_BYTES if raw else self.wire_bytes(nbytes, src, dst)
         return (wire * 8 / bps if math.isfinite(bps) else 0.0) + self.message_overhead_s
 
@@ -172,10 +193,13 @@ class CostModel:
             return 0.0
         return nbytes / (self.encode_bytes_per_s if sender else self.decode_bytes_per_s)
 
-    def message_cpu_seconds(self, nbytes: float) -> float:
+    def message_cpu_seconds(self, nbytes: float, src: int | None = None, dst: int | None = None) -> float:
         """CPU time one end spends on a message: the runtime's fixed part (``message_cpu_s``, measured
         in the workers) and the copies (the data plane alone: 0.13 ms for both ends of a small
-        message, 0.25 ms for 256 KiB, 0.73 ms for 1 MiB)."""
+        message, 0.25 ms for 256 KiB, 0.73 ms for 1 MiB); on a link a world carries (``src``,
+        ``dst`` given), ``carried_message_cpu_s``: gloo reads and writes the tensor in place."""
+        if src is not None and dst is not None and self.is_carried(src, dst):
+            return self.carried_message_cpu_s
         return self.message_cpu_s + nbytes / self.cpu_bytes_per_s
 
     # ---- memory ------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ on CPUs, NCCL on GPUs), the address of the ``TCPStore`` it hosts and the world's
 HMAC of the run's token. ``World.form`` blocks until every member has arrived (run it in a thread),
 then makes one subgroup per reduce group the coordinator listed, every member in the same order
 (``new_group`` is itself collective). ``World.all_reduce`` sums gradients in place through the
-group, in buckets (``BUCKET_BYTES``) launched together and then waited for. ``leave`` destroys the
+group, in buckets (``BUCKET_BYTES``) launched together and then waited for; ``start`` launches one
+bucket for ``runtime/overlap.py``, which starts them during the backward. ``leave`` destroys the
 group: a new assignment (re-plan, recovery: a new epoch forms a new group), an Abort, and exit.
 
 Security: only the rendezvous is protected. A process without the token cannot derive the prefix,
@@ -56,6 +57,10 @@ class World:
         self.groups: dict[tuple[int, ...], Any] = {}  # reduce group -> its process group
         self.alive = False
         self._busy = threading.Lock()  # held while a collective runs: leaving waits for it
+        self._in_flight = 0  # buckets ``start``ed and not yet ``settled`` (runtime/overlap.py), counted under _busy
+        self.carried = {(int(a), int(b)) for a, b in spec.carries}  # links whose activations and gradients go point to point (runtime/carrier.py)
+        self.p2p_in_flight = 0  # point-to-point messages posted and not yet completed (runtime/carrier.py counts them under p2p_lock)
+        self.p2p_lock = threading.Lock()
 
     def form(self) -> None:
         """Join the world (blocks until all its members have arrived)."""
@@ -90,15 +95,7 @@ class World:
                 raise FusionError("the process group was torn down (the step was aborted)")
             pg = self.groups[group]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            buckets: list[list[int]] = []
-            size = 0
-            for i, g in enumerate(grads):  # consecutive tensors of one dtype, up to BUCKET_BYTES each
-                nbytes = g.numel() * g.element_size()
-                if not buckets or size + nbytes > BUCKET_BYTES or grads[buckets[-1][0]].dtype != g.dtype:
-                    buckets.append([])
-                    size = 0
-                buckets[-1].append(i)
-                size += nbytes
+            buckets = buckets_of(grads)
             flats = [torch.cat([grads[i].reshape(-1) for i in b]) for b in buckets]
             works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=pg, async_op=True) for f in flats]
             for w in works:
@@ -114,6 +111,21 @@ class World:
                         params[i].grad.copy_(summed)
                     offset += n
 
+    def start(self, group: tuple[int, ...], flat: torch.Tensor) -> Any:
+        """Launch the sum of one bucket over ``group`` (``async_op``) and return its work; the world
+        counts it in flight (``leave`` aborts rather than waits) until the caller has ``settled`` it."""
+        with self._busy:
+            if not self.alive:
+                raise FusionError("the process group was torn down (the step was aborted)")
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
+            self._in_flight += 1
+            return work
+
+    def settled(self, works: int) -> None:
+        """``works`` buckets from ``start`` have been waited for."""
+        with self._busy:
+            self._in_flight -= works
+
     async def reduce(self, group: tuple[int, ...], params: list[torch.Tensor]) -> None:
         """``all_reduce`` in a thread of its own, the event loop free meanwhile."""
         await in_daemon_thread(self.all_reduce, group, params)
@@ -124,17 +136,37 @@ class World:
         group is aborted instead, which unregisters it at once (the next group can form) and leaves
         the stuck call to fail on its own."""
         self.alive = False
-        if self._busy.acquire(blocking=False):
+        with self.p2p_lock:
+            p2p_idle = self.p2p_in_flight == 0  # none can start now: carrier.py checks ``alive`` under the same lock
+        if p2p_idle and self._busy.acquire(blocking=False):
             try:
-                teardown()
+                idle = not self._in_flight  # buckets started during a backward (runtime/overlap.py) and not waited for: abort
+                if idle:
+                    teardown()
             finally:
                 self._busy.release()
-            return
+            if idle:
+                return
         log.warning("w%d: a collective is still in flight; aborting process group %d", self.worker, self.spec.group)
         with contextlib.suppress(Exception):
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
+
+
+def buckets_of(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of ``tensors`` in buckets: consecutive tensors of one dtype, up to ``limit`` bytes each
+    (a larger tensor is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > limit or tensors[buckets[-1][0]].dtype != t.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
 
 
 def teardown() -> None:

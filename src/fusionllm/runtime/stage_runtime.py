@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from fusionllm.runtime.faults import Fault, tamper
 from fusionllm.runtime.guards import NumericGuard
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.reduce import ring_allreduce
+from fusionllm.runtime.world_link import in_daemon_thread
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, owners, shared_groups, worker_actions
 from fusionllm.transport.control import BadTensor, Failure, Hyper, StepDone
@@ -66,6 +68,8 @@ class _StepState:
     poisoned: bool = False  # a bad tensor was received (or made here): the update is skipped everywhere
     bad: list[BadTensor] = field(default_factory=list)
     skipped: bool = False
+    overlap: dict[tuple[int, ...], Any] = field(default_factory=dict)  # reduce group -> its OverlappedReduce (runtime/overlap.py)
+    rerun: bool = False  # the step runs again (the numeric guards' retry)
 
 
 class StageRuntime:
@@ -104,10 +108,17 @@ class StageRuntime:
             self.executor.autocast = "bfloat16"
         self._groups = self._shared_groups()
         self.collective: Any = None  # the torch worker's process group (runtime/collective.py World), set by the worker
+        self.carried_to: dict[int, int] = {}  # bytes sent point to point through the world, per destination (runtime/carrier.py)
+        self._edge_index = {e: i for i, e in enumerate(sorted(self.edges))}  # the same on every worker: the carrier's tags
         self.actions = program if program is not None else worker_actions(graph, plan, worker, shared_grads=bool(self._groups))
         if any(a.stage != self.stage.index for a in self.actions):
             raise FusionError(f"worker {worker}: its program holds actions of another stage than {self.stage.index}")
         self.eval_actions = [a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]  # the forward-only program
+        self._last_backward = next((a for a in reversed(self.actions) if a.kind == "B"), None)  # the world's buckets start during it
+        first_use = dict.fromkeys(name for n in graph.nodes for name in n.params.values())
+        self._grad_order = {name: -i for i, name in enumerate(first_use)}  # the backward's order, the same on every worker
+        self._last_step: int | None = None
+        self._told_overlap = False
         self._sent = {a.mb: a.edges() for a in self.actions if a.kind == "SEND_F"}  # per micro-batch, the outputs a SEND_F takes
         inputs = [n.outputs[0].id for n in graph.input_nodes]  # a batch's arrays, in order: the model's inputs, then the targets
         self._batch_edges = [(e, i) for i, e in enumerate(inputs) if e in self.executor.entering]
@@ -162,7 +173,12 @@ class StageRuntime:
             self.ratios = ratios
         started = time.perf_counter()
         kept = self._keep() if self.guard is not None else None
-        await self._run(self.actions, st)
+        st.rerun, self._last_step = self._last_step is not None and step <= self._last_step, step
+        try:
+            await self._run(self.actions, st)
+        finally:
+            for r in st.overlap.values():
+                r.disarm()  # a failed or cancelled step: its hooks must not fire in the next one
         if st.skipped and kept is not None:
             self._put_back(kept)
         return StepDone(
@@ -170,6 +186,7 @@ class StageRuntime:
             grad_norm=st.grad_norm,
             seconds=time.perf_counter() - started,
             bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
+            carried_to={str(k): v for k, v in self.carried_to.items()},
             link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
             bad=st.bad, skipped=st.skipped,
         )
@@ -284,6 +301,39 @@ class StageRuntime:
     def _local(self, x: np.ndarray | None, edge: str) -> Any:
         return None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
 
+    # ---- links the world carries (runtime/carrier.py) ---------------------------------------------
+    def _carried(self, src: int, dst: int) -> bool:
+        """Whether this link's activations and gradients go through the world, not the data plane:
+        the coordinator's list, the same on both ends (after an Abort neither end uses the world)."""
+        world = self.collective
+        return world is not None and world.alive and (src, dst) in world.carried
+
+    async def _carry(self, st: _StepState, dst: int, kind: str, mb: int, edge: str, t: Any) -> None:
+        """Send a backend tensor to ``dst`` through the world, uncompressed, a poisoned step's tainted."""
+        from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
+        from fusionllm.runtime.world_link import in_daemon_thread
+
+        if self.faults and t is not None:  # a faulty worker (tests) corrupts what it sends
+            _, x = self._outgoing(st, {}, self._host(t), kind)
+            t = self._local(x, edge)
+        tag = carrier.tag(self._edge_index[edge], mb, self.plan.micro_batches, kind)
+        nbytes = await in_daemon_thread(carrier.send, self.collective, dst, tag, t, st.poisoned)
+        self.carried_to[dst] = self.carried_to.get(dst, 0) + nbytes
+
+    async def _uncarry(self, st: _StepState, key: tuple) -> Any:
+        """The tensor ``key`` names, from the world, checked by the numeric guard as the data plane's are."""
+        from fusionllm.runtime import carrier
+        from fusionllm.runtime.world_link import in_daemon_thread
+
+        kind, _, mb, edge, src = key
+        tag = carrier.tag(self._edge_index[edge], mb, self.plan.micro_batches, kind)
+        t, taint = await in_daemon_thread(carrier.recv, self.collective, src, tag)
+        if taint:
+            self.inbox.tainted[key] = True
+        if self.guard is not None:
+            self._admit(st, key, self._host(t), edge)  # a view of a CPU tensor: no copy
+        return t
+
     async def _forward(self, a: Action, st: _StepState) -> None:
         feeds = {**st.inputs.get(a.mb, {}), **st.received.pop(a.mb, {})}
         out = await asyncio.to_thread(self.executor.forward, a.mb, feeds)
@@ -298,6 +348,8 @@ class StageRuntime:
                 grads[e] = self.backend.loss_grad(self.loss_scale)
             elif e not in grads:
                 grads[e] = None  # a graph output nobody differentiates (the logits)
+        if a is self._last_backward:
+            self._overlap(st)
         st.entering_grads[a.mb] = await asyncio.to_thread(self.executor.backward, a.mb, grads)
 
     async def _send_f(self, a: Action, st: _StepState) -> None:
@@ -305,6 +357,9 @@ class StageRuntime:
         host: dict[str, np.ndarray | None] = {}
         for p in a.peers:
             for e in p.edges:
+                if self._carried(self.worker, p.worker):
+                    st.sends.append(asyncio.create_task(self._carry(st, p.worker, "act", a.mb, e, outputs[e])))
+                    continue
                 if e not in host:
                     host[e] = self._host(outputs[e])
                 header = {"kind": "act", "step": st.step, "mb": a.mb, "edge": e, "src": self.worker}
@@ -315,6 +370,9 @@ class StageRuntime:
         for p in a.peers:
             for e in p.edges:
                 key = ("act", st.step, a.mb, e, p.worker)
+                if self._carried(p.worker, self.worker):
+                    got[e] = await self._uncarry(st, key)
+                    continue
                 got[e] = self._local(self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), e), e)
         st.received[a.mb] = got
 
@@ -322,6 +380,9 @@ class StageRuntime:
         grads = st.entering_grads.pop(a.mb)
         for p in a.peers:
             for e in p.edges:
+                if self._carried(self.worker, p.worker):
+                    st.sends.append(asyncio.create_task(self._carry(st, p.worker, "grad", a.mb, e, grads.get(e))))
+                    continue
                 header = {"kind": "grad", "step": st.step, "mb": a.mb, "edge": e, "src": self.worker}
                 g = self._host(grads.get(e))
                 st.sends.append(asyncio.create_task(self._push(st, p.worker, header, g, self.edges[e].meta.dtype, feedback_key=(e, p.worker, a.mb))))
@@ -332,13 +393,48 @@ class StageRuntime:
         for p in a.peers:
             for e in p.edges:
                 key = ("grad", st.step, a.mb, e, p.worker)
-                g = self._local(self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), e), e)
+                if self._carried(p.worker, self.worker):
+                    g = await self._uncarry(st, key)
+                else:
+                    g = self._local(self._admit(st, key, await self.inbox.get(key, self.hyper.recv_timeout), e), e)
                 total = got.get(e)
                 got[e] = g if total is None else (total if g is None else total + g)
         st.received_grads[a.mb] = got
 
+    def _overlap(self, st: _StepState) -> None:
+        """Before the step's last backward: watch the gradients of the groups the world carries, to
+        all-reduce each bucket as soon as it is final (runtime/overlap.py). The plain path stays for
+        NCCL (launches from autograd's device threads in an order that differs between members of
+        two groups: not shown safe), recompute, a poisoned step, a step run again, a parameter in two
+        groups, and FUSIONLLM_REDUCE_OVERLAP=0 (for measurements)."""
+        world = self.collective
+        if (world is None or world.spec.backend != "gloo" or self.hyper.recompute or st.poisoned or st.rerun
+                or os.environ.get("FUSIONLLM_REDUCE_OVERLAP", "1") == "0"):
+            return
+        carried = {g: names for g, names in self._groups.items() if world.reduces(g)}
+        names = [n for ns in carried.values() for n in ns]
+        if not carried or len(set(names)) != len(names):
+            return
+        from fusionllm.runtime.overlap import OverlappedReduce
+
+        params = self.executor.trainable()
+        for group, ns in carried.items():
+            r = OverlappedReduce(world, group, [params[n] for n in sorted(ns, key=self._grad_order.__getitem__)])
+            r.arm()
+            st.overlap[group] = r
+
     async def _reduce(self, a: Action, st: _StepState) -> None:
+        if st.overlap:  # buckets started during the last backward: launch the rest, wait for all
+            from fusionllm.runtime.overlap import finish
+
+            await in_daemon_thread(finish, list(st.overlap.values()))
+            if not self._told_overlap:
+                self._told_overlap = True
+                early, total = sum(r.in_backward for r in st.overlap.values()), sum(len(r.buckets) for r in st.overlap.values())
+                log.info("w%d: all-reduce overlapped with the backward: %d of %d buckets started before REDUCE", self.worker, early, total)
         for group, names in self._groups.items():
+            if group in st.overlap:
+                continue
             if self.collective is not None and self.collective.reduces(group):  # inside a fast fence: gloo or NCCL, in a thread
                 params = self.executor.trainable()
                 await self.collective.reduce(group, [params[n] for n in names])

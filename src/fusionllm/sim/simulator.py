@@ -5,7 +5,7 @@ function the runtime uses), resolved: a SEND or RECV names its peers and edges, 
 recomputes where a tensor goes. ``F``/``B`` take the cost model's compute time; on a CPU-quota device
 they run at full speed until the cgroup's quota of the current 100 ms period is spent, then wait for
 the next period, as the kernel's CFS bandwidth control does. ``SEND_*`` queue each tensor on the
-directed link (one transfer at a time per link); a tensor arrives one latency after its transfer
+directed link (one transfer at a time per link; a link a world carries at gloo's cost, ``CostModel.carried``); a tensor arrives one latency after its transfer
 and its ack is back one latency later; ``RECV_*`` wait for arrival; ``REDUCE`` is a ring all-reduce
 among the workers sharing gradients; ``STEP`` waits for the acks of the worker's tensors, then the
 gradient-norm all-gather (each worker's share reaches every other one latency later, its own shares'
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusionllm.cluster.hardware import Device
@@ -89,9 +89,18 @@ class SimResult:
         }
 
 
+def with_carried(cost: CostModel, plan: Plan) -> CostModel:
+    """``cost`` with the links ``plan.meta["carried"]`` lists ([src, dst] pairs) priced as a world's."""
+    carried = {(int(a), int(b)) for a, b in plan.meta.get("carried", ())}
+    return cost if carried <= cost.carried else replace(cost, carried=cost.carried | carried)
+
+
 def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool = False) -> SimResult:
-    """One training step of ``plan`` (micro-batches of req.batch_size / plan.micro_batches sequences)."""
-    cost = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
+    """One training step of ``plan`` (micro-batches of req.batch_size / plan.micro_batches sequences).
+
+    The links the plan's worlds carry (``plan.meta["carried"]``, set where the worlds were found) cost
+    as gloo's point to point, on top of any the cost model already names (``CostModel.carried``)."""
+    cost = with_carried(cost, plan).scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     tokens_per_step = req.tokens
     graph = cost.graph
     lists: dict[int, list[Action]] = validate_plan(graph, plan, cost, req)  # raises InvalidPlan naming the first broken rule
@@ -118,7 +127,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         """Wait for the messages, and spend the CPU time of taking them in."""
         t = clock[w]
         for k in sorted(keys, key=lambda k: arrival[k]):
-            t = cpu[w].run(max(t, arrival[k]), cost.message_cpu_seconds(sizes[k]) + decode.get(k, 0.0))
+            t = cpu[w].run(max(t, arrival[k]), cost.message_cpu_seconds(sizes[k], k[3], k[4]) + decode.get(k, 0.0))
         clock[w] = t
 
     stage_nodes = {s.index: s.nodes for s in plan.stages}
@@ -135,7 +144,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         acked[w] = max(acked[w], arrival[key] + cost.latency(dst, w))
         sizes[key] = nbytes
         decode[key] = cost.codec_cpu_seconds(nbytes, w, dst, sender=False)
-        clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes) + cost.codec_cpu_seconds(nbytes, w, dst, sender=True))
+        clock[w] = cpu[w].run(clock[w], cost.message_cpu_seconds(nbytes, w, dst) + cost.codec_cpu_seconds(nbytes, w, dst, sender=True))
         if keep_timeline:
             timeline.append((w, f"send->{dst}", start, start + dur))
 

@@ -257,6 +257,7 @@ class Collective(Message):
     backend: str  # gloo | nccl
     group: int = 0  # the world's number in the plan (for logs)
     reduce: list[list[int]] = field(default_factory=list)  # reduce groups (sorted worker ids) all-reduced through it, in this order
+    carries: list[list[int]] = field(default_factory=list)  # links [src, dst] whose activations and gradients go through it (isend/irecv)
 
 
 @dataclass
@@ -325,6 +326,7 @@ class StepDone(Message):
     seconds: float = 0.0
     bytes_to: dict[str, int] = field(default_factory=dict)
     link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
+    carried_to: dict[str, int] = field(default_factory=dict)  # bytes sent through the world point to point, per destination (so far)
     failed: Failure | None = None
     aborted: bool = False
     cpu_s: float = 0.0  # the worker process's CPU seconds so far (its device's busy time, for utilisation)
