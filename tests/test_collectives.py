@@ -129,3 +129,11 @@ def test_workers_behind_nat_are_in_no_world(graph) -> None:
     """gloo's full mesh connects every pair directly: a worker reached through a relay cannot be a member."""
     natted = _infos(4, w2={"relay": "r:1"}, w3={"relay": "r:1"})
     assert [w.workers for w in _worlds(graph, 4, natted, replicas=[2, 2])] == [(0, 1)]
+
+
+def test_workers_of_two_torch_versions_are_in_no_world_together(graph) -> None:
+    mixed = _infos(3, w1={"software": {"torch": "2.4.1"}})
+    for w in (0, 2):
+        mixed[w]["software"] = {"torch": "2.13.0"}
+    # a pipeline 0 -> 1 -> 2 whose middle worker runs another torch: only the tied weight's holders (0, 2) share a world
+    assert [(w.workers, w.carries) for w in _worlds(graph, 3, mixed)] == [((0, 2), ())]

@@ -106,6 +106,15 @@ def _own_process(infos: Mapping[int, Mapping[str, Any]], a: int, b: int) -> bool
     return bool(ia.get("pid")) and ia.get("pid") == ib.get("pid") and ia.get("hostname") == ib.get("hostname")
 
 
+def same_torch(infos: Mapping[int, Mapping[str, Any]], a: int, b: int) -> bool:
+    """Two workers of one torch version: gloo's and NCCL's wire between versions is not promised stable,
+    so workers of different versions keep the data plane between them."""
+    def version(w: int) -> Any:
+        return (infos.get(w, {}).get("software") or {}).get("torch")
+
+    return version(a) == version(b)
+
+
 def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, Mapping[str, Any]], *,
                 compress: str = "none", roles: str = "act,grad,reduce", ratios: Mapping[tuple[int, int], float] | None = None,
                 bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
@@ -114,7 +123,8 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
     torch_workers = {w for w in plan.workers if backend_of(infos.get(w, {})) == "torch" and not infos.get(w, {}).get("relay")}
 
     def joins(a: int, b: int, role_list: tuple[str, ...]) -> bool:
-        return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and fast_link(infos, a, b, bps, min_bps, hosts)
+        return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and same_torch(infos, a, b)
+                and fast_link(infos, a, b, bps, min_bps, hosts)
                 and all(raw_link(compress, roles, r, ratios, a, b) for r in role_list))
 
     groups = sorted({g for entries in shared_groups(graph, plan).values() for g, _, _ in entries})

@@ -12,6 +12,7 @@ cannot be captured, and is refused with the module that did it; making that modu
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -259,6 +260,20 @@ def make_leaf_rule(
     return is_leaf
 
 
+def _hooks(module: nn.Module, recorder: _Recorder) -> list[Any]:
+    """Forward hooks on every module call: global ones where torch's global forward hook passes keyword
+    arguments (2.5 and later), else one pair on each of the model's own modules (torch 2.4: its
+    global hook has no ``with_kwargs``, and a call's keyword arguments must be recorded)."""
+    if "with_kwargs" in inspect.signature(module_hooks.register_module_forward_hook).parameters:
+        return [module_hooks.register_module_forward_pre_hook(recorder.pre_hook),
+                module_hooks.register_module_forward_hook(recorder.post_hook, with_kwargs=True)]
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(recorder.pre_hook))
+        handles.append(m.register_forward_hook(recorder.post_hook, with_kwargs=True))
+    return handles
+
+
 def trace(
     module: nn.Module,
     example_inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -286,10 +301,7 @@ def trace(
             raise TraceError(f"example input {i} is a {type(x).__name__}; inputs must be tensors")
         node = recorder.add_node("input", name, {"index": i}, [], {}, x)
         recorder.from_inputs.add(node.outputs[0].id)
-    handles = [
-        module_hooks.register_module_forward_pre_hook(recorder.pre_hook),
-        module_hooks.register_module_forward_hook(recorder.post_hook, with_kwargs=True),
-    ]
+    handles = _hooks(module, recorder)
     try:
         with _Mode(recorder):
             out = module(*inputs)
