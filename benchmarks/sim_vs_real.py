@@ -35,6 +35,8 @@ task's model with its request (``planner.task_request``: a batch row is one imag
 becomes images/s). Its results go to benchmarks/results/sim_vs_real_resnet unless --out says otherwise.
 
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py [--rows examples|sweep|random|hier|all] [--merge]
+    sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py --rows latency --steps 12 --warmup 3 \
+        --out benchmarks/results/sim_vs_real_latency/after [--only SCHEDULER[:M]] [--merge]   # two-sites-50ms, its link delayed
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py --task vision --model resnet18 --image-size 32 \
         --rows examples --batch-size 16 --steps 12 --warmup 3 [--cluster NAME ...] [--merge]
 """
@@ -79,7 +81,9 @@ def rows(which: str) -> list[Row]:
     examples = [Row(c, s, 4) for c in ("three-sites", "two-sites") for s in SCHEDULERS]
     sweep = [Row("uniform", "opfence", 4)] + [Row(c, "uniform", m) for c in ("uniform", "three-sites") for m in (1, 2, 4, 8, 16)]
     rand = [Row(f"random-cpu-{seed}", s, m) for seed in RANDOM_SEEDS for s, m in (("opfence", 4), ("uniform", 2), ("uniform", 8))]
-    return {"examples": examples, "sweep": sweep, "random": rand, "hier": [], "all": examples + sweep + rand}[which]
+    # 50 ms between the sites, delayed on the testbed by its forwarders (testbed/delay.py)
+    latency = [Row("two-sites-50ms", s, 4) for s in SCHEDULERS] + [Row("two-sites-50ms", "uniform", m) for m in (1, 8)]
+    return {"examples": examples, "sweep": sweep, "random": rand, "latency": latency, "hier": [], "all": examples + sweep + rand}[which]
 
 
 def task_args(args: argparse.Namespace) -> list[str]:
@@ -354,10 +358,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128, help="--task lm: tokens per batch row")
-    ap.add_argument("--rows", choices=("examples", "sweep", "random", "hier", "all"), default="all",
-                    help="hier: the hierarchical rows only (three-sites and the random clusters); all: every row")
+    ap.add_argument("--rows", choices=("examples", "sweep", "random", "latency", "hier", "all"), default="all",
+                    help="latency: two-sites-50ms (its link delayed on the testbed; write them to another --out); "
+                         "hier: the hierarchical rows only (three-sites and the random clusters); all: every row but latency")
     ap.add_argument("--hier-rounds", type=int, default=3, help="hierarchical rows: rounds per run (--steps: the largest H times this)")
     ap.add_argument("--cluster", action="append", help="only the rows of this cluster (repeatable)")
+    ap.add_argument("--only", action="append", metavar="SCHEDULER[:M]", help="only the rows of this scheduler (and micro-batch count asked for; repeatable)")
     ap.add_argument("--merge", action="store_true", help="add these rows to the existing sim_vs_real.json (runs split to share the machine)")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: predict the runs in sim_vs_real.json again with the current cost model (on this machine's calibration)")
@@ -383,7 +389,8 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="fusion-simreal-") as tmpdir:
             tmp = Path(tmpdir)
-            for row in [r for r in rows(args.rows) if not args.cluster or r.cluster in args.cluster]:
+            for row in [r for r in rows(args.rows) if (not args.cluster or r.cluster in args.cluster) and (not args.only or
+                        r.scheduler in args.only or f"{r.scheduler}:{r.micro_batches}" in args.only)]:
                 path = cluster_file(row.cluster, tmp)
                 before = load.wait_quiet(args.quiet_cores, args.patience)
                 got = measure(path, row, args, tmp, load)

@@ -166,8 +166,9 @@ def test_forty_eight_gpus_plan() -> None:
 def test_simulated_step_equals_a_hand_computed_one(micro_cost: CostModel) -> None:
     """Two stages, one micro-batch, full-speed CPUs: the simulator's step is the sum of the path
     forward 0 -> messages -> forward 1 -> backward 1 -> message -> backward 0 -> all-reduce of the
-    tied embedding -> AdamW, computed here
-    from the cost model's primitives (an independent count: a cost the simulator drops or doubles fails)."""
+    tied embedding -> the acks of the step's tensors and the gradient-norm exchange -> AdamW, computed
+    here from the cost model's primitives (an independent count: a cost the simulator drops or doubles
+    fails). The 3 ms latency is one-way: a tensor arrives 3 ms after its transfer, its ack 3 ms later."""
     from fusionllm.schedule.plan import balanced_partition, routes
 
     n = 2
@@ -200,17 +201,23 @@ def test_simulated_step_equals_a_hand_computed_one(micro_cost: CostModel) -> Non
 
     c0 = cost.compute_seconds(a, devices[0], False)
     c0, arrive = send(c0, acts, 0, 1)
+    acked = [max(arrive) + lat, 0.0]  # the last ack each worker waits for before its STEP
     c1 = receive(0.0, acts, arrive) + cost.compute_seconds(b, devices[1], False) + cost.compute_seconds(b, devices[1], True)
     c1, arrive = send(c1, grads, 1, 0)
+    acked[1] = max(arrive) + lat
     c0 = receive(c0, grads, arrive) + cost.compute_seconds(a, devices[0], True)
     # the tied embedding (stage 0) and LM head (stage 1) sum their gradients: a ring of two, two
     # rounds of half the bytes, each costing both ends' message CPU time and the slower direction
+    # with its ack (a round trip: each member awaits its send before the next round)
     tied = cost.graph.params["wte.weight"].meta.nbytes
     half = tied / 2
-    ring = max(cost.transfer_seconds(math.ceil(half), x, y, raw=True) + lat for x, y in ((0, 1), (1, 0)))
+    ring = max(cost.transfer_seconds(math.ceil(half), x, y, raw=True) + 2 * lat for x, y in ((0, 1), (1, 0)))
     reduced = max(c0, c1) + 2 * (2 * cost.message_cpu_seconds(half) + ring)
+    # STEP: every tensor acked, then the norm exchange: the other's share one way, its own share's ack a round trip
+    entry = [max(reduced, acked[w]) for w in (0, 1)]
+    norm = [max(entry[1 - w] + lat, entry[w] + 2 * lat) for w in (0, 1)]
     params = lambda nodes: sum(cost.graph.params[p].meta.nbytes for x in nodes for p in set(cost.graph.node(x).params.values()))  # noqa: E731
-    t = reduced + max(cost.optimizer_seconds(params(a), devices[0]), cost.optimizer_seconds(params(b), devices[1])) + cost.step_overhead_s
+    t = max(norm[0] + cost.optimizer_seconds(params(a), devices[0]), norm[1] + cost.optimizer_seconds(params(b), devices[1])) + cost.step_overhead_s
     got = simulate(plan, cost, req).step_time_s
     assert len(acts) >= 1 and len(grads) >= 1
     assert got == pytest.approx(t, rel=1e-6), (got, t)

@@ -70,6 +70,20 @@ from fusionllm.core.errors import FusionError
 BACKENDS = ("torch", "numpy")
 
 
+def _worker_pythons(values: list[str] | None, workers: int) -> dict[int, str]:
+    """``--worker-python 1=/path/to/python``: worker 1 runs under that interpreter (another virtual
+    environment, e.g. another torch version), which must have fusionllm installed."""
+    out: dict[int, str] = {}
+    for value in values or ():
+        index, sep, path = value.partition("=")
+        if not sep or not index.strip().isdigit() or not 0 <= int(index) < workers or not path:
+            raise FusionError(f"--worker-python {value!r}: expected I=PATH with I a worker index 0..{workers - 1}, e.g. 1=/venvs/torch24/bin/python")
+        if not Path(path).is_file() or not os.access(path, os.X_OK):
+            raise FusionError(f"--worker-python {value!r}: {path} is not an executable file (the other environment's bin/python)")
+        out[int(index)] = path
+    return out
+
+
 def _backends(text: str | None, workers: int) -> list[str]:
     """``--backends torch,numpy,torch``: one backend per worker."""
     if not text:
@@ -112,6 +126,7 @@ def train(
     compress: CompressOpt = "none",
     collectives: CollectivesOpt = "auto",
     backends: Annotated[str | None, typer.Option(help="With --cluster: each worker's framework, e.g. torch,numpy,torch (default: torch everywhere).")] = None,
+    worker_python: Annotated[list[str] | None, typer.Option("--worker-python", help="With --cluster local:N: I=PATH runs worker I under that Python (another virtual environment with fusionllm installed, e.g. another torch version); repeatable.")] = None,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -176,13 +191,16 @@ def train(
         (run_dir / "run.json").write_text(run.to_json())
         args = ["--config", str((run_dir / "run.json").resolve())]
         tls = _tls_args(tls_cert, tls_key, tls_ca)
+        if toml and worker_python:
+            raise FusionError("--worker-python is for --cluster local:N; on a testbed cluster start the workers yourself (fusionllm worker)")
         if toml:
             raise typer.Exit(_train_on_testbed(Path(cluster), args, run_dir, device, backends, tls))
         n = parse_cluster(cluster)
+        pythons = _worker_pythons(worker_python, n)
         worker_args = [
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
         ]
-        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args, stop_timeout=stop_timeout))
+        raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args, stop_timeout=stop_timeout, worker_pythons=pythons))
     if sync != "synchronous":
         raise FusionError("--sync hierarchical needs --cluster (the --single-process reference is one synchronous process)")
     if backends:

@@ -27,7 +27,7 @@ class ClusterShape:
     kind: str = "gpu"  # "gpu": accelerators (simulation only); "cpu": CPU quotas (the testbed can run it)
     spread: float = 10.0  # fastest / slowest device, largest / smallest memory
     total_cpus: float = 2.0  # "cpu" clusters: quotas add up to about this (the machine's cores)
-    latency: bool = True  # draw link latencies (simulation only: the testbed cannot emulate them)
+    latency: bool = True  # draw link latencies (the testbed delays them with its forwarders, testbed/delay.py)
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:

@@ -51,11 +51,13 @@ def run_local_cluster(
     host: str = "127.0.0.1",
     worker_prefixes: list[list[str]] | None = None,
     stop_timeout: float = 60.0,
+    worker_pythons: dict[int, str] | None = None,
 ) -> int:
     """Start, run and stop a local cluster; returns the coordinator's exit status.
 
     ``worker_prefixes`` wrap each worker's command (the testbed runs it in a network namespace and a
-    CPU cgroup); ``worker_args`` add flags per worker (its --listen address, --threads, --device).
+    CPU cgroup); ``worker_args`` add flags per worker (its --listen address, --threads, --device);
+    ``worker_pythons`` run worker i under another interpreter (another environment, e.g. another torch).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     token_file = run_dir / "token"
@@ -76,8 +78,9 @@ def run_local_cluster(
             logs.append(log)
             extra = worker_args[i] if worker_args else ["--threads", str(threads)]
             prefix = worker_prefixes[i] if worker_prefixes else []
+            python = (worker_pythons or {}).get(i)
             procs.append(subprocess.Popen(
-                [*prefix, *base, "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), "--rank", str(i), *extra],
+                [*prefix, *([python, "-m", "fusionllm"] if python else base), "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), "--rank", str(i), *extra],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, start_new_session=True,
             ))
         rc = coord.wait()

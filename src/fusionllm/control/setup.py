@@ -133,6 +133,7 @@ class SetupMixin:
         workers = {}
         for w, m in self.membership.members.items():
             workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
+                               "software": m.info.get("software") or {},
                                "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers,
                                "relay": m.info.get("relay") or None}
         bandwidth = {}
@@ -225,7 +226,9 @@ class SetupMixin:
             shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
             for w in s.workers:
                 info = self.membership.members[w].info
-                dev = f"{info.get('device', {}).get('kind', '?')}, {backend_of(info)}"
+                backend = backend_of(info)
+                version = (info.get("software") or {}).get(backend if backend == "torch" else "numpy", "")
+                dev = f"{info.get('device', {}).get('kind', '?')}, {backend}{' ' + version if version else ''}"
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
         for world in run.worlds:
             self.say(f"  {world.line()}")
