@@ -14,7 +14,7 @@ from fusionllm.cluster.spec import load_cluster
 from fusionllm.compress.policy import FLOOR
 from fusionllm.testbed import cgroups
 from fusionllm.testbed.sh import TestbedError, can_emulate, run
-from fusionllm.testbed.testbed import STATE, Testbed, down, leftovers
+from fusionllm.testbed.testbed import LOCK, STATE, Testbed, down, leftovers, machine_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "examples" / "clusters"
@@ -31,12 +31,20 @@ def _empty() -> dict[str, list[str]]:
 
 @pytest.fixture(autouse=True)
 def clean():
-    """No test leaves a fusion-* name behind; names that were there before (anyone's) are not ours to judge."""
-    if OK:
+    """No test leaves a fusion-* name behind; names that were there before (anyone's) are not ours to judge.
+    Another process's live testbed is waited for (its lock), never taken down."""
+    if not OK:
+        yield
+        return
+    with machine_lock(300) as free:
+        if not free:
+            pytest.skip(f"another testbed held {LOCK} for 5 minutes")
         down()  # what a crashed earlier run recorded
         before = leftovers()
     yield
-    if OK:
+    with machine_lock(0) as free:
+        if not free:
+            return  # another testbed came up as ours went down: what exists now is not ours to judge
         left = {k: sorted(set(v) - set(before[k])) for k, v in leftovers().items()}
         down()
         assert left == _empty(), f"the testbed left {left}"
@@ -78,6 +86,11 @@ def test_down_cleans_up_after_a_crash() -> None:
     assert state["owner"] == os.getpid() and len(state["netns"]) == 4 and len(state["cgroups"]) == 4
     assert set(state["netns"]) <= set(leftovers()["netns"])
     assert (Path("/sys/fs/cgroup/cpu/fusion-w3/cpu.cfs_quota_us").read_text().strip()) == "40000"
+    live = subprocess.run([*BASE, "testbed", "down"], capture_output=True, text=True, timeout=60)
+    assert live.returncode != 0 and "not taking it down" in live.stderr  # its owner still holds the lock
+    assert set(state["netns"]) <= set(leftovers()["netns"])
+    tb._lockfile.close()  # the lock a dead process would have dropped
+    tb._lockfile = None
     proc = subprocess.run([*BASE, "testbed", "down"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "netns=4" in proc.stdout
     assert not STATE.exists()

@@ -287,13 +287,13 @@ def test_down_removes_the_routers_after_a_crash(clean: None) -> None:
     state = json.loads(STATE.read_text())
     assert {"fusion-r0", "fusion-w1"} <= set(state["netns"]) and "fusion-o0" in state["links"], state
     assert {"fusion-r0", "fusion-w0", "fusion-w1", "fusion-w2"} <= set(leftovers()["netns"])
+    tb._lockfile.close()  # the lock a dead process would have dropped
+    tb._lockfile = None
     proc = subprocess.run([sys.executable, "-m", "fusionllm", "testbed", "down"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "netns=4" in proc.stdout, proc.stdout + proc.stderr
     left = leftovers()
     assert not any(set(state[k]) & set(left[k]) for k in ("netns", "links", "cgroups")), left
     assert state["routes"] == ["10.214.0.0/24"] and "10.214.0.0/24" not in run("ip", "route", "show", "type", "unreachable")
-    tb._lockfile.close()  # the lock a dead process would have dropped
-    tb._lockfile = None
 
 
 @pytest.mark.slow

@@ -37,9 +37,14 @@ def testbed_up(cluster: Annotated[Path, typer.Argument(help="Cluster file (TOML)
 @user_errors
 def testbed_down() -> None:
     """Remove every namespace, link and cgroup a testbed made (also after a crash)."""
-    from fusionllm.testbed.testbed import down
+    from fusionllm.testbed.sh import TestbedError
+    from fusionllm.testbed.testbed import LOCK, down, machine_lock
 
-    removed = down()
+    with machine_lock(0) as free:
+        if not free:  # a live process's testbed: its state file lists what it is using
+            owner = Path(LOCK).read_text().strip() or "?"
+            raise TestbedError(f"a running testbed (process {owner}) holds {LOCK}: not taking it down; stop that process (its testbed goes with it)")
+        removed = down()
     print(" ".join(f"{k}={len(v)}" for k, v in removed.items()) + " removed")
 
 

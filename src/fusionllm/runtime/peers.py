@@ -219,6 +219,11 @@ class PeerNet:
         if record:
             self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
 
+    def record(self, worker: int, started: float, ended: float, size: int) -> None:
+        """A transfer to ``worker`` that went another way (a torch.distributed world): its bytes and busy
+        time count in ``link_stats`` like the data plane's, so a re-plan sees the link as it is."""
+        self._busy.setdefault(worker, []).append((started, ended, size))
+
     def link_stats(self) -> dict[int, tuple[int, float, int]]:
         """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged, messages)."""
         out = {}

@@ -317,7 +317,9 @@ class StageRuntime:
             _, x = self._outgoing(st, {}, self._host(t), kind)
             t = self._local(x, edge)
         tag = carrier.tag(self._edge_index[edge], mb, self.plan.micro_batches, kind)
+        started = time.perf_counter()
         nbytes = await in_daemon_thread(carrier.send, self.collective, dst, tag, t, st.poisoned)
+        self.peers.record(dst, started, time.perf_counter(), nbytes)  # measured like the data plane's links
         self.carried_to[dst] = self.carried_to.get(dst, 0) + nbytes
 
     async def _uncarry(self, st: _StepState, key: tuple) -> Any:
@@ -423,11 +425,25 @@ class StageRuntime:
             r.arm()
             st.overlap[group] = r
 
+    def _record_reduce(self, group: tuple[int, ...], names: list[str], started: float) -> None:
+        """A world's all-reduce, measured as the ring it stands for: 2 (k - 1) / k of the gradients to the
+        next member, over the time it took (the coordinator's link measurements, a re-plan's rates)."""
+        k = len(group)
+        if k < 2 or self.worker not in group:
+            return
+        params = self.executor.trainable()
+        nbytes = sum(params[n].numel() * params[n].element_size() for n in names if n in params)
+        nxt = group[(group.index(self.worker) + 1) % k]
+        self.peers.record(nxt, started, time.perf_counter(), int(2 * (k - 1) / k * nbytes))
+
     async def _reduce(self, a: Action, st: _StepState) -> None:
         if st.overlap:  # buckets started during the last backward: launch the rest, wait for all
             from fusionllm.runtime.overlap import finish
 
+            started = time.perf_counter()
             await in_daemon_thread(finish, list(st.overlap.values()))
+            for group in st.overlap:
+                self._record_reduce(group, self._groups[group], started)
             if not self._told_overlap:
                 self._told_overlap = True
                 early, total = sum(r.in_backward for r in st.overlap.values()), sum(len(r.buckets) for r in st.overlap.values())
@@ -437,7 +453,9 @@ class StageRuntime:
                 continue
             if self.collective is not None and self.collective.reduces(group):  # inside a fast fence: gloo or NCCL, in a thread
                 params = self.executor.trainable()
+                started = time.perf_counter()
                 await self.collective.reduce(group, [params[n] for n in names])
+                self._record_reduce(group, names, started)
                 continue
             ring = list(group)
             gid = "g" + "-".join(map(str, group))  # the same on every member (an index in each worker's own list is not)

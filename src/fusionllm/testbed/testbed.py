@@ -43,6 +43,7 @@ import ipaddress
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,6 +393,30 @@ def set_link_rate(i: int, j: int, bps: int) -> None:
     burst = max(16_000, bps // 8 // 250)
     run("ip", "netns", "exec", f"{PREFIX}-w{i}", "tc", "class", "change", "dev", "eth0", "parent", "1:",
         "classid", f"1:{100 + j}", "htb", "rate", f"{bps}bit", "ceil", f"{bps}bit", "burst", str(burst), "cburst", str(burst))
+
+
+@contextlib.contextmanager
+def machine_lock(wait: float) -> Iterator[bool]:
+    """Hold the testbeds' lock (yields True), or not within ``wait`` seconds (False: another process's
+    testbed is up, and the state file is its own: ``down()`` now would tear it down)."""
+    import fcntl
+    import time
+
+    with open(LOCK, "a+") as f:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(1)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def down() -> dict[str, list[str]]:
