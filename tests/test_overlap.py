@@ -98,7 +98,6 @@ TWO_RANKS = textwrap.dedent("""
     from torch import nn
     from fusionllm.runtime.collective import World
     from fusionllm.runtime.overlap import OverlappedReduce, finish
-from tests.conftest import Started
     from fusionllm.transport.control import Collective
 
     rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -120,8 +120,8 @@ class TrainingMixin:
 
     def _observe_links(self, step: int, replies: dict[int, StepDone], record: dict[str, Any]) -> None:
         """Link measurements: kept for a re-plan, and fed to AdaTopK's policy."""
-        for w, rep in replies.items():
-            for dst, (nbytes, busy, *_) in rep.link_stats.items():
+        for w, rep in replies.items():  # a world's transfers too: a re-plan must see a choked link it carried
+            for dst, (nbytes, busy, *_) in [*rep.link_stats.items(), *rep.world_stats.items()]:
                 got, took = self._links.get((w, int(dst)), (0, 0.0))
                 self._links[(w, int(dst))] = (got + int(nbytes), took + busy)
         if self.policy is not None:

@@ -183,6 +183,7 @@ class PeerNet:
         self._data: dict[int, DataClient] = {}
         self.bytes_to: dict[int, int] = {}
         self._busy: dict[int, list[tuple[float, float, int]]] = {}  # per destination: (start, end, bytes)
+        self._world_busy: dict[int, list[tuple[float, float, int]]] = {}  # the same, of transfers through a world (record)
 
     def client(self, worker: int) -> RpcClient:
         if worker not in self._clients:
@@ -220,26 +221,18 @@ class PeerNet:
             self._busy.setdefault(worker, []).append((started, time.perf_counter(), size))
 
     def record(self, worker: int, started: float, ended: float, size: int) -> None:
-        """A transfer to ``worker`` that went another way (a torch.distributed world): its bytes and busy
-        time count in ``link_stats`` like the data plane's, so a re-plan sees the link as it is."""
-        self._busy.setdefault(worker, []).append((started, ended, size))
+        """A transfer to ``worker`` that went another way (a torch.distributed world): its bytes and the
+        time it took, in ``world_stats`` (a re-plan sees the link as it is; AdaTopK, which tunes the data
+        plane's codecs, does not: the time also holds waits for the peer)."""
+        self._world_busy.setdefault(worker, []).append((started, ended, size))
+
+    def world_stats(self) -> dict[int, tuple[int, float, int]]:
+        """``link_stats`` of the transfers ``record`` saw."""
+        return _merged(self._world_busy)
 
     def link_stats(self) -> dict[int, tuple[int, float, int]]:
         """Per destination since the last call: (bytes, seconds the link was busy, overlaps merged, messages)."""
-        out = {}
-        for worker, spans in self._busy.items():
-            spans.sort()
-            busy, end, total = 0.0, -1.0, 0
-            for s, e, b in spans:
-                total += b
-                if s > end:
-                    busy += e - s
-                elif e > end:
-                    busy += e - end
-                end = max(end, e)
-            out[worker] = (total, busy, len(spans))
-        self._busy.clear()
-        return out
+        return _merged(self._busy)
 
     async def close(self) -> None:
         for c in self._clients.values():
@@ -250,3 +243,19 @@ class PeerNet:
         self._data.clear()
 
 
+def _merged(spans_by_worker: dict[int, list[tuple[float, float, int]]]) -> dict[int, tuple[int, float, int]]:
+    """Per destination: (bytes, seconds busy with overlapping spans merged, transfers); empties the spans."""
+    out = {}
+    for worker, spans in spans_by_worker.items():
+        spans.sort()
+        busy, end, total = 0.0, -1.0, 0
+        for s, e, b in spans:
+            total += b
+            if s > end:
+                busy += e - s
+            elif e > end:
+                busy += e - end
+            end = max(end, e)
+        out[worker] = (total, busy, len(spans))
+    spans_by_worker.clear()
+    return out

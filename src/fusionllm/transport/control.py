@@ -326,6 +326,7 @@ class StepDone(Message):
     seconds: float = 0.0
     bytes_to: dict[str, int] = field(default_factory=dict)
     link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
+    world_stats: dict[str, list[float]] = field(default_factory=dict)  # the same, of transfers through a torch.distributed world
     carried_to: dict[str, int] = field(default_factory=dict)  # bytes sent through the world point to point, per destination (so far)
     failed: Failure | None = None
     aborted: bool = False
