@@ -1,0 +1,45 @@
+"""Two torch versions in one pipeline: a worker from another environment (the oldest torch pyproject.toml
+allows) between two of this one's. Runs where ``benchmarks/two_torch.py`` made that environment
+(``~/.cache/fusionllm/torch-2.4.1``, 5 GB); skipped, saying so, elsewhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+OLD = Path.home() / ".cache" / "fusionllm" / "torch-2.4.1" / "bin" / "python"
+COMMON = ["--model", "gpt-nano", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--seed", "1", "--eval-every", "0"]
+
+pytestmark = pytest.mark.slow
+needs_old = pytest.mark.skipif(not OLD.exists(), reason=f"no second torch environment at {OLD}: make it with `python benchmarks/two_torch.py`")
+
+
+def _losses(path: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+
+
+@needs_old
+def test_a_worker_on_torch_2_4_in_a_torch_2_13_pipeline_trains_like_one_process(tmp_path: Path) -> None:
+    version = subprocess.run([str(OLD), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=120)
+    if version.returncode != 0 or not version.stdout.startswith("2.4"):
+        pytest.skip(f"{OLD} has no torch 2.4 ({version.stderr.strip()[-200:]})")
+    mixed, single = tmp_path / "mixed.jsonl", tmp_path / "single.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "fusionllm", "train", "--cluster", "local:3", *COMMON, "--worker-python", f"1={OLD}",
+                           "--metrics", str(mixed), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1 (cpu, torch 2.4" in proc.stderr and "worker 0 (cpu, torch 2.13" in proc.stderr, proc.stderr[-3000:]
+    subprocess.run([sys.executable, "-m", "fusionllm", "train", "--single-process", *COMMON, "--metrics", str(single)],
+                   check=True, capture_output=True, timeout=300)
+    a, b = _losses(mixed), _losses(single)
+    assert len(a) == len(b) == 3
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b, strict=True)), (a, b)
+
+
+def test_worker_python_is_checked(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "fusionllm", "train", "--cluster", "local:2", *COMMON, "--worker-python", "5=/nope",
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--worker-python '5=/nope': expected I=PATH with I a worker index 0..1" in proc.stderr, proc.stderr
