@@ -72,7 +72,9 @@ def test_three_workers_match_single_process(tmp: Path, schedule: str) -> None:
     assert "worker 2" in proc.stderr and "stage 2" in proc.stderr  # the plan is shown
     records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r]
     assert all({"step", "loss", "tokens", "elapsed_s", "tokens_per_s", "bytes"} <= r.keys() for r in records)
-    assert records[0]["bytes"]["w0->w1"] > 0 and records[-1]["tokens"] == 6 * 8 * 16
+    # activations left worker 0: on the data plane, or through the torch.distributed world (one host: --collectives auto)
+    assert records[0]["bytes"].get("w0->w1", 0) + records[0].get("carried_bytes", {}).get("w0->w1", 0) > 0
+    assert records[-1]["tokens"] == 6 * 8 * 16
 
 
 def test_opfence_plan_from_probes_matches_single_process(tmp: Path) -> None:
@@ -86,7 +88,7 @@ def test_opfence_plan_from_probes_matches_single_process(tmp: Path) -> None:
 
 def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path) -> None:
     """tests.zoo:skip_tied (skip edge embedding -> last layer, tied head), stage 1 on two workers."""
-    proc, out = _cluster(tmp, "tests.zoo:skip_tied", 3, "--replicas", "1,2", "--schedule", "1f1b")
+    proc, out = _cluster(tmp, "tests.zoo:skip_tied", 3, "--replicas", "1,2", "--schedule", "1f1b", "--collectives", "off")  # the data plane's ring
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_close(_losses(out), _single(tmp, "tests.zoo:skip_tied"))
     bytes_ = json.loads(out.read_text().splitlines()[-1])["bytes"]

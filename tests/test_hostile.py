@@ -71,12 +71,14 @@ def _losses(path: Path) -> list[float]:
 
 def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: Path) -> None:
     ref = tmp_path / "ref.jsonl"
-    clean = subprocess.run([*BASE, "train", "--cluster", "local:3", *RUN, "--metrics", str(ref), "--run-dir", str(tmp_path / "ref")],
+    clean = subprocess.run([*BASE, "train", "--cluster", "local:3", *RUN, "--collectives", "off", "--metrics", str(ref), "--run-dir", str(tmp_path / "ref")],
                            capture_output=True, text=True, timeout=600)
     assert clean.returncode == 0, clean.stderr[-2000:]
 
     out, run_dir = tmp_path / "m.jsonl", tmp_path / "run"
-    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:3", *RUN, "--metrics", str(out), "--run-dir", str(run_dir)],
+    # --collectives off: every port the workers listen on is then fusionllm's own (gloo's ports, which a
+    # torch.distributed world opens, do not authenticate: docs/runtime.md "Which tensors go where")
+    proc = subprocess.Popen([*BASE, "train", "--cluster", "local:3", *RUN, "--collectives", "off", "--metrics", str(out), "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rng = random.Random(7)
     codes: list[str] = []

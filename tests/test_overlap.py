@@ -160,7 +160,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return [json.loads(line)["loss"] for line in out.read_text().splitlines() if '"step"' in line]
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # (make test-soak) the same runs as test_collectives_process's, which overlap by default; this one also reads the logs
 @pytest.mark.parametrize("cluster", [["--cluster", "local:4", "--replicas", "2,2"], ["--cluster", "local:2"]], ids=["replicas", "tied"])
 def test_training_with_overlapped_buckets_matches_one_process(tmp_path: Path, cluster: list[str], single: list[float], started: Started) -> None:
     """Why it can fail: a bucket copied before its last micro-batch's gradient was accumulated, or
