@@ -3,13 +3,10 @@ worker reaches out, nothing reaches in unless it opened the connection, and `dow
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +14,7 @@ import pytest
 from fusionllm.cluster.spec import SiteSpec, parse_cluster
 from fusionllm.core.errors import ConfigError
 from fusionllm.testbed.sh import TestbedError, can_emulate, can_nat, run
-from fusionllm.testbed.testbed import LOCK, STATE, Slot, Testbed, down, leftovers
+from fusionllm.testbed.testbed import LOCK, STATE, Slot, Testbed, down, leftovers, machine_lock
 
 OK, WHY = can_nat()
 needs_nat = pytest.mark.skipif(not OK, reason=f"NAT testbed needs root on Linux with iproute2 and nftables: {WHY}")
@@ -111,38 +108,17 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@contextlib.contextmanager
-def _machine_lock(wait: float) -> Iterator[bool]:
-    """Hold the testbeds' lock (True), or not within ``wait`` s (False: another process's testbed is up,
-    and the state file is its own: ``down()`` now would tear it down)."""
-    with open(LOCK, "a+") as f:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(2)
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture()
 def clean() -> Iterator[None]:
     """No test leaves a fusion-* name behind; names that were there before (anyone's) are not ours to judge.
     The machine is shared: another process's testbed is waited for, and never taken down."""
-    with _machine_lock(300) as free:
+    with machine_lock(300) as free:
         if not free:
             pytest.skip(f"another testbed held {LOCK} for 5 minutes")
         down()  # what a crashed earlier run recorded
         before = leftovers()
     yield
-    with _machine_lock(0) as free:
+    with machine_lock(0) as free:
         if not free:
             return  # another testbed came up as ours went down: what exists now is not ours to judge
         left = {k: sorted(set(v) - set(before[k])) for k, v in leftovers().items()}
