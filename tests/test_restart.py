@@ -241,8 +241,9 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                 dropped._advertise_host = lambda: "127.0.0.2"  # type: ignore[method-assign]  # back on another network
                 coordinator = c.coordinator
                 assert coordinator is not None
-                await until("the dropped worker's loss", lambda: coordinator.recoveries >= 1, run)
-                assert len(coordinator.membership.members) == 2
+                # recoveries counts from the start of a recovery; the member goes once its survivors are aborted
+                await until("the dropped worker's loss", lambda: coordinator.recoveries >= 1 and len(coordinator.membership.members) == 2, run)
+                assert coordinator.recoveries == 1
                 outage[0] = False
                 spare = lambda: [m for w, m in coordinator.membership.members.items() if w in coordinator.membership.spares]  # noqa: E731
                 await until("the spare", lambda: bool(spare()), run)
@@ -254,6 +255,57 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                 addresses = {m.address for m in coordinator.membership.members.values()}
                 assert dropped.address in addresses and len(addresses) == 2
                 assert {w["address"] for w in coordinator.plan_record["workers"].values() if w["in_plan"]} == addresses
+            finally:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_hangs_in_a_checkpoint_is_lost_by_its_heartbeat_not_the_step_timeout(tmp_path: Path) -> None:
+    """A hung worker (SIGSTOP: its connections stay open) in the middle of a checkpoint: the
+    coordinator must watch heartbeats there as it does during steps, lose the worker after
+    --dead-after and re-plan. Before that watch it waited for the SaveShard reply until the step
+    timeout (an hour here: the test would time out)."""
+    train = TrainConfig(model="gpt-nano", steps=100_000, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0)
+    cluster = cluster_config(3, dead_after_s=3.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, step_timeout=3600.0)
+
+    async def main() -> None:
+        async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:
+            run = asyncio.create_task(c.run())
+            try:
+                deadline = time.monotonic() + 120
+                while len(c.steps) < 1:
+                    assert not run.done() and time.monotonic() < deadline, "no first step"
+                    await asyncio.sleep(0.05)
+                hung, frozen = c.workers[-1], asyncio.Event()  # the last stage: the checkpoint asks it for its shard
+                real_call = hung.coordinator.call
+
+                async def call(method: str, msg: dict, **kw: object) -> dict:
+                    if hung_now[0]:
+                        await frozen.wait()  # never set: as a stopped process, nothing comes back
+                    return await real_call(method, msg, **kw)
+
+                async def save_shard(*_: object) -> dict:
+                    hung_now[0] = True
+                    await frozen.wait()
+                    return {}
+
+                hung_now = [False]
+                hung.coordinator.call = call  # type: ignore[method-assign]
+                hung._save_shard = save_shard  # type: ignore[method-assign]
+                coordinator = c.coordinator
+                assert coordinator is not None
+                deadline = time.monotonic() + 300
+                while not (coordinator.recoveries >= 1 and len(coordinator.membership.members) == 2):
+                    assert not run.done(), f"the run ended: {run.exception() if not run.cancelled() else 'cancelled'}"
+                    assert time.monotonic() < deadline, "the hung worker was never lost (the checkpoint waits for it)"
+                    await asyncio.sleep(0.05)
+                assert hung_now[0], "the worker was lost before it hung in the checkpoint"
+                steps = len(c.steps)
+                while len(c.steps) < steps + 2:
+                    assert not run.done() and time.monotonic() < deadline, "no steps after the recovery"
+                    await asyncio.sleep(0.05)
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)

@@ -35,12 +35,25 @@ class RecoveryMixin:
         return run
 
     async def _guard(self, run: Run, work: Any) -> Any:
-        """Evaluation and checkpoints talk to workers too: a dead one there is a lost worker."""
+        """Evaluation and checkpoints talk to workers too: a dead one there is a lost worker, and so
+        is a hung one (its connection stays open, so only its stale heartbeat tells; without this
+        watch a checkpoint would wait for it until the step timeout)."""
+        task = asyncio.ensure_future(work)
         try:
-            return await work
+            while True:
+                done, _ = await asyncio.wait([task], timeout=1.0)
+                if done:
+                    return task.result()
+                stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
+                if stale:
+                    raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
         except TransportError as exc:
             await self._raise_if_lost(run, str(exc))
             raise
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _readdressed(self, run: Run) -> None:
         """Clients to workers behind NAT that moved to another relay (their old relay went away)."""
