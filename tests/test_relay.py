@@ -148,3 +148,47 @@ def test_a_relay_that_dies_ends_the_tunnel_and_its_ports() -> None:
         await server.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_raw_bytes_cross_the_relay_whole_both_ways_with_half_close(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why it can fail: bytes the relay had buffered before the splice (the peer speaks first) lost
+    or sent twice, a handshake byte left in a write buffer, an EOF not passed on (the other side
+    waits forever), or one direction's end closing the other direction early."""
+    from fusionllm.transport import zerocopy
+
+    if not kernel:
+        monkeypatch.setattr(zerocopy, "available", lambda: False)
+    elif not zerocopy.available():
+        pytest.skip("os.splice is Linux only")
+    rng = np.random.default_rng(7)
+    request, reply = rng.bytes(3_000_001), rng.bytes(5_000_003)
+
+    async def main() -> None:
+        got: list[bytes] = []
+
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            got.append(await r.read())  # until the peer's EOF ...
+            w.write(reply)  # ... and then the answer: the connection is half open meanwhile
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        relay = Relay(TOKEN)
+        tunnel = Tunnel(f"127.0.0.1:{await relay.start('127.0.0.1')}", TOKEN, [f"127.0.0.1:{server.sockets[0].getsockname()[1]}"])
+        await tunnel.open()
+        before = zerocopy.bridged
+        host, _, port = tunnel.addresses[0].rpartition(":")
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(request)  # at once: the relay holds these while the worker joins the session
+        w.write_eof()
+        back = await asyncio.wait_for(r.read(), 60)
+        w.close()
+        assert got == [request] and back == reply
+        assert relay.bytes_relayed() >= len(request) + len(reply)
+        assert zerocopy.bridged - before == (2 if kernel else 0)  # the relay's end and the worker's end
+        await tunnel.close()
+        await relay.stop()
+        server.close()
+
+    asyncio.run(main())

@@ -42,7 +42,7 @@ from typing import Any
 
 from fusionllm.core.errors import AuthError, TransportError, WireError
 from fusionllm.core.logging import get_logger
-from fusionllm.transport import PROTOCOL_VERSION
+from fusionllm.transport import PROTOCOL_VERSION, zerocopy
 from fusionllm.transport.messages import pack, unpack
 
 MAGIC = b"FLRY"
@@ -94,8 +94,11 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count
 
 async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
                  count: Callable[[int], None] = lambda n: None) -> None:
-    """Copy both ways until both directions ended (or one broke), then close both."""
+    """Copy both ways until both directions ended (or one broke), then close both: in the kernel
+    (``zerocopy.bridge``) where it can, else in Python."""
     try:
+        if await zerocopy.bridge(a, b, count):
+            return
         await asyncio.gather(pipe(a[0], b[1], count), pipe(b[0], a[1], count))
     finally:
         for w in (a[1], b[1]):
