@@ -31,7 +31,7 @@ from fusionllm.transport.control import Heartbeat, HeartbeatReply, LiveState, Re
 from tests.conftest import Started
 
 BASE = [sys.executable, "-m", "fusionllm"]
-STEPS = 100
+STEPS = 40  # long enough that a kill after step 2 lands mid-run, even on a busy machine
 RUN = ["--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--steps", str(STEPS), "--warmup", "2", "--seed", "1", "--eval-every", "0"]
 TOL = 1e-5
 
