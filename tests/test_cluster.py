@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,17 +39,29 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
 
 
-def _single(tmp: Path, model: str) -> list[float]:
+def _single(tmp: Path, model: str) -> Callable[[], list[float]]:
+    """The one-process reference, started in the background (beside the cluster runs it is compared
+    with); call the result for its losses, computed once per module."""
     out = tmp / f"single-{model.replace(':', '_')}.jsonl"
-    if not out.exists():
-        subprocess.run([*BASE, "train", "--single-process", "--model", model, *COMMON, "--eval-every", "0", "--metrics", str(out)], check=True, capture_output=True, timeout=300)
-    return _losses(out)
+    if out.exists():
+        return lambda: _losses(out)
+    part = out.with_suffix(".part")  # a reference cut short is never taken for a whole one
+    proc = subprocess.Popen([*BASE, "train", "--single-process", "--model", model, *COMMON, "--eval-every", "0", "--metrics", str(part)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def losses() -> list[float]:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        part.replace(out)
+        return _losses(out)
+    return losses
 
 
-def _cluster(tmp: Path, model: str, n: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp / f"cluster-{len(list(tmp.glob('cluster-*')))}.jsonl"
+def _cluster(tmp: Path, model: str, n: int, *extra: str, name: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    name = name or f"cluster-{len(list(tmp.glob('cluster-*')))}"
+    out = tmp / f"{name}.jsonl"
     proc = subprocess.run(
-        [*BASE, "train", "--cluster", f"local:{n}", "--model", model, *COMMON, "--metrics", str(out), "--run-dir", str(tmp / "run"), *extra],
+        [*BASE, "train", "--cluster", f"local:{n}", "--model", model, *COMMON, "--metrics", str(out), "--run-dir", str(tmp / f"run-{name}"), *extra],
         capture_output=True, text=True, timeout=300,
     )
     return proc, out
@@ -64,11 +78,35 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cluster")
 
 
+Runs = dict[str, tuple[subprocess.CompletedProcess, Path]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp: Path) -> Runs:
+    """The module's cluster runs that need nothing else, two at a time, with the one-process references
+    beside them: one run alone leaves a core idle much of the time (train, the coordinator and the
+    workers start one after another). The 1f1b run checkpoints at steps 3 and 6 for
+    test_resume_continues_exactly."""
+    singles = [_single(tmp, model) for model in ("gpt-nano", "tests.zoo:skip_tied")]
+    todo = {
+        "gpipe": ("gpt-nano", "--schedule", "gpipe"),
+        "1f1b": ("gpt-nano", "--schedule", "1f1b", "--checkpoint-dir", str(tmp / "ckpt-1f1b"), "--checkpoint-every", "3"),
+        "opfence": ("gpt-nano", "--scheduler", "opfence", "--probe-seconds", "0.3"),
+        "skip_tied": ("tests.zoo:skip_tied", "--replicas", "1,2", "--schedule", "1f1b", "--collectives", "off"),  # the data plane's ring
+    }
+    with ThreadPoolExecutor(2) as pool:
+        pending = {name: pool.submit(_cluster, tmp, model, 3, *extra, name=name) for name, (model, *extra) in todo.items()}
+        done = {name: run.result() for name, run in pending.items()}
+    for single in singles:
+        single()
+    return done
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_three_workers_match_single_process(tmp: Path, schedule: str) -> None:
-    proc, out = _cluster(tmp, "gpt-nano", 3, "--schedule", schedule)
+def test_three_workers_match_single_process(tmp: Path, schedule: str, runs: Runs) -> None:
+    proc, out = runs[schedule]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_close(_losses(out), _single(tmp, "gpt-nano"))
+    _assert_close(_losses(out), _single(tmp, "gpt-nano")())
     assert "worker 2" in proc.stderr and "stage 2" in proc.stderr  # the plan is shown
     records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r]
     assert all({"step", "loss", "tokens", "elapsed_s", "tokens_per_s", "bytes"} <= r.keys() for r in records)
@@ -77,33 +115,34 @@ def test_three_workers_match_single_process(tmp: Path, schedule: str) -> None:
     assert records[-1]["tokens"] == 6 * 8 * 16
 
 
-def test_opfence_plan_from_probes_matches_single_process(tmp: Path) -> None:
+def test_opfence_plan_from_probes_matches_single_process(tmp: Path, runs: Runs) -> None:
     """Workers probe their device and links when they join; OP-Fence plans; losses still match."""
-    proc, out = _cluster(tmp, "gpt-nano", 3, "--scheduler", "opfence", "--probe-seconds", "0.3")
+    proc, out = runs["opfence"]  # --scheduler opfence --probe-seconds 0.3
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "probed 6 links" in proc.stderr and "scheduler opfence" in proc.stderr
-    _assert_close(_losses(out), _single(tmp, "gpt-nano"))
+    _assert_close(_losses(out), _single(tmp, "gpt-nano")())
     assert "predicted_step_s" in next(r for r in map(json.loads, out.read_text().splitlines()) if "step" in r)
 
 
-def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path) -> None:
+def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path, runs: Runs) -> None:
     """tests.zoo:skip_tied (skip edge embedding -> last layer, tied head), stage 1 on two workers."""
-    proc, out = _cluster(tmp, "tests.zoo:skip_tied", 3, "--replicas", "1,2", "--schedule", "1f1b", "--collectives", "off")  # the data plane's ring
+    proc, out = runs["skip_tied"]  # --replicas 1,2 --schedule 1f1b --collectives off: the data plane's ring
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_close(_losses(out), _single(tmp, "tests.zoo:skip_tied"))
+    _assert_close(_losses(out), _single(tmp, "tests.zoo:skip_tied")())
     bytes_ = json.loads(out.read_text().splitlines()[-1])["bytes"]
     assert bytes_.get("w1->w2", 0) > 0 and bytes_.get("w2->w1", 0) > 0  # the replicas reduced gradients
 
 
-def test_resume_continues_exactly(tmp: Path) -> None:
-    ckpt = tmp / "ckpt"
-    proc, full = _cluster(tmp, "gpt-nano", 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")
+def test_resume_continues_exactly(tmp: Path, runs: Runs) -> None:
+    proc, full = runs["1f1b"]  # three workers, checkpoints every 3 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = tmp / "ckpt"
+    shutil.copytree(tmp / "ckpt-1f1b", ckpt)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000003", "step-000006"]
-    assert {p.name for p in (ckpt / "step-000003").iterdir()} >= {"stage-0.safetensors", "stage-1.safetensors", "plan.json", "state.json"}
+    assert {p.name for p in (ckpt / "step-000003").iterdir()} >= {"stage-0.safetensors", "stage-1.safetensors", "stage-2.safetensors", "plan.json", "state.json"}
     shutil.rmtree(ckpt / "step-000006")  # as if the run had died after step 5
     (ckpt / ".tmp-step-000006-1").mkdir()  # and a half-written checkpoint lies around
-    proc, resumed = _cluster(tmp, "gpt-nano", 2, "--checkpoint-dir", str(ckpt), "--resume")
+    proc, resumed = _cluster(tmp, "gpt-nano", 3, "--schedule", "1f1b", "--checkpoint-dir", str(ckpt), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr
     records = [r for r in map(json.loads, resumed.read_text().splitlines()) if "step" in r]
@@ -167,7 +206,7 @@ def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     workers = [
-        subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     deadline = time.time() + 180

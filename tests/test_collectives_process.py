@@ -73,8 +73,15 @@ def test_replicas_and_tied_weights_through_gloo_train_as_one_process(tmp_path: P
     else:
         assert "(gloo)" not in text and plan["collectives"] == []
         assert replica_bytes > 0
+        # and the pipeline's activations and gradients went over the data plane too (what the pipeline test's [off] checks)
+        assert "carries" not in text and plan["carried"] == []
+        for r in (r for r in records if "step" in r):
+            assert all(r["bytes"][link] > 0 for link in ("w0->w2", "w2->w0", "w1->w3", "w3->w1")) and "carried_bytes" not in r, r
 
 
+# (make test-soak) in `make test`, the pipeline test's [auto] sums the tied weight through gloo (w0,w2), and the
+# replicas test's [auto] does on workers that also carry activations to each other (w0,w2 of w0,w1,w2,w3)
+@pytest.mark.soak
 def test_a_tied_weight_across_a_pipeline_through_gloo_trains_as_one_process(tmp_path: Path, reference: list[float]) -> None:
     """wte (stage 0) and lm_head (stage 1) are one tensor: its two gradients summed through gloo."""
     text, records = _train(tmp_path, "--cluster", "local:2")
@@ -98,7 +105,8 @@ def _pids_of(run_dir: Path, rank: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
+# [kill] in `make test`: test_recovery.py::test_a_lost_worker_costs_a_re_plan_not_the_run[kill] (its world of 4 forms again with 3)
+@pytest.mark.parametrize("how", [pytest.param("kill", marks=pytest.mark.soak), "hang"])
 def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Path, how: str) -> None:
     """Why it can fail: survivors stuck in an all-reduce with the dead (or hung: its sockets stay
     open, so gloo waits for its timeout) worker, a process group not destroyed before the next one
@@ -115,6 +123,13 @@ def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Pat
             time.sleep(0.1)
         (victim,) = _pids_of(run_dir, 2)
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        if how == "hang":  # once the others trained to the end without it, end it: train's own clean-up of a stopped worker
+            # (SIGTERM, 5 s, SIGKILL) is test_recovery.py's [hang]; here it only cost time
+            deadline = time.monotonic() + 240
+            while proc.poll() is None and max((r["step"] for r in _records(out) if "step" in r), default=-1) < 11:
+                assert time.monotonic() < deadline, "the others never reached the last step"
+                time.sleep(0.1)
+            os.kill(victim, signal.SIGKILL)
         text, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -133,7 +148,8 @@ def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Pat
     assert plans[-1]["collectives"][0]["workers"] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("mode", ["auto", "off"])
+# [off] in `make test`: the replicas test's [off] (its pipeline links on the data plane) and test_cluster.py's skip-edge test
+@pytest.mark.parametrize("mode", ["auto", pytest.param("off", marks=pytest.mark.soak)])
 def test_a_pipeline_in_one_world_sends_activations_and_gradients_through_gloo(tmp_path: Path, mode: str, reference: list[float]) -> None:
     """Why it can fail: a message matched with another (a tag reused within a step, or posted out of
     order on one end), a header read as the wrong shape or dtype, gradients of two peers summed in
@@ -146,6 +162,7 @@ def test_a_pipeline_in_one_world_sends_activations_and_gradients_through_gloo(tm
     steps = [r for r in records if "step" in r]
     if mode == "auto":
         assert "carries w0->w1, w1->w0, w1->w2, w2->w1" in text.replace("\n", " ").replace("  ", " "), text[-2000:]
+        assert "group 0: w0,w1,w2 (gloo), all-reduces w0,w2;" in text.replace("\n", " ").replace("  ", " "), text[-2000:]  # the tied wte/lm_head
         assert plan["carried"] == list(links) and plan["collectives"][0]["carries"] == [[0, 1], [1, 0], [1, 2], [2, 1]]
         for r in steps:
             assert all(r["bytes"].get(link, 0) == 0 for link in links), r["bytes"]  # nothing on the data plane
