@@ -44,9 +44,7 @@ class RecoveryMixin:
                 done, _ = await asyncio.wait([task], timeout=1.0)
                 if done:
                     return task.result()
-                stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
-                if stale:
-                    raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
+                self._raise_if_stale(run)
         except TransportError as exc:
             await self._raise_if_lost(run, str(exc))
             raise
@@ -61,6 +59,12 @@ class RecoveryMixin:
             member = self.membership.members.get(w)
             if member is not None and member.address != client.address:
                 run.clients[w] = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls)
+
+    def _raise_if_stale(self, run: Run) -> None:
+        """WorkerLost for the plan's workers whose heartbeat is older than --dead-after."""
+        stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
+        if stale:
+            raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
 
     async def _raise_if_lost(self, run: Run, why: str) -> None:
         async def alive(w: int) -> bool:  # a dropped link is given --dead-after to come back; a refused connection is not

@@ -23,7 +23,7 @@ from fusionllm.schedule.actions import format_grid
 from fusionllm.schedule.plan import routes
 from fusionllm.transport.control import Step, StepDone
 
-from .config import Replan, Run, WorkerLost
+from .config import Replan, Run
 
 
 class TrainingMixin:
@@ -162,9 +162,7 @@ class TrainingMixin:
                 if failed and aborting is None:  # the others would wait for its tensors until the step timeout: abort them now
                     waiting = [w for w, t in tasks.items() if not t.done()]
                     aborting = asyncio.gather(*(run.clients[w].call("Abort", {}, timeout=10) for w in waiting), return_exceptions=True)
-                stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
-                if stale:
-                    raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
+                self._raise_if_stale(run)
         finally:
             for t in tasks.values():
                 t.cancel()
