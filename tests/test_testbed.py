@@ -51,6 +51,12 @@ def clean():
         assert not STATE.exists(), STATE.read_text()
 
 
+def _steps(metrics: Path) -> list[dict]:
+    """The training steps of a metrics file, without its events (plans, re-plans, a refused step's
+    ``bad_step``: a healthy run may see one, and it carries no loss or ratios)."""
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+
+
 @needs_root
 def test_probe_reports_each_link_within_ten_percent() -> None:
     proc = subprocess.run([*BASE, "testbed", "probe", str(CLUSTERS / "probe-rates.toml"), "--json", "--seconds", "1.5"], capture_output=True, text=True, timeout=300)
@@ -152,7 +158,7 @@ def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
+    records = _steps(out)
     ratios = records[-1]["ratios"]
     # two-sites: devices 0,1 in X and 2,3 in Y; the params plan runs 0 -> 1 -> 2 -> 3, so only 1 <-> 2 is slow
     assert ratios["w1->w2"] < 1 and ratios["w2->w1"] < 1
@@ -169,10 +175,10 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
     out = tmp_path / "slow.jsonl"
     proc = subprocess.Popen(
         [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--compress", "adatopk",
-         "--model", "gpt-micro", "--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "3",
-         "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
+         "--model", "gpt-micro", "--steps", "44", "--batch-size", "8", "--seq-len", "64", "--warmup", "3",
+         "--eval-every", "0", "--replan-factor", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    )  # no re-plan: the codec, not a new plan, must answer the slow link
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -180,17 +186,19 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
                 break
             time.sleep(0.2)
         assert proc.poll() is None, "training ended before the link could be slowed"
-        slowed_at = sum(1 for x in out.read_text().splitlines() if '"step"' in x)
-        set_link_rate(1, 2, 2_000_000)  # the 20 Mbit/s link between the sites, w1 -> w2: down to 2 Mbit/s
+        before = _steps(out)[-1]["ratios"]["w1->w2"]
+        # The 20 Mbit/s link between the sites, w1 -> w2: down to 0.25 Mbit/s. Not 2 Mbit/s, as it was: the shaper's
+        # 16 KB burst refills between steps, and on a busy machine (slower steps) the ~7 KB messages then crossed
+        # at the burst's speed, the link looked fast and the codec rightly stayed (CI saw 0.14 before and after).
+        set_link_rate(1, 2, 250_000)
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
-    before = records[slowed_at - 1]["ratios"]["w1->w2"]
+    records = _steps(out)
     after = records[-1]["ratios"]["w1->w2"]
-    # a 10x slower link: compressed harder, never below the coarsest codec measured acceptable (eq:0.7)
+    # an 80x slower link: compressed harder, never below the coarsest codec measured acceptable (eq:0.7)
     assert FLOOR <= after < before, (before, after)
     # (w2 -> w1 slows too, and is compressed harder as well: its TCP acks queue behind w1 -> w2's data)
     assert records[-1]["ratios"]["w0->w1"] == 1 and records[-1]["ratios"]["w2->w3"] == 1  # links inside a site stay raw
@@ -222,7 +230,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, text[-3000:]
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r or r.get("event") != "plan"]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "loss" in r or r.get("event") == "replan"]
     events = [r for r in records if r.get("event") == "replan"]
     assert len(events) == 1, [r for r in records if "event" in r]
     i = records.index(events[0])

@@ -143,6 +143,9 @@ class World:
                 idle = not self._in_flight  # buckets started during a backward (runtime/overlap.py) and not waited for: abort
                 if idle:
                     teardown()
+                    # Drop the groups now, while the interpreter is whole: a ProcessGroupGloo freed at exit
+                    # joins its threads in a static destructor and aborts the process, about 1 exit in 5.
+                    self.groups.clear()
             finally:
                 self._busy.release()
             if idle:
@@ -152,6 +155,7 @@ class World:
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
+        self.groups.clear()
 
 
 def buckets_of(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[int]]:
