@@ -251,7 +251,7 @@ def test_adatopk_inside_a_hierarchical_group_compresses_its_slow_link(tmp_path: 
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r]
+    records = _steps(out)
     last = {g: [r for r in records if r["group"] == g][-1] for g in (0, 1)}
     assert last[0]["ratios"]["w0->w2"] < 1 and last[1]["ratios"]["w1->w3"] < 1, last
     assert "group 0 adatopk: compressed links" in proc.stderr + proc.stdout
