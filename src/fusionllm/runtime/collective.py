@@ -155,7 +155,8 @@ class World:
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
-        self.groups.clear()
+        # The groups stay referenced here: freeing one joins its threads, and the stuck call's thread waits for the
+        # hung peer until the group's timeout.
 
 
 def buckets_of(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[int]]:
