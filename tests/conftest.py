@@ -45,6 +45,8 @@ class Started(list):
         directory (the coordinator and workers its ``train`` started). Returns what was running."""
         left = []
         for p in self:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=2)  # one the test killed a moment ago (a failing test's ``finally``) is not left running
             if p.poll() is None:
                 left.append(f"{p.pid} {' '.join(map(str, p.args)) if isinstance(p.args, list) else p.args}")
                 with contextlib.suppress(ProcessLookupError):
