@@ -418,3 +418,47 @@ def test_a_checkpoint_holds_the_outer_state_and_a_resumed_run_starts_from_it(tmp
         after = [r["loss"] for r in again if r["group"] == g]
         assert len(after) == 8  # rounds 4..7
         np.testing.assert_allclose(after[0], before[8], rtol=1e-5)  # the outer weights after round 3, on the same batch
+
+
+def test_a_worker_that_hangs_in_a_pause_checkpoint_takes_its_group_out_and_another_group_writes_it(tmp_path) -> None:
+    """A hung worker (its connections stay open) of the group that writes a pause's checkpoint: the
+    coordinator watches heartbeats there as during steps, the group leaves the run after --dead-after
+    and the next group's copy of the outer state is written. Before that watch the checkpoint waited
+    for the hung worker until the step timeout (an hour here: the test would time out), every other
+    group paused meanwhile."""
+    ckpt = tmp_path / "ckpt"
+    train = TrainConfig(model="gpt-nano", steps=16, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    cluster = cluster_config(2, sync="hierarchical", groups=[[0], [1]], inner_steps=2, fragments=1, micro_batches=2,
+                             checkpoint_dir=str(ckpt), checkpoint_every=8, dead_after_s=3.0, step_timeout=3600.0)
+
+    async def main() -> InProcessCluster:
+        async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:
+            run = asyncio.create_task(c.run())
+            while not c.steps:  # the workers exist
+                assert not run.done(), run.exception()
+                await asyncio.sleep(0.02)
+            hung, frozen, hung_now = c.workers[0], asyncio.Event(), [False]  # group 0 writes the checkpoints
+            real_call = hung.coordinator.call
+
+            async def call(method: str, msg: dict, **kw: object) -> dict:
+                if hung_now[0]:
+                    await frozen.wait()  # never set: as a stopped process, no heartbeat comes
+                return await real_call(method, msg, **kw)
+
+            async def save_shard(*_: object) -> dict:
+                hung_now[0] = True
+                await frozen.wait()
+                return {}
+
+            hung.coordinator.call = call  # type: ignore[method-assign]
+            hung._save_shard = save_shard  # type: ignore[method-assign]
+            await asyncio.wait_for(run, timeout=300)
+            assert hung_now[0], "the worker never hung in the checkpoint"
+        return c
+
+    c = asyncio.run(main())
+    assert any("group 0 left the run" in line and "heartbeat" in line for line in c.lines), c.lines
+    assert len([r for r in c.steps if r["group"] == 1]) == 16 and len([r for r in c.steps if r["group"] == 0]) == 8
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000008", "step-000016"]
+    state = json.loads((ckpt / "step-000008" / "state.json").read_text())
+    assert state["round"] == 4 and state["step"] == 8

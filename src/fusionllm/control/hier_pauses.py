@@ -50,7 +50,7 @@ from fusionllm.transport.control import WORKER_SERVICE, Regroup
 from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import place
-from .config import Run
+from .config import Run, WorkerLost
 from .limits import check_message_sizes
 
 POLL_S = 0.5  # how often the coordinator looks for workers that joined
@@ -123,7 +123,7 @@ class HierPauseMixin:
             p = min(upcoming)
             try:
                 if p in hr.ckpt_rounds:
-                    await self._checkpoint_hier(hr, p)
+                    await self._checkpoint_hier(hr, p, metrics)
                 if hr.join_at == p:
                     joining = sorted(self.membership.spares - ignored)
                     try:
@@ -151,15 +151,29 @@ class HierPauseMixin:
             hr.changed.notify_all()
             while hr.resumed < p and g in hr.alive:
                 await hr.changed.wait()
+        if g not in hr.alive:  # it left during the pause (a worker of it was lost in the checkpoint)
+            raise FusionError(f"group {g} left the run during the pause at outer round {p}")
         metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
                        "elapsed_s": round(hr.elapsed(), 4)})
 
-    async def _checkpoint_hier(self, hr: Any, p: int) -> None:
-        """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group."""
-        ref = min((g for g in hr.hier.groups if g.index in hr.alive), key=lambda g: g.inner_steps)
-        step = sum(hr.lengths[ref.index][:p])
-        run = hr.runs[min(hr.alive)]
-        await self._checkpoint(run, step, outer=True, extra={"sync": "hierarchical", "round": p}, plan_json=hr.hier.to_json())
+    async def _checkpoint_hier(self, hr: Any, p: int, metrics: JsonlWriter) -> None:
+        """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group.
+
+        Its workers' heartbeats are watched meanwhile (``_guard``): a worker lost there, dead or hung,
+        takes its group out of the run, and the next group's copy is written instead of the run
+        waiting for the hung one until the step timeout."""
+        while hr.alive:
+            ref = min((g for g in hr.hier.groups if g.index in hr.alive), key=lambda g: g.inner_steps)
+            step = sum(hr.lengths[ref.index][:p])
+            g = min(hr.alive)
+            run = hr.runs[g]
+            try:
+                await self._guard(run, self._checkpoint(run, step, outer=True, extra={"sync": "hierarchical", "round": p},
+                                                        plan_json=hr.hier.to_json()))
+                return
+            except WorkerLost as exc:
+                await self._group_left(hr, g, exc, metrics)
+        raise FusionError(f"no group is left to write the checkpoint of outer round {p} from")
 
     async def _join_group(self, hr: Any, workers: list[int], k0: int, metrics: JsonlWriter) -> None:
         if not workers:

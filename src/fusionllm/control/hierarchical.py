@@ -216,9 +216,10 @@ class HierarchicalMixin:
         watcher = asyncio.create_task(self._pauser(hr, metrics))
         try:
             while pending := [task for task in hr.loops.values() if not task.done()]:  # a group that joins adds a loop
-                await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-                for task in hr.loops.values():
-                    if task.done() and task.exception() is not None:
+                # the pauser too: a pause's work that fails (a checkpoint with no group left to write it) ends the run
+                await asyncio.wait([*pending, *([watcher] if not watcher.done() else [])], return_when=asyncio.FIRST_COMPLETED)
+                for task in [*hr.loops.values(), watcher]:
+                    if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()
         finally:
             hr.stopping = True
@@ -229,7 +230,7 @@ class HierarchicalMixin:
             raise FusionError("every group left the run (see the messages above)")
         hr.result.elapsed_s = hr.elapsed()
         if self.cluster.checkpoint_every and hr.current:  # the end: every average applied, the same outer weights everywhere
-            await self._checkpoint_hier(hr, hr.rounds)
+            await self._checkpoint_hier(hr, hr.rounds, metrics)
         metrics.write({"event": "outer_bytes", "bytes": hr.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
@@ -237,13 +238,21 @@ class HierarchicalMixin:
         try:
             await self._group_rounds(hr, g, metrics)
         except (WorkerLost, FusionError) as exc:
-            hr.alive.discard(g)
-            async with hr.changed:
-                hr.changed.notify_all()
-            self.say(f"group {g} left the run: {exc}")
-            metrics.write({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+            await self._group_left(hr, g, exc, metrics)
             if not hr.alive:
                 raise
+
+    async def _group_left(self, hr: HierRun, g: int, exc: Exception, metrics: JsonlWriter) -> None:
+        """Group ``g`` leaves the run (a worker of it lost, in its rounds or in a pause's checkpoint):
+        the others go on without it; its workers are told to abort. Once per group."""
+        if g not in hr.alive:
+            return
+        hr.alive.discard(g)
+        async with hr.changed:
+            hr.changed.notify_all()
+        self.say(f"group {g} left the run: {exc}")
+        metrics.write({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+        if hr.alive:
             with contextlib.suppress(FusionError):
                 await asyncio.gather(*(hr.runs[g].clients[w].call("Abort", {}, timeout=5) for w in hr.runs[g].plan.workers),
                                      return_exceptions=True)
