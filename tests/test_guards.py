@@ -140,3 +140,32 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were() -> None:
                 seen.add(name)
                 np.testing.assert_allclose(value.double().numpy(), reference[name].double().numpy(), rtol=2e-4, atol=2e-6, err_msg=name)
     assert {"bn1.running_mean", "layer4.1.bn2.running_var", "bn1.num_batches_tracked"} <= seen
+
+
+def test_strikes_are_forgotten_after_the_window_and_evict_within_it() -> None:
+    """Why it can fail: strikes that never expire evict a healthy worker at its second genuine
+    spike hundreds of steps apart (each refused step is two strikes: the attempt and its retry),
+    or a window that forgets the strikes of a worker failing step after step."""
+    from types import SimpleNamespace
+
+    from fusionllm.control.bad_steps import STRIKE_WINDOW, BadStepMixin
+    from fusionllm.control.config import Evict
+    from fusionllm.transport.control import BadTensor, StepDone
+
+    events: list[dict] = []
+    coordinator = SimpleNamespace(
+        cluster=SimpleNamespace(guard="retry", evict_after=3), strikes={}, say=lambda _: None,
+        membership=SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")}), status=SimpleNamespace(event=lambda _: None))
+    metrics = SimpleNamespace(write=events.append)
+
+    def attempt(step: int, n: int) -> int:
+        reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "norm 0.0651 is 169x its running estimate")])
+        return BadStepMixin._bad_step(coordinator, None, step, n, {0: reply}, metrics)  # type: ignore[arg-type]
+
+    assert attempt(17, 0) == 1 and attempt(17, 1) == -1  # a genuine spike: retried, then skipped (two strikes)
+    assert attempt(17 + STRIKE_WINDOW, 0) == 1  # the next one, a window later: one strike counts, no eviction
+    assert [e["strikes"]["1"] for e in events] == [1, 2, 1]
+    attempt(17 + STRIKE_WINDOW, 1)
+    with pytest.raises(Evict):  # a third strike within the window
+        attempt(18 + STRIKE_WINDOW, 0)
+    assert events[-1]["action"] == "evict" and events[-1]["strikes"]["1"] == 3

@@ -32,7 +32,7 @@ KeepCkptOpt = Annotated[int, typer.Option("--keep-checkpoints", min=0, help="Kee
 MaxRecoveriesOpt = Annotated[int, typer.Option("--max-recoveries", min=0, help="Re-plans after lost workers before the run gives up.")]
 GuardOpt = Annotated[str, typer.Option("--numeric-guard", help="What a bad tensor (NaN, inf, or a norm --guard-factor times its edge's running estimate) does: retry (no worker applies that step; it runs once more, then is skipped; a worker blamed --evict-after times is evicted), stop (the run ends naming the worker), off (no checks).")]
 GuardFactorOpt = Annotated[float, typer.Option("--guard-factor", help="A received tensor whose norm exceeds this many times the running estimate of its edge is bad.")]
-EvictAfterOpt = Annotated[int, typer.Option("--evict-after", min=0, help="Bad tensors blamed on one worker before it is evicted and the run re-planned without it (0: never).")]
+EvictAfterOpt = Annotated[int, typer.Option("--evict-after", min=0, help="Bad tensors blamed on one worker within 200 steps before it is evicted and the run re-planned without it (0: never).")]
 DeadAfterOpt = Annotated[float, typer.Option("--dead-after", min=1.0, help="Seconds without a heartbeat (sent every 2 s) before a worker is lost and the run re-plans without it.")]
 TlsCertOpt = Annotated[Path | None, typer.Option("--tls-cert", help="This process's certificate (PEM, signed by --tls-ca, naming DNS:fusionllm): mutual TLS on every connection.")]
 TlsKeyOpt = Annotated[Path | None, typer.Option("--tls-key", help="The private key of --tls-cert (PEM).")]

@@ -6,8 +6,11 @@ its address, which outlives a renumbering), and follows ``--numeric-guard``:
 
 - ``retry``: run the step once more from the same state (same batch, same learning rate, same
   dropout masks); a second bad attempt skips the step (its batch is not used, the next step
-  follows). A worker blamed ``--evict-after`` times is evicted: the run is planned again without
-  it, from the live weights of the others (``Evict``), and the step runs on the new plan.
+  follows). A worker blamed ``--evict-after`` times within ``STRIKE_WINDOW`` steps is evicted: the
+  run is planned again without it, from the live weights of the others (``Evict``), and the step
+  runs on the new plan. Older strikes are forgotten: a healthy run can meet a genuine spike that
+  the guard refuses (two strikes: the attempt and its retry, docs/reliability.md), and a second one
+  hundreds of steps later must not evict a healthy worker; a failing device keeps failing.
 - ``stop``: the run ends with an error naming the worker.
 
 Every bad attempt is a metrics event ``{"event": "bad_step", ...}`` naming the suspects.
@@ -25,6 +28,7 @@ from fusionllm.transport.control import StepDone
 
 from .config import Evict, Run
 
+STRIKE_WINDOW = 200  # steps a strike counts for
 
 class BadStepMixin:
     """The coordinator's numeric-guard half (``Coordinator`` mixes it in)."""
@@ -40,12 +44,12 @@ class BadStepMixin:
         strikes = self.strikes
         for w in named:
             address = self.membership.members[w].address if w in self.membership.members else f"worker {w}"
-            strikes[address] = strikes.get(address, 0) + 1
+            strikes[address] = [s for s in strikes.get(address, []) if s > step - STRIKE_WINDOW] + [step]
         why = "; ".join(sorted({f"{b.kind} {b.edge} from worker {b.suspect}: {b.why}" for b in bad})) or "the gradient norm is not finite"
         event: dict[str, Any] = {
             "event": "bad_step", "step": step, "attempt": attempt, "suspects": named,
             "addresses": {str(w): self.membership.members[w].address for w in named if w in self.membership.members},
-            "strikes": {str(w): strikes.get(self.membership.members[w].address, 0) for w in named if w in self.membership.members},
+            "strikes": {str(w): len(strikes.get(self.membership.members[w].address, [])) for w in named if w in self.membership.members},
             "bad": [{"suspect": b.suspect, "detector": b.detector, "kind": b.kind, "edge": b.edge, "mb": b.mb, "why": b.why} for b in bad],
         }
         evict = {w for w in named if c.evict_after and event["strikes"].get(str(w), 0) >= c.evict_after}

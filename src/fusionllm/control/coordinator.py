@@ -59,7 +59,7 @@ class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepM
         self._init_reach()
         self.epoch = 0  # bumped by every recovery or re-plan; workers drop tensors of an earlier epoch
         self.recoveries = 0
-        self.strikes: dict[str, int] = {}  # bad tensors blamed on each worker, by address (bad_steps.py)
+        self.strikes: dict[str, list[int]] = {}  # per worker address: the steps of the bad tensors blamed on it lately (bad_steps.py)
         self.replans = 0
         self.start_step = 0
         self.status = RunStatus(train.model, train.steps)
