@@ -77,3 +77,27 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Started:
 
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     return handles
+
+
+def hang_in_checkpoint(worker: Any) -> list[bool]:
+    """Make an in-process worker hang as a stopped process would once a checkpoint asks it for its
+    shard: the SaveShard never answers and its calls to the coordinator (heartbeats) never return.
+    Returns a flag list whose first item turns True when it hung."""
+    import asyncio
+
+    frozen, hung = asyncio.Event(), [False]  # never set
+    real_call = worker.coordinator.call
+
+    async def call(method: str, msg: dict, **kw: object) -> dict:
+        if hung[0]:
+            await frozen.wait()
+        return await real_call(method, msg, **kw)
+
+    async def save_shard(*_: object) -> dict:
+        hung[0] = True
+        await frozen.wait()
+        return {}
+
+    worker.coordinator.call = call
+    worker._save_shard = save_shard
+    return hung

@@ -25,6 +25,7 @@ from fusionllm.schedule.hierarchy import (
     sync_offsets,
 )
 from fusionllm.schedule.plan import Plan, StagePlan
+from tests.conftest import hang_in_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -437,21 +438,7 @@ def test_a_worker_that_hangs_in_a_pause_checkpoint_takes_its_group_out_and_anoth
             while not c.steps:  # the workers exist
                 assert not run.done(), run.exception()
                 await asyncio.sleep(0.02)
-            hung, frozen, hung_now = c.workers[0], asyncio.Event(), [False]  # group 0 writes the checkpoints
-            real_call = hung.coordinator.call
-
-            async def call(method: str, msg: dict, **kw: object) -> dict:
-                if hung_now[0]:
-                    await frozen.wait()  # never set: as a stopped process, no heartbeat comes
-                return await real_call(method, msg, **kw)
-
-            async def save_shard(*_: object) -> dict:
-                hung_now[0] = True
-                await frozen.wait()
-                return {}
-
-            hung.coordinator.call = call  # type: ignore[method-assign]
-            hung._save_shard = save_shard  # type: ignore[method-assign]
+            hung_now = hang_in_checkpoint(c.workers[0])  # group 0 writes the checkpoints
             await asyncio.wait_for(run, timeout=300)
             assert hung_now[0], "the worker never hung in the checkpoint"
         return c

@@ -28,7 +28,7 @@ from fusionllm.core.errors import TransportError
 from fusionllm.harness import InProcessCluster, cluster_config
 from fusionllm.transport.auth import load_token
 from fusionllm.transport.control import Heartbeat, HeartbeatReply, LiveState, Registered
-from tests.conftest import Started
+from tests.conftest import Started, hang_in_checkpoint
 
 BASE = [sys.executable, "-m", "fusionllm"]
 STEPS = 40  # long enough that a kill after step 2 lands mid-run, even on a busy machine
@@ -278,22 +278,7 @@ def test_a_worker_that_hangs_in_a_checkpoint_is_lost_by_its_heartbeat_not_the_st
                 while len(c.steps) < 1:
                     assert not run.done() and time.monotonic() < deadline, "no first step"
                     await asyncio.sleep(0.05)
-                hung, frozen = c.workers[-1], asyncio.Event()  # the last stage: the checkpoint asks it for its shard
-                real_call = hung.coordinator.call
-
-                async def call(method: str, msg: dict, **kw: object) -> dict:
-                    if hung_now[0]:
-                        await frozen.wait()  # never set: as a stopped process, nothing comes back
-                    return await real_call(method, msg, **kw)
-
-                async def save_shard(*_: object) -> dict:
-                    hung_now[0] = True
-                    await frozen.wait()
-                    return {}
-
-                hung_now = [False]
-                hung.coordinator.call = call  # type: ignore[method-assign]
-                hung._save_shard = save_shard  # type: ignore[method-assign]
+                hung_now = hang_in_checkpoint(c.workers[-1])  # the last stage: the checkpoint asks it for its shard
                 coordinator = c.coordinator
                 assert coordinator is not None
                 deadline = time.monotonic() + 300
