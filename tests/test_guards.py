@@ -148,19 +148,17 @@ def test_strikes_are_forgotten_after_the_window_and_evict_within_it() -> None:
     or a window that forgets the strikes of a worker failing step after step."""
     from types import SimpleNamespace
 
-    from fusionllm.control.bad_steps import STRIKE_WINDOW, BadStepMixin
+    from fusionllm.control.bad_steps import STRIKE_WINDOW, Strikes
     from fusionllm.control.config import Evict
     from fusionllm.transport.control import BadTensor, StepDone
 
     events: list[dict] = []
-    coordinator = SimpleNamespace(
-        cluster=SimpleNamespace(guard="retry", evict_after=3), strikes={}, say=lambda _: None,
-        membership=SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")}), status=SimpleNamespace(event=lambda _: None))
-    metrics = SimpleNamespace(write=events.append)
+    membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
+    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
     def attempt(step: int, n: int) -> int:
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "norm 0.0651 is 169x its running estimate")])
-        return BadStepMixin._bad_step(coordinator, None, step, n, {0: reply}, metrics)  # type: ignore[arg-type]
+        return strikes.judge(step, n, {0: reply})
 
     assert attempt(17, 0) == 1 and attempt(17, 1) == -1  # a genuine spike: retried, then skipped (two strikes)
     assert attempt(17 + STRIKE_WINDOW, 0) == 1  # the next one, a window later: one strike counts, no eviction

@@ -449,3 +449,38 @@ def test_a_worker_that_hangs_in_a_pause_checkpoint_takes_its_group_out_and_anoth
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000008", "step-000016"]
     state = json.loads((ckpt / "step-000008" / "state.json").read_text())
     assert state["round"] == 4 and state["step"] == 8
+
+
+def test_a_worker_of_one_group_that_sends_nan_and_garbage_is_retried_skipped_and_evicted_as_in_a_synchronous_run(tmp_path) -> None:
+    """Why it can fail: the groups' steps do not go through the synchronous run's step (no guard
+    rule: a poisoned step logged as a loss, never retried, the worker never evicted), or an eviction
+    that ends the run or strands the group's healthy workers.
+
+    Worker 1, the middle stage of group 0, sends a NaN at data step 4 (group 0's inner step 2: group
+    0 of 2 reads batches 0, 2, 4, ...) and gradients times 1e6 at data step 10 (inner step 5): the
+    same events as ``test_guards``' synchronous run (retry, skip, evict at the third strike). Group 0
+    then leaves; workers 0 and 2 form a new group at the next pause and train on with group 1."""
+    from fusionllm.runtime.faults import parse_fault
+
+    metrics = tmp_path / "m.jsonl"
+    train = TrainConfig(model="gpt-nano", steps=16, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0, metrics=str(metrics))
+    cluster = cluster_config(4, sync="hierarchical", groups=[[0, 1, 2], [3]], inner_steps=2, fragments=1, micro_batches=2, evict_after=3,
+                             step_timeout=120.0)
+    faults = (parse_fault("nan@4"), parse_fault("scale@10"))
+    result, _ = run_in_process(train, cluster, worker_options=[{}, {"faults": faults}, {}, {}])
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    bad = [r for r in records if r.get("event") == "bad_step"]
+    assert [(e["step"], e["attempt"], e["action"], e["group"]) for e in bad] == [(4, 0, "retry", 0), (4, 1, "skip", 0), (10, 0, "evict", 0)]
+    assert all(e["suspects"] == [1] for e in bad), bad
+    (evicted,) = [r for r in records if r.get("event") == "evict"]
+    assert evicted["workers"] == [1] and evicted["group"] == 0
+    (joined,) = [r for r in records if r.get("event") == "group_joined"]
+    assert sorted(joined["workers"]) == [0, 2]
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    group0 = [r["inner_step"] for r in steps if r["group"] == 0]
+    assert group0 == [0, 1, 3, 4], group0  # inner step 2 skipped; step 5 was the evicting one
+    assert len([r for r in steps if r["group"] == 1]) == 16  # the other group trained every step
+    assert [r for r in steps if r["group"] == joined["group"]]  # the new group trained too
+    assert all("rss" in r for r in steps)  # the synchronous run's record, for every group

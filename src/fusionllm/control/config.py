@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -144,8 +145,13 @@ class Run:
     fed: set[int] = field(default_factory=set)  # workers that read no data of their own: the coordinator sends their batches
     hier: str | None = None  # hierarchical mode: the HierPlan's JSON, sent with every assignment (``plan`` is the group's)
     val_metric: float | None = None  # the last evaluation's task metric (accuracy), when the workers computed it
-    policy: Any = None  # hierarchical mode with --compress adatopk: this group's LinkPolicy (the synchronous run's is the coordinator's)
+    policy: Any = None  # with --compress adatopk: this plan's (or group's) LinkPolicy (compress/policy.py)
     worlds: list[Any] = field(default_factory=list)  # torch.distributed groups of this plan (control/collectives.py World)
+    links: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # bytes and busy seconds per link so far (a re-plan reads them)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # the last steps' seconds (compared with the prediction)
+    graph_json: str = ""  # what the workers were assigned (a checkpoint's graph.json and plan.json)
+    plan_json: str = ""
+    observed: bool = False  # the policy has seen a step (the first one's sends also open the connections: not learnt from)
 
 
 @dataclass(frozen=True)

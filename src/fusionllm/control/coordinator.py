@@ -1,17 +1,18 @@
 """`fusionllm coordinator`: wait for the workers, plan, hand out stages, keep the step clock.
 
-The coordinator is thin: membership and heartbeats (``membership.py``), planning and assignment
-(``setup.py``), one Step call per worker per step (``training.py``), evaluation in the pipeline and
-checkpoints written by the workers (``state.py``), lost workers and re-plans (``recovery.py``),
-stopping on Ctrl+C and starting again from the workers' live state (``restart.py``).
-The workers read their own batches and talk to each other directly; no weight and no batch passes
-through here in steady state.
+The coordinator is thin, and made of components that own their state (``context.py`` lists
+them); this file wires them and runs the phases of a run: join, plan, train, shut down. A run is a
+set of groups: a synchronous run is one group whose step loop is ``training.py``, a hierarchical
+run several (``hierarchical.py``); both run each step through ``steps.py``. The workers read
+their own batches and talk to each other directly; no weight and no batch passes through here in
+steady state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,131 +22,144 @@ from fusionllm.core.metrics import JsonlWriter
 from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE, Shutdown
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
-from .bad_steps import BadStepMixin
+from .bad_steps import Strikes
 from .collectives import RendezvousStore
 from .config import ClusterConfig, Evict, OnStep, Replan, Run, Say, WorkerLost
+from .context import RunContext
 from .dashboard import Dashboard
-from .hier_pauses import HierPauseMixin
-from .hierarchical import HierarchicalMixin
+from .hier_setup import GroupSetup
+from .hierarchical import Groups
 from .membership import Membership
-from .reach import ReachMixin
-from .recovery import RecoveryMixin
-from .restart import Interrupted, RestartMixin, Stopped
-from .setup import SetupMixin
-from .state import StateMixin
+from .reach import Reachability
+from .recovery import Recovery
+from .restart import Interrupted, Stopped, Stopper, final_checkpoint, start_or_resume
+from .setup import Setup
+from .state import Checkpoints
 from .status import RunStatus
+from .steps import StepRunner
 from .task import RunTask
-from .training import TrainingMixin
+from .training import SyncLoop
+from .workers import Liveness
 
 
-class Coordinator(SetupMixin, TrainingMixin, StateMixin, RecoveryMixin, BadStepMixin, RestartMixin, HierarchicalMixin, HierPauseMixin, ReachMixin):
+class Coordinator:
     def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, *, say: Say = print, on_step: OnStep = lambda _: None,
                  on_ready: Callable[[int], None] = lambda _: None, handle_signals: bool = False) -> None:
         """``handle_signals``: SIGINT/SIGTERM stop the run for a restart (``restart.py``); the command
         sets it, not a coordinator that shares its process (the harness)."""
-        self.train, self.cluster, self.task = task.configure(train), cluster, task
-        self.handle_signals = handle_signals
-        self._init_restart()
-        self.say, self.on_step, self.on_ready = say, on_step, on_ready
+        train = task.configure(train)
         if train.batch_size % cluster.micro_batches:
             raise ConfigError(f"--batch-size {train.batch_size} must be a multiple of --micro-batches {cluster.micro_batches}")
+        self.began = time.perf_counter()
+        self.train, self.cluster, self.task = train, cluster, task
+        self.on_ready, self.handle_signals = on_ready, handle_signals
         self.membership = Membership(cluster.workers)
+        self.ctx = RunContext(train, cluster, task, self.membership, RunStatus(train.model, train.steps), say=say, on_step=on_step)
+        self.stopper = Stopper(cluster, say)
+        self.reach = Reachability(cluster, self.membership, say)
+        self.live = Liveness(cluster, self.membership)
+        self.checkpoints = Checkpoints(train, cluster, task, self.live, say)
+        self.rendezvous = RendezvousStore(cluster.listen.rpartition(":")[0].strip("[]"))  # torch.distributed's store, made at the first world
+        self.setup = Setup(self.ctx, self.checkpoints, self.reach, self.rendezvous)
+        self.recovery = Recovery(self.ctx, self.setup, self.checkpoints, self.live)
+        self.strikes = Strikes(cluster, self.membership, self.ctx.event, say)
+        self.runner = StepRunner(task, self.live, self.strikes)
         self.server = RpcServer(
             COORDINATOR_SERVICE, cluster.token, role="coordinator",
-            control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat, "Reach": self._on_reach},
+            control={"Register": self.membership.register, "Heartbeat": self.membership.heartbeat, "Reach": self.reach.on_reach},
             tls=cluster.tls,
         )
         self.port = 0
-        self._init_reach()
-        self.epoch = 0  # bumped by every recovery or re-plan; workers drop tensors of an earlier epoch
-        self.recoveries = 0
-        self.strikes: dict[str, list[int]] = {}  # per worker address: the steps of the bad tensors blamed on it lately (bad_steps.py)
-        self.replans = 0
-        self.start_step = 0
-        self.status = RunStatus(train.model, train.steps)
-        self.plan_record: dict[str, Any] = {}
-        self.policy: Any = None
-        self._measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan uses them)
-        self._graph_json = self._plan_json = ""
-        self.rendezvous = RendezvousStore(cluster.listen.rpartition(":")[0].strip("[]"))  # torch.distributed's store, made at the first world
 
-    def _load_data(self) -> None:
-        """The corpus's digest (workers check their copy against it)."""
-        self.data_spec = self.task.data_spec(self.cluster.eval_batches)
+    @property
+    def status(self) -> RunStatus:
+        return self.ctx.status
+
+    def request_stop(self, *args: Any) -> None:
+        self.stopper.request_stop(*args)
 
     async def run(self) -> TrainResult:
+        ctx, c = self.ctx, self.cluster
         run: Run | None = None
-        dashboard = Dashboard(self.status) if self.cluster.dashboard else None
-        self._main = asyncio.current_task()
-        unwatch = self._watch_signals() if self.handle_signals else None
+        dashboard = Dashboard(ctx.status) if c.dashboard else None
+        self.stopper.main = asyncio.current_task()
+        unwatch = self.stopper.watch_signals() if self.handle_signals else None
         try:  # everything started is stopped in `finally`, also when cancelled while starting
-            self.port = await self.server.start(self.cluster.listen)
-            await self._start_relay()  # for workers nobody can reach (reach.py)
-            host = self.cluster.listen.rpartition(":")[0]
+            self.port = await self.server.start(c.listen)
+            await self.reach.start_relay()  # for workers nobody can reach (reach.py)
+            host = c.listen.rpartition(":")[0]
             self.on_ready(self.port)
-            self.say(f"coordinator on {host}:{self.port}, waiting for {self.cluster.workers} workers")
-            if dashboard is not None and self.cluster.dashboard:
-                dash_port = await dashboard.start(self.cluster.dashboard)
-                self.say(f"dashboard on http://{self.cluster.dashboard.rpartition(':')[0]}:{dash_port}/")
-            await asyncio.to_thread(self._load_data)
+            ctx.say(f"coordinator on {host}:{self.port}, waiting for {c.workers} workers")
+            if dashboard is not None and c.dashboard:
+                dash_port = await dashboard.start(c.dashboard)
+                ctx.say(f"dashboard on http://{c.dashboard.rpartition(':')[0]}:{dash_port}/")
+            ctx.data_spec = await asyncio.to_thread(self.task.data_spec, c.eval_batches)  # the corpus's digest (workers check theirs)
             try:
-                await asyncio.wait_for(self.membership.full.wait(), self.cluster.join_timeout)
+                await asyncio.wait_for(self.membership.full.wait(), c.join_timeout)
             except asyncio.TimeoutError:
                 raise FusionError(
-                    f"only {len(self.membership.members)} of {self.cluster.workers} workers joined within "
-                    f"{self.cluster.join_timeout:.0f} s; start them with: fusionllm worker --join {host}:{self.port} --token-file FILE"
+                    f"only {len(self.membership.members)} of {c.workers} workers joined within "
+                    f"{c.join_timeout:.0f} s; start them with: fusionllm worker --join {host}:{self.port} --token-file FILE"
                 ) from None
             self.membership.state = "running"
-            self.status.state = "planning"
-            await self._rehome()  # workers behind NAT to the relays workers offer (reach.py)
-            if self.cluster.sync == "hierarchical":  # groups with their own step clocks (hierarchical.py): no re-plans
-                hier = await self._setup_hier()
-                self.status.state = "running"
-                try:
-                    with JsonlWriter(self.train.metrics) as metrics:
-                        metrics.write(self.plan_record)
-                        return await self._train_hier(hier, metrics)
-                finally:
-                    for client in next(iter(hier.runs.values())).clients.values():
-                        await client.close()
-            run = await self._start_or_resume()
-            self.status.state = "running"
-            with JsonlWriter(self.train.metrics) as metrics:
-                metrics.write(self.plan_record)
-                if self.resume_event is not None:
-                    metrics.write(self.resume_event)
-                    self.status.event(self.resume_event)
-                self._training = True
+            ctx.status.state = "planning"
+            await self.reach.rehome()  # workers behind NAT to the relays workers offer (reach.py)
+            if c.sync == "hierarchical":
+                return await self._train_groups()
+            run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
+            ctx.status.state = "running"
+            with JsonlWriter(self.train.metrics) as ctx.metrics:
+                ctx.metrics.write(self.setup.plan_record)
+                if resumed is not None:
+                    ctx.event(resumed)
+                self.stopper.training = True
+                loop = SyncLoop(ctx, self.runner, self.checkpoints, self.live, self.stopper.stop_if_asked, lambda: self.recovery.replans)
                 while True:
                     try:
-                        return await self._train(run, metrics)
+                        return await loop.train(run)
                     except WorkerLost as lost:
-                        run = await self._recover(run, lost, metrics)
+                        run = await self.recovery.recover(run, lost)
                     except Replan as again:
-                        run = await self._replan(run, again, metrics)
+                        run = await self.recovery.replan(run, again)
                     except Evict as ev:
-                        run = await self._evict(run, ev, metrics)
+                        run = await self.recovery.evict(run, ev)
                     except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps
-                        raise await self._final_checkpoint(run, stop.done) from None
+                        raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
         except asyncio.CancelledError:
-            if not self.stopping:
+            if not self.stopper.stopping:
                 raise
-            if self._main is not None and hasattr(self._main, "uncancel"):  # (Python 3.11+) stopped by a signal: the workers are told below
-                self._main.uncancel()
-            raise Stopped(self.stopping, None, None) from None
+            main = self.stopper.main
+            if main is not None and hasattr(main, "uncancel"):  # (Python 3.11+) stopped by a signal: the workers are told below
+                main.uncancel()
+            raise Stopped(self.stopper.stopping, None, None) from None
         finally:
-            self._end_stop()
-            restart = bool(self.stopping)  # a finished run, or a fatal error, tells the workers to exit
+            self.stopper.end()
+            restart = bool(self.stopper.stopping)  # a finished run, or a fatal error, tells the workers to exit
             self.membership.state = "restarting" if restart else "finished"
-            self.status.state = "finished"
+            ctx.status.state = "finished"
             await self._shutdown(run, restart=restart)
             await self.server.stop(0.5)
-            await self._stop_relay()
+            await self.reach.stop_relay()
             self.rendezvous.close()
             if dashboard is not None:
                 await dashboard.stop()
             if unwatch is not None:
                 unwatch()
+
+    async def _train_groups(self) -> TrainResult:
+        """A run of several groups, each with its own step clock (``hierarchical.py``)."""
+        ctx = self.ctx
+        group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
+        hr = await group_setup.setup_groups()
+        ctx.status.state = "running"
+        groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away)
+        try:
+            with JsonlWriter(self.train.metrics) as ctx.metrics:
+                ctx.metrics.write(self.setup.plan_record)
+                return await groups.train(hr)
+        finally:
+            for client in next(iter(hr.runs.values())).clients.values():
+                await client.close()
 
     async def _shutdown(self, run: Run | None, *, restart: bool = False) -> None:
         """Tell every member (spares too) that the run is over, or (``restart``) that this coordinator

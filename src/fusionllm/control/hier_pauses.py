@@ -42,7 +42,6 @@ from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import FusionError
-from fusionllm.core.metrics import JsonlWriter
 from fusionllm.schedule.hierarchy import GroupPlan, remap
 from fusionllm.schedule.plan import make_plan
 from fusionllm.schedule.validate import validate_plan
@@ -51,56 +50,25 @@ from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import place
 from .config import Run, WorkerLost
+from .context import RunContext
+from .hier_setup import GroupSetup, HierRun
 from .limits import check_message_sizes
+from .rounds import wait_notified
+from .state import Checkpoints
+from .workers import Liveness
 
 POLL_S = 0.5  # how often the coordinator looks for workers that joined
 
 
-async def wait_notified(cond: asyncio.Condition, timeout: float) -> None:
-    """``cond.wait()`` for at most ``timeout`` seconds; the caller holds ``cond``'s lock.
+class Pauses:
+    """The pauses of a hierarchical run: checkpoints of the outer state, and spares that join."""
 
-    Not ``asyncio.wait_for(cond.wait(), timeout)``: when the task is cancelled in the loop turn in
-    which the wait was notified, Python 3.11's ``wait_for`` returns the result and the cancellation
-    is lost, so a loop around it never ends (the coordinator's pauser hung that way when the last
-    group finished). Here the timeout is a notification from a timer task, and a cancellation
-    always reaches the caller."""
+    def __init__(self, ctx: RunContext, group_setup: GroupSetup, checkpoints: Checkpoints, live: Liveness, groups: Any) -> None:
+        """``groups``: the ``Groups`` whose rounds pause here (their outer syncs, and loops for a new group)."""
+        self.ctx, self.group_setup, self.checkpoints, self.live, self.groups = ctx, group_setup, checkpoints, live, groups
+        self.membership, self.say = ctx.membership, ctx.say
 
-    async def wake() -> None:
-        await asyncio.sleep(timeout)
-        async with cond:
-            cond.notify_all()  # the other waiters re-check their conditions: a spurious wake-up is harmless
-
-    timer = asyncio.create_task(wake())
-    try:
-        await cond.wait()
-    finally:
-        timer.cancel()
-
-
-def checkpoint_rounds(lengths: list[int], every: int) -> set[int]:
-    """The pauses (round indices ``p``: before round ``p`` starts) at which a checkpoint is written:
-    after the first round whose cumulative steps ``lengths`` reach each multiple of ``every``."""
-    out, done = set(), 0
-    for k, h in enumerate(lengths[:-1]):  # the run's end writes the last one
-        if every and (done + h) // every > done // every:
-            out.add(k + 1)
-        done += h
-    return out
-
-
-def resume_round(lengths: list[int], step: int) -> int:
-    """The round to start from when ``step`` steps (of the slowest group) are done."""
-    done, k = 0, 0
-    while k < len(lengths) and done + lengths[k] <= step:
-        done += lengths[k]
-        k += 1
-    return k
-
-
-class HierPauseMixin:
-    """The coordinator's pauses of a hierarchical run (``Coordinator`` mixes it in)."""
-
-    async def _pauser(self, hr: Any, metrics: JsonlWriter) -> None:
+    async def pauser(self, hr: HierRun) -> None:
         """Schedules pauses for spares, and does each pause's work once every group waits at it."""
         ignored: set[int] = set()
         while not hr.stopping:
@@ -123,14 +91,14 @@ class HierPauseMixin:
             p = min(upcoming)
             try:
                 if p in hr.ckpt_rounds:
-                    await self._checkpoint_hier(hr, p, metrics)
+                    await self.checkpoint(hr, p)
                 if hr.join_at == p:
                     joining = sorted(self.membership.spares - ignored)
                     try:
-                        await self._join_group(hr, joining, p, metrics)
+                        await self.join(hr, joining, p)
                     except FusionError as exc:
                         self.say(f"worker(s) {joining} could not join as a group: {exc}; they stay idle")
-                        metrics.write({"event": "join_failed", "workers": joining, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+                        self.ctx.metrics.write({"event": "join_failed", "workers": joining, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
                         ignored |= set(joining)
             finally:
                 async with hr.changed:
@@ -139,12 +107,12 @@ class HierPauseMixin:
                     hr.arrived.clear()
                     hr.changed.notify_all()
 
-    async def _pause(self, hr: Any, g: int, p: int, pending: list[tuple[int, int, int]], metrics: JsonlWriter) -> None:
+    async def pause(self, hr: HierRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
         """Group ``g`` at the end of round ``p - 1``: apply what it has not applied, then wait for
         the pause's work to be done."""
         paused = time.perf_counter()
         for _, f, r in sorted(pending, key=lambda x: (x[2], x[1])):
-            await self._outer_sync(hr, g, f, r, 0, [r], metrics, send=False)
+            await self.groups.outer_sync(hr, g, f, r, 0, [r], send=False)
         pending.clear()
         async with hr.changed:
             hr.arrived.add(g)
@@ -153,10 +121,10 @@ class HierPauseMixin:
                 await hr.changed.wait()
         if g not in hr.alive:  # it left during the pause (a worker of it was lost in the checkpoint)
             raise FusionError(f"group {g} left the run during the pause at outer round {p}")
-        metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
+        self.ctx.metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
                        "elapsed_s": round(hr.elapsed(), 4)})
 
-    async def _checkpoint_hier(self, hr: Any, p: int, metrics: JsonlWriter) -> None:
+    async def checkpoint(self, hr: HierRun, p: int) -> None:
         """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group.
 
         Its workers' heartbeats are watched meanwhile (``_guard``): a worker lost there, dead or hung,
@@ -168,36 +136,36 @@ class HierPauseMixin:
             g = min(hr.alive)
             run = hr.runs[g]
             try:
-                await self._guard(run, self._checkpoint(run, step, outer=True, extra={"sync": "hierarchical", "round": p},
-                                                        plan_json=hr.hier.to_json()))
+                await self.live.guard(run, self.checkpoints.checkpoint(run, step, outer=True, extra={"sync": "hierarchical", "round": p},
+                                                                       plan_json=hr.hier.to_json()))
                 return
             except WorkerLost as exc:
-                await self._group_left(hr, g, exc, metrics)
+                await self.groups.left(hr, g, exc, gone=set(exc.workers))
         raise FusionError(f"no group is left to write the checkpoint of outer round {p} from")
 
-    async def _join_group(self, hr: Any, workers: list[int], k0: int, metrics: JsonlWriter) -> None:
+    async def join(self, hr: HierRun, workers: list[int], k0: int) -> None:
+        """The spares ``workers`` form a new group that takes part from round ``k0``."""
         if not workers:
             return
         began = time.perf_counter()
-        index, source = await self._add_group(hr, workers, k0)
-        hr.loops[index] = asyncio.create_task(self._group_loop(hr, index, metrics))
+        index, source = await self.add_group(hr, workers, k0)
+        hr.loops[index] = self.groups.start(hr, index)
         event = {"event": "group_joined", "group": index, "workers": workers, "round": k0, "source_group": source,
                  "seconds": round(time.perf_counter() - began, 3), "elapsed_s": round(hr.elapsed(), 4)}
-        metrics.write(event)
-        self.status.event(event)
+        self.ctx.event(event)
         self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
                  f"with group {source}'s outer weights and momentum")
 
-    async def _add_group(self, hr: Any, workers: list[int], k0: int) -> tuple[int, int]:
+    async def add_group(self, hr: HierRun, workers: list[int], k0: int) -> tuple[int, int]:
         """Plan, assign and announce the new group; returns its index and the group its state came from."""
-        c = self.cluster
+        c = self.ctx.cluster
         members = self.membership.members
         source = min(hr.alive)
         src = hr.runs[source]
-        states = [await self._read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
+        states = [await self.checkpoints.read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
         plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=c.micro_batches), workers)
         infos = {w: m.info for w, m in members.items()}
-        plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.task.refused_ops)
+        plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.ctx.task.refused_ops)
         programs = await asyncio.to_thread(validate_plan, hr.graph, plan)
         await asyncio.to_thread(check_message_sizes, hr.graph, plan)
         live = [g for g in hr.hier.groups if g.index in hr.alive]
@@ -211,8 +179,8 @@ class HierPauseMixin:
             clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls)
         run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
-        await self._assign(run, addresses, states, None, parse_codec(c.compress))
-        if run.fed and self._group_batch() != self.train.batch_size:
+        await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress))
+        if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:
             raise FusionError("--group-batch needs workers that read their own data")
         new = {str(w): addresses[w] for w in workers}
         data = {str(w): str(members[w].info["data_address"]) for w in workers if members[w].info.get("data_address")}

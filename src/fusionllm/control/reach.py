@@ -74,22 +74,19 @@ def routes(infos: dict[int, dict[str, Any]], w: int) -> tuple[dict[int, str], di
     return addresses, data, through
 
 
-class ReachMixin:
-    """The coordinator's half (``Coordinator`` mixes it in): its relay, and the Reach call."""
+class Reachability:
+    """The coordinator's relay for workers nobody can reach, and its answer to their Reach call."""
 
-    cluster: Any
-    membership: Any
-    say: Any
-
-    def _init_reach(self) -> None:
+    def __init__(self, cluster: Any, membership: Any, say: Any) -> None:
+        self.cluster, self.membership, self.say = cluster, membership, say
         self.relay = Relay(self.cluster.token, role="coordinator relay")
         self.relay_port = 0
 
-    async def _start_relay(self) -> None:
+    async def start_relay(self) -> None:
         host = self.cluster.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
         self.relay_port = await self.relay.start(host, self.cluster.relay_port)
 
-    async def _stop_relay(self) -> None:
+    async def stop_relay(self) -> None:
         with contextlib.suppress(Exception):
             await self.relay.stop()
 
@@ -98,7 +95,7 @@ class ReachMixin:
         host = self.cluster.listen.rpartition(":")[0]
         return f"{'' if host.strip('[]') in ('0.0.0.0', '::', '') else host}:{self.relay_port}"
 
-    async def _on_reach(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def on_reach(self, msg: dict[str, Any]) -> dict[str, Any]:
         req = Reach.from_wire(msg)
         if not req.behind_nat:
             why = await connect_back(req.address, req.data_address, req.nonce, self.cluster.token, self.cluster.tls)
@@ -120,7 +117,7 @@ class ReachMixin:
             return min(offers, key=lambda r: (load.get(r, 0), r))
         return self._own_relay()
 
-    async def _rehome(self) -> None:
+    async def rehome(self) -> None:
         """Before the first plan: workers behind NAT that the coordinator hosts because they joined before
         any worker offered to relay move to the offered relays (a reachable worker's link, not the
         coordinator's, then carries their traffic)."""
@@ -142,7 +139,7 @@ class ReachMixin:
             member.address = str(reply["address"])
             member.info.update(address=member.address, data_address=str(reply["data_address"]), relay=str(reply["relay"]))
 
-    def _relay_lines(self, addresses: dict[int, str]) -> list[str]:
+    def relay_lines(self, addresses: dict[int, str]) -> list[str]:
         """What the plan printout says about workers behind NAT."""
         infos = {w: m.info for w, m in self.membership.members.items() if w in addresses}
         lines = []

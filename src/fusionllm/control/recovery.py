@@ -1,132 +1,126 @@
-"""Lost workers and plans gone wrong: find who is gone, re-plan on the others, carry the state over."""
+"""A new plan when the old one cannot go on: lost workers, a plan gone slow, evicted workers.
+
+Each of the three makes the next plan over the members left and carries the state over:
+
+- **recover** (workers died or hung): the survivors drop the step in flight; the run goes on from
+  the newest complete checkpoint, on the workers left and spares that joined.
+- **replan** (the steps take far longer than the plan predicted, a link slowed down): the live
+  weights and AdamW state, planned again with the links as measured.
+- **evict** (a worker blamed for bad tensors ``--evict-after`` times): the live weights, planned
+  again without it; the step runs again on the new plan.
+
+Every one is a metrics event and writes the new plan's record.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 from typing import Any
 
-from fusionllm.core.errors import FusionError, TransportError
-from fusionllm.core.metrics import JsonlWriter
-from fusionllm.transport.control import WORKER_SERVICE, Aborted
-from fusionllm.transport.rpc import RpcClient
+from fusionllm.core.errors import FusionError
 
-from .config import Replan, Run, WorkerLost
+from .config import Evict, Replan, Run, WorkerLost
+from .context import RunContext
+from .setup import Setup
+from .state import Checkpoints
+from .steps import measured_links
+from .workers import Liveness
 
 
-class RecoveryMixin:
-    """The coordinator's recovery half (``Coordinator`` mixes it in)."""
+class Recovery:
+    """Lost workers, re-plans and evictions of a synchronous run (one group)."""
 
-    async def _replan(self, run: Run, again: Replan, metrics: JsonlWriter) -> Run:
+    def __init__(self, ctx: RunContext, setup: Setup, checkpoints: Checkpoints, live: Liveness) -> None:
+        self.ctx, self.setup, self.checkpoints, self.live = ctx, setup, checkpoints, live
+        self.recoveries = 0
+        self.replans = 0
+
+    async def replan(self, run: Run, again: Replan) -> Run:
         """Plan again with the links as measured, carrying the current weights and AdamW state over."""
         began = time.perf_counter()
         self.replans += 1
-        self.say(f"re-planning: {again.why}")
-        states = list((await self._guard(run, self._stage_states(run))).values())
-        self._measured = self._measured_links()
-        await self._leave(run, set())
+        self.ctx.say(f"re-planning: {again.why}")
+        states = list((await self.live.guard(run, self.checkpoints.stage_states(run))).values())
+        self.setup.measured = measured_links(run)
+        await self.leave(run, set())
         old = run.plan.meta.get("predicted_step_s")
-        run = await self._setup(carry=(states, again.next_step))
+        run = await self.setup.setup(carry=(states, again.next_step))
         event = {"event": "replan", "why": again.why, "at_step": again.next_step, "seconds": round(time.perf_counter() - began, 3),
                  "old_predicted_step_s": old, "predicted_step_s": run.plan.meta.get("predicted_step_s"),
                  "stages": len(run.plan.stages), "workers": sorted(run.plan.workers)}
-        self._record(metrics, event)
-        self.say(f"re-planned in {event['seconds']:.1f} s: {len(run.plan.stages)} stages on workers {event['workers']}")
+        self.record(event)
+        self.ctx.say(f"re-planned in {event['seconds']:.1f} s: {len(run.plan.stages)} stages on workers {event['workers']}")
         return run
 
-    async def _guard(self, run: Run, work: Any) -> Any:
-        """Evaluation and checkpoints talk to workers too: a dead one there is a lost worker, and so
-        is a hung one (its connection stays open, so only its stale heartbeat tells; without this
-        watch a checkpoint would wait for it until the step timeout)."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=1.0)
-                if done:
-                    return task.result()
-                self._raise_if_stale(run)
-        except TransportError as exc:
-            await self._raise_if_lost(run, str(exc))
-            raise
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-    def _readdressed(self, run: Run) -> None:
-        """Clients to workers behind NAT that moved to another relay (their old relay went away)."""
-        for w, client in list(run.clients.items()):
-            member = self.membership.members.get(w)
-            if member is not None and member.address != client.address:
-                run.clients[w] = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls)
-
-    def _raise_if_stale(self, run: Run) -> None:
-        """WorkerLost for the plan's workers whose heartbeat is older than --dead-after."""
-        stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
-        if stale:
-            raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
-
-    async def _raise_if_lost(self, run: Run, why: str) -> None:
-        async def alive(w: int) -> bool:  # a dropped link is given --dead-after to come back; a refused connection is not
-            began = time.monotonic()
-            while True:
-                self._readdressed(run)
-                try:
-                    await run.clients[w].call_retrying("Ping", {}, within=self.cluster.dead_after_s, timeout=3)
-                    return True
-                except FusionError:
-                    member = self.membership.members.get(w)
-                    # behind NAT, its relay gone: it comes back through another relay within --dead-after
-                    if member is None or not member.info.get("relay") or time.monotonic() - began > self.cluster.dead_after_s:
-                        return False
-                    await asyncio.sleep(0.2)
-
-        answers = await asyncio.gather(*(alive(w) for w in run.plan.workers))
-        dead = {w for w, ok in zip(run.plan.workers, answers, strict=True) if not ok}
-        dead |= set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
-        if dead:
-            raise WorkerLost(dead, why)
-
-    async def _recover(self, run: Run, lost: WorkerLost, metrics: JsonlWriter) -> Run:
+    async def recover(self, run: Run, lost: WorkerLost) -> Run:
         """Re-plan on the workers left (and spares that joined), from the newest complete checkpoint."""
-        c = self.cluster
+        c, membership = self.ctx.cluster, self.ctx.membership
         began = time.perf_counter()
         self.recoveries += 1
         if self.recoveries > c.max_recoveries:
             raise FusionError(f"{lost}; gave up after {c.max_recoveries} recoveries")
-        self.say(f"lost worker(s) {sorted(lost.workers)} ({lost.why}); re-planning on the others")
-
-        async def abort(w: int) -> bool:
-            try:
-                Aborted.from_wire(await run.clients[w].call("Abort", {}, timeout=10))
-                return True
-            except FusionError:
-                return False
-
+        self.ctx.say(f"lost worker(s) {sorted(lost.workers)} ({lost.why}); re-planning on the others")
         survivors = [w for w in run.plan.workers if w not in lost.workers]
-        self._readdressed(run)
-        answers = await asyncio.gather(*(abort(w) for w in survivors))
-        gone = set(lost.workers) | {w for w, ok in zip(survivors, answers, strict=True) if not ok}
-        await self._leave(run, gone)
-        if not self.membership.members:
+        gone = set(lost.workers) | await self.live.abort(run, survivors)
+        await self.leave(run, gone)
+        if not membership.members:
             raise FusionError(f"{lost}; no worker is left")
-        self.membership.renumber()
-        run = await self._setup(recover=True)
-        event = {"event": "recovery", "lost": sorted(gone), "workers": len(self.membership.members), "resumed_from_step": self.start_step,
+        membership.renumber()
+        run = await self.setup.setup(recover=True)
+        event = {"event": "recovery", "lost": sorted(gone), "workers": len(membership.members), "resumed_from_step": self.ctx.clock.start_step,
                  "seconds": round(time.perf_counter() - began, 3), "why": lost.why}
-        self._record(metrics, event)
-        self.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.start_step}")
+        self.record(event)
+        self.ctx.say(f"recovered in {event['seconds']:.1f} s: {event['workers']} workers, continuing from step {self.ctx.clock.start_step}")
         return run
 
-    async def _leave(self, run: Run, lost: set[int]) -> None:
-        """Drop a plan before making the next one: its clients, lost workers, norms in flight; a new epoch."""
+    async def evict(self, run: Run, ev: Evict) -> Run:
+        """Plan again without the evicted workers, carrying the live weights and AdamW state of each
+        stage from a worker that stays (from the evicted one where it held a stage alone: its weights
+        only ever took verified updates)."""
+        membership = self.ctx.membership
+        began = time.perf_counter()
+        left = [w for w in run.plan.workers if w not in ev.workers]
+        if not left and not any(w not in ev.workers for w in membership.members):
+            raise FusionError(f"{ev}; no worker would be left")
+        self.ctx.say(f"evicting worker(s) {sorted(ev.workers)}: {ev.why}")
+        sources = {s.index: next((w for w in s.workers if w not in ev.workers), s.workers[0]) for s in run.plan.stages}
+        states = [await self.live.guard(run, self.checkpoints.read_state(run, w)) for _, w in sorted(sources.items())]
+        addresses = await self.send_away(run, ev.workers)
+        await self.leave(run, set(ev.workers))
+        membership.renumber()
+        run = await self.setup.setup(carry=(states, ev.next_step))
+        event = evict_event(ev, addresses, time.perf_counter() - began, workers_left=len(membership.members))
+        self.record(event)
+        self.ctx.say(f"evicted in {event['seconds']:.1f} s: {event['workers_left']} workers, step {ev.next_step} runs again on the new plan")
+        return run
+
+    async def send_away(self, run: Run, workers: set[int]) -> dict[int, str]:
+        """Tell evicted workers to leave (they would otherwise join again as spares); their addresses."""
+        members = self.ctx.membership.members
+        addresses = {w: members[w].address for w in workers if w in members}
+        for w in workers:
+            with contextlib.suppress(FusionError):
+                await run.clients[w].call("Shutdown", {}, timeout=5)
+        return addresses
+
+    async def leave(self, run: Run, lost: set[int]) -> None:
+        """Drop a plan before making the next one: its clients, lost workers; a new epoch."""
         for client in run.clients.values():
             await client.close()
-        self.membership.lose(lost)
-        self.epoch += 1
+        self.ctx.membership.lose(lost)
+        self.ctx.clock.new_epoch()
 
-    def _record(self, metrics: JsonlWriter, event: dict[str, Any]) -> None:
+    def record(self, event: dict[str, Any]) -> None:
         """A new plan and the event that made it, in the metrics and on the dashboard."""
-        metrics.write(self.plan_record)
-        metrics.write(event)
-        self.status.event(event)
+        self.ctx.metrics.write(self.setup.plan_record)
+        self.ctx.event(event)
+
+
+def evict_event(ev: Evict, addresses: dict[int, str], seconds: float, *, workers_left: int, group: int | None = None) -> dict[str, Any]:
+    """The ``evict`` record, the same for a synchronous run and a group of several."""
+    event: dict[str, Any] = {"event": "evict", "workers": sorted(ev.workers), "addresses": {str(k): v for k, v in addresses.items()},
+                             "why": ev.why, "at_step": ev.next_step, "seconds": round(seconds, 3), "workers_left": workers_left}
+    if group is not None:
+        event["group"] = group
+    return event

@@ -29,7 +29,11 @@ from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import blob_keys
 
-from .config import Run
+from .config import ClusterConfig, Run, Say
+from .context import RunContext
+from .setup import Setup
+from .state import Checkpoints
+from .workers import Liveness
 
 
 class Stopped(FusionError):
@@ -89,19 +93,17 @@ def live_group(held: Mapping[int, LiveState]) -> tuple[int, dict[int, int]] | st
     return best if best is not None else why
 
 
-class RestartMixin:
-    """The coordinator's stop-and-restart half (``Coordinator`` mixes it in)."""
+class Stopper:
+    """SIGINT/SIGTERM: finish the step in flight, write a final checkpoint, leave the workers waiting."""
 
-    def _init_restart(self) -> None:
+    def __init__(self, cluster: ClusterConfig, say: Say) -> None:
+        self.cluster, self.say = cluster, say
         self.stopping = 0  # the signal that asked the run to stop (0: none)
-        self.resume_event: dict[str, Any] | None = None
-        self._training = False  # inside the synchronous step loop: a stop waits for the step in flight
-        self._main: asyncio.Task | None = None
-        self._stop_timer: asyncio.TimerHandle | None = None
-        self._began = time.perf_counter()
+        self.training = False  # inside the synchronous step loop: a stop waits for the step in flight
+        self.main: asyncio.Task | None = None  # the coordinator's task: cancelled by a stop that cannot wait
+        self._timer: asyncio.TimerHandle | None = None
 
-    # ---- stopping ----------------------------------------------------------------------------------
-    def _watch_signals(self) -> Callable[[], None]:
+    def watch_signals(self) -> Callable[[], None]:
         """SIGINT and SIGTERM ask for a stop (``request_stop``); returns what puts the handlers back."""
         loop = asyncio.get_running_loop()
         sigs = (signal.SIGINT, signal.SIGTERM)
@@ -119,7 +121,7 @@ class RestartMixin:
         restart, within --stop-timeout; asked again, stop at once."""
         c = self.cluster
         name = signal.Signals(signum).name
-        if self.stopping or not self._training:  # again, or nothing to finish (joining, planning, hierarchical mode)
+        if self.stopping or not self.training:  # again, or nothing to finish (joining, planning, hierarchical mode)
             self.stopping = self.stopping or signum
             self.say(f"{name}: stopping now; the workers wait for a restart")
             self._cancel_main()
@@ -128,91 +130,94 @@ class RestartMixin:
         final = ", write a final checkpoint" if c.checkpoint_dir else ""
         self.say(f"{name}: stopping after the step in flight{final} and telling the workers to wait for a restart "
                  f"(at most {c.stop_timeout:.0f} s, --stop-timeout; {name} again stops at once)")
-        self._stop_timer = asyncio.get_running_loop().call_later(c.stop_timeout, self._stop_overdue)
+        self._timer = asyncio.get_running_loop().call_later(c.stop_timeout, self._overdue)
 
-    def _stop_overdue(self) -> None:
+    def _overdue(self) -> None:
         self.say(f"the step in flight and the final checkpoint took longer than {self.cluster.stop_timeout:.0f} s (--stop-timeout): stopping without them")
         self._cancel_main()
 
     def _cancel_main(self) -> None:
-        if self._main is not None and not self._main.done():
-            self._main.cancel()
+        if self.main is not None and not self.main.done():
+            self.main.cancel()
 
-    def _stop_if_asked(self, done: int) -> None:
+    def stop_if_asked(self, done: int) -> None:
         """Between two steps (``done`` completed): raise Interrupted once a stop was asked."""
         if self.stopping:
             raise Interrupted(done)
 
-    async def _final_checkpoint(self, run: Run, done: int) -> Stopped:
-        """The checkpoint of the step reached (unless it exists already), and the Stopped to raise."""
-        c = self.cluster
-        if not c.checkpoint_dir:
-            return Stopped(self.stopping, done, None)
-        path = Path(c.checkpoint_dir).resolve() / f"{PREFIX}{done:06d}"
-        if not (path / "state.json").is_file():
-            try:
-                await self._guard(run, self._checkpoint(run, done))
-            except FusionError as exc:
-                self.say(f"the final checkpoint failed ({exc}); the newest complete one stays")
-                return Stopped(self.stopping, done, None)
-        return Stopped(self.stopping, done, path)
+    def end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
-    def _end_stop(self) -> None:
-        if self._stop_timer is not None:
-            self._stop_timer.cancel()
-            self._stop_timer = None
 
-    # ---- starting, or starting again ---------------------------------------------------------------
-    async def _start_or_resume(self) -> Run:
-        """The first plan: from scratch; with --resume, from the workers' live state when every stage
-        is present at one step, else from the newest checkpoint."""
-        t, c = self.train, self.cluster
-        held = live_states(self.membership.members)
-        if not c.resume:
-            if held:
-                self.say(f"{len(held)} worker(s) hold a stage from an earlier coordinator; without --resume the run starts from step 0")
-            return await self._setup()
-        found = live_group(held) if c.sync == "synchronous" else "hierarchical mode resumes from checkpoints only"
-        why = found if isinstance(found, str) else None
-        graph, states, step = None, [], 0
-        if not isinstance(found, str):
-            step, holders = found
-            graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)
-            some = held[next(iter(holders.values()))]
-            if some.graph != LiveState.graph_digest(graph.to_json()):
-                why = "the workers run another model (or micro-batch size) than this run's"
-            elif some.seed != t.seed:
-                why = f"the workers ran --seed {some.seed}, this run has --seed {t.seed}"
-            else:
-                states, why = await self._gather_live(holders, graph)
-        if why is None:
-            self.epoch = max(s.epoch for s in held.values()) + 1  # no tensor of the old plan is taken for one of the new
-            run = await self._setup(carry=(states, step), graph=graph)
-            self.say(f"resuming from the workers' live state at step {step}: every stage present, no step lost")
-        else:
-            if held:
-                self.say(f"not resuming from the workers' live state: {why}")
-            run = await self._setup()  # --resume: the newest complete checkpoint
-        self.resume_event = {"event": "resume", "from": "live" if why is None else "checkpoint",
-                             "resumed_from_step": self.start_step,  # (no "step" key: readers of step records skip events)
-                             "seconds": round(time.perf_counter() - self._began, 3), "live_workers": len(held)}
-        if why is not None:
-            self.resume_event["why_not_live"] = why
-        return run
-
-    async def _gather_live(self, holders: dict[int, int], graph: Any) -> tuple[list[bytes], str | None]:
-        """Each stage's weights and AdamW state from its holder; (states, None) or ([], why not)."""
-        c = self.cluster
-        clients = {w: RpcClient(self.membership.members[w].address, WORKER_SERVICE, c.token, tls=c.tls) for w in set(holders.values())}
+async def final_checkpoint(stopping: int, checkpoints: Checkpoints, live: Liveness, run: Run, done: int, say: Say) -> Stopped:
+    """The checkpoint of the step reached (unless it exists already), and the Stopped to raise."""
+    c = checkpoints.cluster
+    if not c.checkpoint_dir:
+        return Stopped(stopping, done, None)
+    path = Path(c.checkpoint_dir).resolve() / f"{PREFIX}{done:06d}"
+    if not (path / "state.json").is_file():
         try:
-            states = [await self._read_pages(clients[w], w) for _, w in sorted(holders.items())]
+            await live.guard(run, checkpoints.checkpoint(run, done))
         except FusionError as exc:
-            return [], f"reading a stage's state failed: {exc}"
-        finally:
-            for client in clients.values():
-                await client.close()
-        have = {k for blob in states for k in blob_keys(blob)}
-        missing = [p for p in graph.params if f"param/{p}" not in have]
-        if missing:
-            return [], f"the workers' stages lack {missing[:4]}"
-        return states, None
+            say(f"the final checkpoint failed ({exc}); the newest complete one stays")
+            return Stopped(stopping, done, None)
+    return Stopped(stopping, done, path)
+
+
+async def start_or_resume(ctx: RunContext, setup: Setup, checkpoints: Checkpoints, began: float) -> tuple[Run, dict[str, Any] | None]:
+    """The first plan: from scratch; with --resume, from the workers' live state when every stage
+    is present at one step, else from the newest checkpoint. Returns it and the ``resume`` record
+    (its seconds counted from ``began``, the coordinator's start)."""
+    t, c, members = ctx.train, ctx.cluster, ctx.membership.members
+    held = live_states(members)
+    if not c.resume:
+        if held:
+            ctx.say(f"{len(held)} worker(s) hold a stage from an earlier coordinator; without --resume the run starts from step 0")
+        return await setup.setup(), None
+    found = live_group(held) if c.sync == "synchronous" else "hierarchical mode resumes from checkpoints only"
+    why = found if isinstance(found, str) else None
+    graph, states, step = None, [], 0
+    if not isinstance(found, str):
+        step, holders = found
+        graph = await asyncio.to_thread(ctx.task.trace, t.batch_size // c.micro_batches)
+        some = held[next(iter(holders.values()))]
+        if some.graph != LiveState.graph_digest(graph.to_json()):
+            why = "the workers run another model (or micro-batch size) than this run's"
+        elif some.seed != t.seed:
+            why = f"the workers ran --seed {some.seed}, this run has --seed {t.seed}"
+        else:
+            states, why = await gather_live(ctx, checkpoints, holders, graph)
+    if why is None:
+        ctx.clock.follow(max(s.epoch for s in held.values()) + 1)  # no tensor of the old plan is taken for one of the new
+        run = await setup.setup(carry=(states, step), graph=graph)
+        ctx.say(f"resuming from the workers' live state at step {step}: every stage present, no step lost")
+    else:
+        if held:
+            ctx.say(f"not resuming from the workers' live state: {why}")
+        run = await setup.setup()  # --resume: the newest complete checkpoint
+    event: dict[str, Any] = {"event": "resume", "from": "live" if why is None else "checkpoint",
+                             "resumed_from_step": ctx.clock.start_step,  # (no "step" key: readers of step records skip events)
+                             "seconds": round(time.perf_counter() - began, 3), "live_workers": len(held)}
+    if why is not None:
+        event["why_not_live"] = why
+    return run, event
+
+
+async def gather_live(ctx: RunContext, checkpoints: Checkpoints, holders: dict[int, int], graph: Any) -> tuple[list[bytes], str | None]:
+    """Each stage's weights and AdamW state from its holder; (states, None) or ([], why not)."""
+    c, members = ctx.cluster, ctx.membership.members
+    clients = {w: RpcClient(members[w].address, WORKER_SERVICE, c.token, tls=c.tls) for w in set(holders.values())}
+    try:
+        states = [await checkpoints.read_pages(clients[w], w) for _, w in sorted(holders.items())]
+    except FusionError as exc:
+        return [], f"reading a stage's state failed: {exc}"
+    finally:
+        for client in clients.values():
+            await client.close()
+    have = {k for blob in states for k in blob_keys(blob)}
+    missing = [p for p in graph.params if f"param/{p}" not in have]
+    if missing:
+        return [], f"the workers' stages lack {missing[:4]}"
+    return states, None

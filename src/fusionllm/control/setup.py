@@ -9,7 +9,6 @@ shards it reads itself.
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
@@ -25,27 +24,43 @@ from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import read_selected, stage_keep
 
 from .capabilities import backend_of, place
-from .collectives import World, carried_links, find_worlds, world_prefix
+from .collectives import RendezvousStore, World, carried_links, find_worlds, world_prefix
 from .config import Run
+from .context import RunContext
 from .limits import check_message_sizes
-from .reach import routes
+from .plan_view import plan_event, plan_lines
+from .reach import Reachability, routes
+from .state import Checkpoints
 
 
-class SetupMixin:
-    """The coordinator's planning half (``Coordinator`` mixes it in)."""
+class Setup:
+    """Trace, plan, place, validate, size and assign: a plan in force (``Run``) for the members."""
 
-    async def _setup(self, *, recover: bool = False, carry: tuple[list[bytes], int] | None = None, graph: OpGraph | None = None) -> Run:
-        """``graph``: the model already traced (a restart that checked the workers' live state against it)."""
-        t, c = self.train, self.cluster
+    def __init__(self, ctx: RunContext, checkpoints: Checkpoints, reach: Reachability, rendezvous: RendezvousStore) -> None:
+        self.ctx, self.checkpoints, self.reach, self.rendezvous = ctx, checkpoints, reach, rendezvous
+        self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
+        self.plan_record: dict[str, Any] = {}  # the plan in force as a metrics record (a new plan writes it again)
+        self.measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan plans with them)
+
+    async def setup(self, *, recover: bool = False, carry: tuple[list[Any], int] | None = None, graph: OpGraph | None = None) -> Run:
+        """The plan of a synchronous run (one group) over every member. Its weights: ``carry``
+        (a re-plan: the states and the step they are at), the newest checkpoint (``--resume``, or
+        ``recover``), or the task's initial state. ``graph``: the model already traced (a restart
+        that checked the workers' live state against it)."""
+        t, c, clock = self.train, self.cluster, self.ctx.clock
         if graph is None:
             graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
         states: list[Any] = []  # safetensors blobs (or TensorSources) holding every tensor; each stage gets its own by name
         load: str | None = None
-        self.start_step = 0
+        clock.start_at(0)
         if carry is not None:  # a re-plan: the weights and AdamW state as they are now
-            states, self.start_step = carry
+            states, step = carry
+            clock.start_at(step)
         elif c.resume or recover:
-            load = self._resume(graph)
+            found = self.checkpoints.resume(graph)
+            if found is not None:
+                load, step = found
+                clock.start_at(step)
         if carry is None and load is None:
             states = [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
@@ -53,24 +68,20 @@ class SetupMixin:
         replicas = None if recover or len(self.membership.members) != c.workers else c.replicas  # a hand-made layout no longer fits fewer workers
         if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
-        self.policy = None
         codec = parse_codec(c.compress)
         if c.scheduler:
-            graph, plan, cost = await self._schedule(graph, clients)
+            graph, plan, cost = await self.schedule(graph, clients)
         else:
             plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
-            cost = await self._cost(graph, clients) if codec.kind == "adatopk" else None
+            cost = await self.cost(graph, clients) if codec.kind == "adatopk" else None
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)  # each stage on workers that run its op kinds
         programs = await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
-        if codec.kind == "adatopk":
-            from fusionllm.control.adatopk import adatopk_policy
-            self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, self.task.items_per_row, plan.micro_batches))
-            slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
-            self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         run = Run(graph, plan, clients, actions=programs)
-        run.worlds = await self._worlds(run, infos, cost)
+        if codec.kind == "adatopk":
+            run.policy = self.adatopk(plan, cost, t.batch_size)
+        run.worlds = await self.worlds(run, infos, cost)
         carried = sorted(carried_links(run.worlds))
         if carried:  # the simulator prices them as gloo's (sim.simulator.with_carried); the plan metrics record lists them
             plan.meta["carried"] = [list(p) for p in carried]
@@ -79,13 +90,26 @@ class SetupMixin:
 
                 req = Request(t.batch_size, self.task.items_per_row, plan.micro_batches, plan.schedule)
                 plan.meta["predicted_step_s"] = (await asyncio.to_thread(simulate, plan, cost, req)).step_time_s
-        self._print_plan(run, addresses)
-        await self._assign(run, addresses, states, load, codec)
-        self.plan_record = self._plan_event(run, addresses, cost)
-        self.status.event(self.plan_record)
+        for line in plan_lines(run, addresses, self.membership.members):
+            self.say(line)
+        for line in self.reach.relay_lines(addresses):
+            self.say(line)
+        await self.assign(run, addresses, states, load, codec)
+        self.plan_record = plan_event(run, addresses, self.membership.members, cost, epoch=clock.epoch, scheduler=c.scheduler)
+        self.ctx.status.event(self.plan_record)
         return run
 
-    async def _assign(self, run: Run, addresses: dict[int, str], states: list[Any], load: str | None, codec: Any) -> None:
+    def adatopk(self, plan: Plan, cost: Any, batch: int, *, indent: str = "") -> Any:
+        """AdaTopK's link policy for ``plan`` (each group has its own)."""
+        from fusionllm.control.adatopk import adatopk_policy
+
+        policy, _ = adatopk_policy(plan, cost, Request(batch, self.task.items_per_row, plan.micro_batches))
+        slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in policy.ratios().items() if r < 1}
+        self.say(f"{indent}adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
+        return policy
+
+    async def assign(self, run: Run, addresses: dict[int, str], states: list[Any], load: str | None, codec: Any) -> None:
+        """Hand ``run``'s plan out: each worker its program, its stage's tensors, its peers."""
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
@@ -94,7 +118,7 @@ class SetupMixin:
         graph_json, plan_json = graph.to_json(), plan.to_json()
         infos = {w: m.info for w, m in self.membership.members.items()}
         replies: dict[int, Assigned] = {}
-        collective = self._collectives(run.worlds)
+        collective = self.collectives(run.worlds)
 
         async def assign(w: int) -> None:
             stage = plan.stage_of_worker(w)
@@ -102,9 +126,9 @@ class SetupMixin:
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             peers, data, through = routes(infos, w)  # LAN addresses between workers behind one NAT (reach.py)
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in {**addresses, **peers}.items()}, hyper=hyper,
-                          nbytes=len(blob), epoch=self.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=self.data_spec,
+                          nbytes=len(blob), epoch=self.ctx.clock.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=self.ctx.data_spec,
                           load=load, program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
-                          step=self.start_step, relayed=through, collective=collective.get(w))
+                          step=self.ctx.clock.start_step, relayed=through, collective=collective.get(w))
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
             replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:
@@ -118,33 +142,9 @@ class SetupMixin:
             self.say("backends: " + ", ".join(
                 f"worker {w} {backend_of(infos[w])}" + ("" if replies[w].torch_loaded else " (torch not loaded)") for w in plan.workers
             ))
-        self._graph_json, self._plan_json = graph_json, plan_json
+        run.graph_json, run.plan_json = graph_json, plan_json
 
-    def _plan_event(self, run: Run, addresses: dict[int, str], cost: Any) -> dict[str, Any]:
-        """The plan as a metrics record (and for the dashboard): stages, workers, links."""
-        graph, plan = run.graph, run.plan
-        stages = []
-        for s in plan.stages:
-            nodes = [graph.node(n) for n in s.nodes]
-            names = {p for n in nodes for p in n.params.values()}
-            stages.append({"stage": s.index, "workers": list(s.workers), "ops": len(nodes), "params": sum(graph.params[p].meta.numel for p in names),
-                           "layers": [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]})
-        hw = getattr(cost, "hw", None)
-        workers = {}
-        for w, m in self.membership.members.items():
-            workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
-                               "software": m.info.get("software") or {},
-                               "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers,
-                               "relay": m.info.get("relay") or None}
-        bandwidth = {}
-        if hw is not None:
-            bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
-        return {"event": "plan", "epoch": self.epoch, "scheduler": plan.meta.get("scheduler") or self.cluster.scheduler, "schedule": plan.schedule,
-                "micro_batches": plan.micro_batches, "predicted_step_s": plan.meta.get("predicted_step_s"), "stages": stages,
-                "workers": workers, "bandwidth_bps": bandwidth, "collectives": [world.record() for world in run.worlds],
-                "carried": [f"w{a}->w{b}" for a, b in sorted(carried_links(run.worlds))]}
-
-    async def _worlds(self, run: Run, infos: dict[int, Any], cost: Any) -> list[World]:
+    async def worlds(self, run: Run, infos: dict[int, Any], cost: Any) -> list[World]:
         """The plan's torch.distributed groups (``--collectives auto``): fast, uncompressed links between torch workers."""
         c = self.cluster
         if c.collectives == "off":
@@ -156,21 +156,22 @@ class SetupMixin:
             from fusionllm.control.planning import hardware_from_file
 
             hw = await asyncio.to_thread(lambda: hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members]))
-        ratios = self.policy.ratios() if self.policy is not None else None
+        ratios = run.policy.ratios() if run.policy is not None else None
         return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress, roles=c.compress_roles,
                                        ratios=ratios, bps=hw.bps if hw is not None else None, hosts=not c.hardware)
 
-    def _collectives(self, worlds: list[World]) -> dict[int, Collective]:
+    def collectives(self, worlds: list[World]) -> dict[int, Collective]:
         """Per member of a world, where and how it forms its process group."""
         if not worlds:
             return {}
         host = self.cluster.listen.rpartition(":")[0].strip("[]")
         store = f"{'' if host in ('', '0.0.0.0', '::') else host}:{self.rendezvous.port()}"  # an empty host: as the worker joined
-        return {w: Collective(store, world_prefix(self.cluster.token, self.epoch, world.index), list(world.workers), world.backend, world.index,
+        return {w: Collective(store, world_prefix(self.cluster.token, self.ctx.clock.epoch, world.index), list(world.workers), world.backend, world.index,
                               [list(g) for g in world.reduce], [list(p) for p in world.carries])
                 for world in worlds for w in world.workers}
 
-    async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
+    async def hardware(self, clients: dict[int, RpcClient]) -> Any:
+        """The members' devices and links: from --hardware's file, or probed."""
         from fusionllm.control.planning import (
             hardware_from_file,
             probe_hardware,
@@ -181,22 +182,23 @@ class SetupMixin:
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
         if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
             hw = hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
-            return with_measured_links(hw, self._measured)
+            return with_measured_links(hw, self.measured)
         ref = await asyncio.to_thread(self.task.reference_flops)
         return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say, reference_flops=ref)
 
-    async def _cost(self, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
+    async def cost(self, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.cost.model import CostModel
 
-        hw = await self._hardware(clients)
+        hw = await self.hardware(clients)
         return CostModel(graph, await asyncio.to_thread(self.task.estimate, graph), hw, recompute=self.train.recompute)
 
-    async def _schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
+    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
+        """OP-Fence (or another --scheduler) over the members."""
         from fusionllm.control.planning import choose_plan
         from fusionllm.schedule.plan import Request
 
         t, c = self.train, self.cluster
-        hw = await self._hardware(clients)
+        hw = await self.hardware(clients)
         req = Request(t.batch_size, self.task.items_per_row, c.micro_batches, c.schedule)
         work = await asyncio.to_thread(self.task.estimate, graph)
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -215,22 +217,3 @@ class SetupMixin:
             graph = again
         return graph, plan, cost
 
-    def _print_plan(self, run: Run, addresses: dict[int, str]) -> None:
-        self.say(f"plan: {len(run.plan.stages)} stages, schedule {run.plan.schedule}, {run.plan.micro_batches} micro-batches per step")
-        for w in sorted(set(addresses) - set(run.plan.workers)):
-            self.say(f"  worker {w} ({addresses[w]}): idle (the plan is faster without it)")
-        for s in run.plan.stages:
-            nodes = [run.graph.node(n) for n in s.nodes]
-            params = sum(run.graph.params[p].meta.numel for p in {p for n in nodes for p in n.params.values()})
-            names = [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]
-            shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
-            for w in s.workers:
-                info = self.membership.members[w].info
-                backend = backend_of(info)
-                version = (info.get("software") or {}).get(backend if backend == "torch" else "numpy", "")
-                dev = f"{info.get('device', {}).get('kind', '?')}, {backend}{' ' + version if version else ''}"
-                self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
-        for world in run.worlds:
-            self.say(f"  {world.line()}")
-        for line in self._relay_lines(addresses):
-            self.say(line)

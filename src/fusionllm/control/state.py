@@ -21,6 +21,7 @@ from fusionllm.core.checkpoints import (
     latest_checkpoint,
     prune_checkpoints,
 )
+from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import (
@@ -34,24 +35,30 @@ from fusionllm.transport.control import (
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import shard_keys, write_shard
 
-from .config import Run
+from .config import ClusterConfig, Run, Say
+from .steps import inputs_for
+from .task import RunTask
+from .workers import Liveness
 
 PAGE = 32 << 20  # bytes of state per GetState call
 
 
-class StateMixin:
-    """The coordinator's evaluation and checkpoint half (``Coordinator`` mixes it in)."""
+class Checkpoints:
+    """Evaluation, checkpoints, state reads and the checkpoint to resume from, for any group's plan."""
 
-    async def _stage_states(self, run: Run, only: set[int] | None = None) -> dict[int, bytes]:
+    def __init__(self, train: TrainConfig, cluster: ClusterConfig, task: RunTask, live: Liveness, say: Say) -> None:
+        self.train, self.cluster, self.task, self.live, self.say = train, cluster, task, live, say
+
+    async def stage_states(self, run: Run, only: set[int] | None = None) -> dict[int, bytes]:
         """Each stage's (or the ``only`` ones') weights and AdamW state (safetensors bytes), from its
         first worker, in pages no larger than ``PAGE``."""
-        return {s.index: await self._read_state(run, s.workers[0]) for s in run.plan.stages if only is None or s.index in only}
+        return {s.index: await self.read_state(run, s.workers[0]) for s in run.plan.stages if only is None or s.index in only}
 
-    async def _read_state(self, run: Run, worker: int, *, outer: bool = False) -> bytes:
+    async def read_state(self, run: Run, worker: int, *, outer: bool = False) -> bytes:
         """One worker's packed state (``outer``: its outer weights and momentum), page by page."""
-        return await self._read_pages(run.clients[worker], worker, outer=outer)
+        return await self.read_pages(run.clients[worker], worker, outer=outer)
 
-    async def _read_pages(self, client: RpcClient, worker: int, *, outer: bool = False) -> bytes:
+    async def read_pages(self, client: RpcClient, worker: int, *, outer: bool = False) -> bytes:
         chunks: list[bytes] = []
         total, offset = None, 0
         while total is None or offset < total:
@@ -64,18 +71,18 @@ class StateMixin:
             offset += len(page.data)
         return b"".join(chunks)
 
-    async def _evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False) -> float:
+    async def evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False) -> float:
         """Validation loss of the current weights, computed by the workers in the pipeline."""
         c = self.cluster
 
         async def ask(w: int) -> Evaluated:
             inputs = None
             if w in run.fed:
-                inputs = {str(j): self._inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
+                inputs = {str(j): inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
             msg = Evaluate(at_step, batches, inputs, outer).to_wire()  # asked again after a dropped link: the worker answers with the same run
             return Evaluated.from_wire(await run.clients[w].call_retrying("Evaluate", msg, within=c.step_timeout, timeout=c.step_timeout))
 
-        replies = await self._step_calls(run, {w: ask(w) for w in run.plan.workers})
+        replies = await self.live.calls(run, {w: ask(w) for w in run.plan.workers})
         failed = [(w, r.failed) for w, r in replies.items() if r.failed is not None]
         if failed:
             w, why = failed[0]
@@ -88,7 +95,7 @@ class StateMixin:
         run.val_metric = sum(metrics) / len(metrics) if len(metrics) == len(losses) else None
         return sum(losses) / len(losses)
 
-    async def _checkpoint(self, run: Run, done: int, *, outer: bool = False, extra: dict | None = None, plan_json: str | None = None) -> None:
+    async def checkpoint(self, run: Run, done: int, *, outer: bool = False, extra: dict | None = None, plan_json: str | None = None) -> None:
         """Every stage's shard, then the manifest. ``outer`` (hierarchical mode): the shards hold
         ``run``'s group's outer weights and momentum (``extra`` goes into ``state.json``)."""
         tmp, final = begin_checkpoint(self.cluster.checkpoint_dir or "", done)
@@ -104,21 +111,22 @@ class StateMixin:
         for k, shard in saved.items():
             path = tmp / f"stage-{k}.safetensors"
             if not (path.is_file() and path.stat().st_size == shard.nbytes):  # written on another machine: fetch it
-                data = await self._read_state(run, next(s.workers[0] for s in run.plan.stages if s.index == k), outer=outer)
+                data = await self.read_state(run, next(s.workers[0] for s in run.plan.stages if s.index == k), outer=outer)
                 _, digest = await asyncio.to_thread(write_shard, tmp, k, data)
                 shard = ShardSaved(str(path), len(data), digest)
             shards[str(k)] = {"nbytes": shard.nbytes, "sha256": shard.sha256}
         state = {"step": done, "data_position": done, "train": asdict(self.train), "shards": shards,
                  "cluster": {k: v for k, v in asdict(self.cluster).items() if k not in ("token", "tls")}, **(extra or {})}
-        files = {"plan.json": plan_json or self._plan_json, "graph.json": run.graph.to_json() if outer else self._graph_json,
+        files = {"plan.json": plan_json or run.plan_json, "graph.json": run.graph_json or run.graph.to_json(),
                  "state.json": json.dumps(state, indent=1)}
         await asyncio.to_thread(finish_checkpoint, tmp, final, files)
         self.say(f"checkpoint {final}")
         if self.cluster.keep_checkpoints:
             await asyncio.to_thread(prune_checkpoints, self.cluster.checkpoint_dir, self.cluster.keep_checkpoints)
 
-    def _resume(self, graph: OpGraph) -> str | None:
-        """The newest complete checkpoint's path (the workers read their shards), checked against this run."""
+    def resume(self, graph: OpGraph) -> tuple[str, int] | None:
+        """The newest complete checkpoint's path (the workers read their shards) and its step,
+        checked against this run; None when there is none."""
         path = latest_checkpoint(self.cluster.checkpoint_dir or "")
         if path is None:
             self.say(f"--resume: no complete checkpoint in {self.cluster.checkpoint_dir}; starting from step 0")
@@ -140,7 +148,6 @@ class StateMixin:
             f = path / f"stage-{k}.safetensors"
             if f.stat().st_size != meta["nbytes"]:
                 raise ConfigError(f"checkpoint {path}: {f.name} has {f.stat().st_size} bytes, the manifest says {meta['nbytes']} (damaged)")
-        self.start_step = int(state["step"])
-        self.say(f"resuming from {path} at step {self.start_step}")
-        return str(path)
-
+        step = int(state["step"])
+        self.say(f"resuming from {path} at step {step}")
+        return str(path), step

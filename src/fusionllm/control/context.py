@@ -1,0 +1,79 @@
+"""What every component of the coordinator shares: the run's settings, where it reports, and its clock.
+
+The coordinator is a few components (``coordinator.py`` wires them), each owning its own state:
+membership (``membership.py``), liveness (``workers.py``), the step of one group (``steps.py``),
+bad-step strikes (``bad_steps.py``), setup (``setup.py``), checkpoints and evaluation (``state.py``),
+recovery (``recovery.py``), the synchronous step loop (``training.py``), groups and their rounds
+(``hierarchical.py``, ``hier_pauses.py``), stopping and restarting (``restart.py``) and relays
+(``reach.py``). What they all read is here, in one object: settings that do not change, the sinks
+every record goes to, and the ``StepClock``, the one owner of the epoch and of the step a plan
+starts at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionllm.core.config import TrainConfig
+from fusionllm.core.metrics import JsonlWriter
+
+from .config import ClusterConfig
+from .membership import Membership
+from .status import RunStatus
+from .task import RunTask
+
+Say = Callable[[str], None]
+OnStep = Callable[[dict], None]
+
+
+@dataclass
+class StepClock:
+    """The epoch (bumped by every new plan: workers drop tensors of an earlier one) and the step the
+    plan in force started at (0, a checkpoint's step, or the step a re-plan carried the weights to)."""
+
+    epoch: int = 0
+    start_step: int = 0
+
+    def new_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def start_at(self, step: int) -> None:
+        self.start_step = step
+
+    def follow(self, epoch: int) -> None:
+        """A restart: no epoch an earlier coordinator's workers used may be used again."""
+        self.epoch = max(self.epoch, epoch)
+
+
+@dataclass
+class RunContext:
+    """The run's settings and sinks, shared by the coordinator's components."""
+
+    train: TrainConfig
+    cluster: ClusterConfig
+    task: RunTask
+    membership: Membership
+    status: RunStatus
+    say: Say = print
+    on_step: OnStep = lambda _: None
+    clock: StepClock = field(default_factory=StepClock)
+    metrics: JsonlWriter = field(default_factory=lambda: JsonlWriter(None))  # the run's file once training starts
+    data_spec: Any = None  # the corpus's digest and batching (transport.control.DataSpec); workers check their copy
+
+    def event(self, record: dict[str, Any]) -> None:
+        """An event: in the metrics file and on the dashboard."""
+        self.metrics.write(record)
+        self.status.event(record)
+
+    def step(self, record: dict[str, Any]) -> None:
+        """A step record: in the metrics file, on the dashboard, and to the caller's ``on_step``."""
+        self.metrics.write(record)
+        self.status.step(record)
+        self.on_step(record)
+
+    def eval_count(self) -> int:
+        """Validation batches per evaluation (0: no evaluation)."""
+        return self.task.eval_count(self.cluster.eval_batches) if self.cluster.eval_every else 0

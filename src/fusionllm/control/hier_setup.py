@@ -1,0 +1,206 @@
+"""Forming the groups of a hierarchical run: trace, plan each group, assign, lay out the rounds.
+
+The groups come from the planner (``--scheduler``: ``planning`` forms them, with H and the codec)
+or from ``--groups`` by hand. Each group's plan is placed, validated and sized like a synchronous
+plan (``setup.py``), and every worker gets the ``HierPlan`` with its assignment. ``HierRun`` is
+the run's state while the groups train (``hierarchical.py``) and pause (``hier_pauses.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fusionllm.compress.codecs import parse_codec
+from fusionllm.core.config import TrainResult
+from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, round_lengths
+from fusionllm.schedule.plan import Request
+from fusionllm.schedule.validate import validate_plan
+from fusionllm.transport.control import WORKER_SERVICE
+from fusionllm.transport.rpc import RpcClient
+
+from .capabilities import backend_of, place
+from .config import Run
+from .context import RunContext
+from .limits import check_message_sizes
+from .rounds import checkpoint_rounds, resume_round
+from .setup import Setup
+from .state import Checkpoints
+
+
+@dataclass
+class HierRun:
+    hier: HierPlan
+    graph: OpGraph
+    runs: dict[int, Run]  # group -> its synchronous run
+    rounds: int
+    alive: set[int]
+    lengths: dict[int, list[int]] = field(default_factory=dict)  # group -> inner steps of each of its rounds
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
+    decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
+    round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
+    result: TrainResult = field(default_factory=TrainResult)
+    steps: int = 0
+    started: float = 0.0
+    paused: float = 0.0  # seconds spent evaluating (not counted as training time)
+    outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
+    n_data: int = 1  # groups of the first plan: group g of them reads batches i * n_data + g
+    first_round: dict[int, int] = field(default_factory=dict)  # a group that joined: the first round it takes part in
+    current: dict[int, int] = field(default_factory=dict)  # group -> the round it is in
+    data_base: dict[int, int] = field(default_factory=dict)  # a group that joined: its batches are data_base + i
+    pauses: set[int] = field(default_factory=set)  # rounds before which every group pauses (hier_pauses.py)
+    ckpt_rounds: set[int] = field(default_factory=set)  # the pauses that write a checkpoint
+    join_at: int | None = None  # the pause at which the spares form a new group
+    resumed: int = 0  # the last pause done
+    arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
+    loops: dict[int, asyncio.Task] = field(default_factory=dict)
+    observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
+    stopping: bool = False  # the run is over: the pauser ends
+
+    def expected(self, r: int) -> set[int]:
+        """The live groups that take part in round ``r`` (a group that joined later does not)."""
+        return {g for g in self.alive if self.first_round.get(g, 0) <= r}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started - self.paused
+
+
+
+class GroupSetup:
+    """Forms the groups (by the planner, or ``--groups``), plans each, and assigns every worker."""
+
+    def __init__(self, ctx: RunContext, setup: Setup, checkpoints: Checkpoints) -> None:
+        self.ctx, self.setup, self.checkpoints = ctx, setup, checkpoints
+        self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
+
+    def group_batch(self) -> int:
+        """Rows per inner step of every group (``--group-batch``; default ``--batch-size``)."""
+        return self.cluster.group_batch or self.train.batch_size
+
+    async def setup_groups(self) -> HierRun:
+        """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's)."""
+        t, c = self.train, self.cluster
+        batch = self.group_batch()
+        if batch % c.micro_batches:
+            raise ConfigError(f"--group-batch {batch} must be a multiple of --micro-batches {c.micro_batches}")
+        if c.eval_every and (t.batch_size % batch):
+            raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
+        graph = await asyncio.to_thread(self.task.trace, batch // c.micro_batches)
+        self.ctx.clock.start_at(0)
+        found = self.checkpoints.resume(graph) if c.resume else None  # the outer weights and momentum of a hierarchical checkpoint
+        load = found[0] if found else None
+        if found:
+            self.ctx.clock.start_at(found[1])
+        states = [] if load else [await asyncio.to_thread(self.task.initial_state)]
+        addresses = {m.id: m.address for m in self.membership.members.values()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        if c.scheduler:
+            hier = await self.schedule(graph, clients)
+        else:
+            unknown = sorted({w for g in c.groups or [] for w in g} - set(addresses))
+            if unknown:
+                raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
+            hier = make_hier_plan(graph, c.groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
+                                  micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
+                                  outer_momentum=c.outer_momentum, overlap=c.overlap,
+                                  delay_steps=c.overlap_steps or 0)
+        runs: dict[int, Run] = {}
+        graphs = {c.micro_batches: graph}  # a group whose plan has other micro-batches runs the model traced at their size
+        for g in hier.groups:
+            m = g.plan.micro_batches
+            if m not in graphs:
+                if batch % m:
+                    raise FusionError(f"the planner gave group {g.index} {m} micro-batches, which does not divide the group batch {batch}")
+                again = await asyncio.to_thread(self.task.trace, batch // m)
+                if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
+                    raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and --groups by hand")
+                graphs[m] = again
+            gg = graphs[m]
+            g.plan = await asyncio.to_thread(place, gg, g.plan, infos, self.say, self.task.refused_ops)
+            programs = await asyncio.to_thread(validate_plan, gg, g.plan)
+            await asyncio.to_thread(check_message_sizes, gg, g.plan)
+            runs[g.index] = Run(gg, g.plan, clients, actions=programs)
+        text = hier.to_json()
+        for run in runs.values():
+            run.hier = text
+        for line in hier_lines(hier, addresses):
+            self.say(line)
+        codec = parse_codec(c.compress)
+        if codec.kind == "adatopk":  # each group's own link policy, as a synchronous plan's
+            await self.policies(graph, hier, runs, clients)
+        if batch != t.batch_size:  # every group reads batches of its own size; validation: the same windows, in smaller batches
+            self.ctx.data_spec = replace(self.ctx.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
+        await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec) for run in runs.values()))
+        if batch != t.batch_size and any(run.fed for run in runs.values()):
+            raise FusionError("--group-batch needs workers that read their own data (some cannot: see above); leave it out")
+        steps_per_round = max(g.inner_steps for g in hier.groups)
+        rounds = max(1, math.ceil(t.steps / steps_per_round))
+        record = {
+            "event": "plan", "sync": "hierarchical", "epoch": self.ctx.clock.epoch, "rounds": rounds, "fragments": len(hier.fragments),
+            "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
+            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": [s.workers for s in g.plan.stages],
+                        "predicted_step_s": g.plan.meta.get("predicted_step_s")} for g in hier.groups],
+            "predicted": {k: v for k, v in hier.meta.items() if k != "candidates"},
+            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "in_plan": w in hier.workers} for w, a in addresses.items()},
+        }
+        self.ctx.status.event(record)
+        self.setup.plan_record = record
+        base = min(g.inner_steps for g in hier.groups)
+        lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
+        record["round_lengths"] = {str(k): v for k, v in lengths.items()}
+        ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
+        start = resume_round(ref, self.ctx.clock.start_step) if load else 0
+        if load:
+            self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
+        ckpt = checkpoint_rounds(ref, c.checkpoint_every)
+        return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
+                       current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
+                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start)
+
+    async def policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
+        """Each group's own AdaTopK link policy, as a synchronous plan's."""
+        cost = await self.setup.cost(graph, clients)
+        for g in hier.groups:
+            runs[g.index].policy = await asyncio.to_thread(self.setup.adatopk, g.plan, cost, self.group_batch(), indent=f"  group {g.index} ")
+
+    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
+        from fusionllm.control.hierarchy_planning import choose_hier_plan
+
+        c = self.cluster
+        hw = await self.setup.hardware(clients)
+        work = await asyncio.to_thread(self.task.estimate, graph)
+        infos = {w: m.info for w, m in self.membership.members.items()}
+
+        def placed(p: Any) -> Any:
+            return place(graph, p, infos, lambda _: None, self.task.refused_ops)
+
+        req = Request(self.group_batch(), self.task.items_per_row, c.micro_batches, c.schedule)
+        hier, _ = await asyncio.to_thread(
+            choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
+            inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
+            overlap=c.overlap,
+        )
+        if c.overlap_steps is not None:
+            hier.delay_steps = c.overlap_steps
+        return hier
+
+
+def hier_lines(hier: HierPlan, addresses: dict[int, str]) -> list[str]:
+    """What the coordinator says about the groups it starts."""
+    lines = [f"hierarchical plan: {len(hier.groups)} groups, {len(hier.fragments)} fragments, pseudo-gradients as {hier.codec}, "
+             f"outer Nesterov lr {hier.outer_lr} momentum {hier.outer_momentum}, "
+             + (f"averages applied {hier.delay_steps or 'a round of'} inner steps after their send" if hier.overlap else "blocking sync")]
+    for g in hier.groups:
+        stages = " | ".join(",".join(map(str, s.workers)) for s in g.plan.stages)
+        lines.append(f"  group {g.index}: workers [{stages}] ({len(g.plan.stages)} stages), {g.inner_steps} inner steps per round")
+    for w in sorted(set(addresses) - set(hier.workers)):
+        lines.append(f"  worker {w} ({addresses[w]}): idle (in no group)")
+    return lines
+

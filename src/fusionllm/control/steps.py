@@ -1,0 +1,165 @@
+"""One step of one group, the same for every group: calls, guards, retry, skip, strikes, the record.
+
+A synchronous run is one group and calls this for each of its steps; a hierarchical run calls it
+for each inner step of each group. Either way:
+
+- every worker of the group's plan gets a ``Step`` (its learning rate, its AdaTopK byte targets,
+  and, only for a worker that cannot read the run's data, its micro-batches);
+- a worker that died or hung raises ``WorkerLost`` (``workers.py``), a failed action a
+  ``FusionError`` with the action grid;
+- a step that a numeric guard refused is judged by the one bad-step rule (``bad_steps.py``): run
+  once more, then skipped; a worker blamed ``--evict-after`` times raises ``Evict``;
+- a good step gives one step record, built here for every group (``step_record``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fusionllm.compress.wire import encode_array
+from fusionllm.core.errors import FusionError
+from fusionllm.schedule.actions import format_grid
+from fusionllm.schedule.plan import routes
+from fusionllm.transport.control import Step, StepDone
+
+from .bad_steps import Strikes
+from .config import Run
+from .task import RunTask
+from .workers import Liveness
+
+
+@dataclass(frozen=True)
+class StepDoneAll:
+    """A step every worker applied: their replies and the mean loss of the micro-batches."""
+
+    replies: dict[int, StepDone]
+    loss: float
+
+
+class StepRunner:
+    """Runs one step of one group to its end: applied (``StepDoneAll``) or skipped (``None``)."""
+
+    def __init__(self, task: RunTask, live: Liveness, strikes: Strikes) -> None:
+        self.task, self.live, self.strikes = task, live, strikes
+
+    async def run(self, run: Run, step: int, lr: float, *, data_step: int | None = None, group: int | None = None) -> StepDoneAll | None:
+        """Step ``step`` of ``run``'s plan on batch ``data_step`` (default ``step``), attempts included."""
+        attempt = 0
+        while True:
+            replies = await self.attempt(run, step if data_step is None else data_step, lr, attempt)
+            if not any(rep.skipped or rep.bad for rep in replies.values()):
+                return StepDoneAll(replies, mean_loss(run, step, replies))
+            attempt = self.strikes.judge(step, attempt, replies, group=group)  # raises Evict, or FusionError (stop)
+            if attempt < 0:
+                return None
+
+    async def attempt(self, run: Run, data_step: int, lr: float, attempt: int) -> dict[int, StepDone]:
+        """One attempt: every worker's reply (a failed or lost worker raises)."""
+        batch = self.task.batch(data_step) if run.fed else None
+        calls = {}
+        for w in run.plan.workers:
+            inputs = inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
+            calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, ratios_of(run.policy, w), attempt=attempt))
+        replies: dict[int, StepDone] = await self.live.calls(run, calls)
+        if any(rep.failed is not None or rep.aborted for rep in replies.values()):
+            await self.live.raise_if_lost(run, "a step failed")
+        check_failures(run, data_step, replies)
+        return replies
+
+
+def mean_loss(run: Run, step: int, replies: dict[int, StepDone]) -> float:
+    losses = {int(mb): v for rep in replies.values() for mb, v in rep.losses.items()}
+    if len(losses) != run.plan.micro_batches:
+        raise FusionError(f"step {step}: got losses of micro-batches {sorted(losses)}, expected {run.plan.micro_batches}")
+    return sum(losses[m] for m in sorted(losses)) / len(losses)
+
+
+def check_failures(run: Run, step: int, replies: dict[int, StepDone]) -> None:
+    """A worker's failed action: an error with the action grid, the failing cell marked."""
+    failed = [(w, rep.failed) for w, rep in replies.items() if rep.failed is not None]
+    if not failed:
+        return
+    # the first failure in time is usually the cause; others are workers left waiting
+    w, info = min(failed, key=lambda f: ("Timeout" in f[1].error, f[0]))
+    grid = format_grid({f"worker {k}": v for k, v in sorted(run.actions.items())}, (f"worker {w}", info.index))
+    raise FusionError(f"step {step} failed on worker {w} at {info.action}: {info.error}\naction grid (the failing action is marked !):\n{grid}")
+
+
+def inputs_for(run: Run, w: int, *arrays: np.ndarray) -> dict[str, dict[str, bytes]]:
+    """The rows of a batch's arrays (tokens and targets for a language model) that worker ``w``'s
+    micro-batches read, for a worker fed by the coordinator."""
+    r = routes(run.graph, run.plan)
+    stage = run.plan.stage_of_worker(w).index
+    size = arrays[0].shape[0] // run.plan.micro_batches
+    edges = [(n.outputs[0].id, data) for n, data in zip(run.graph.input_nodes, arrays, strict=False)]
+    return {str(mb): {e: encode_array(np.ascontiguousarray(d[mb * size : (mb + 1) * size])) for e, d in edges if stage in r.consumers.get(e, [])}
+            for mb in run.plan.mbs_of(w)}
+
+
+def ratios_of(policy: Any, worker: int) -> dict[str, float] | None:
+    """What a Step tells ``worker`` about its links' AdaTopK ratios (None: no policy)."""
+    return {str(b): r for (a, b), r in policy.ratios().items() if a == worker} if policy is not None else None
+
+
+def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str) -> dict[str, Any]:
+    """The step record, the same keys for every group (a group's run adds group, round, inner_step).
+    Observes the links on the way: bytes and busy time for a re-plan, and the AdaTopK policy."""
+    replies = done.replies
+    record: dict[str, Any] = {
+        "step": step, "loss": done.loss, "tokens": tokens, "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1), "lr": lr,
+        "grad_norm": next(iter(replies.values())).grad_norm,
+        "step_s": round(max(rep.seconds for rep in replies.values()), 4),
+        "bytes": link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
+        "rss": {str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
+    }
+    if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/carrier.py)
+        record["carried_bytes"] = link_bytes(run, replies, carried=True)
+    if "predicted_step_s" in run.plan.meta:
+        record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
+    if compress != "none":
+        record["compress"] = compress
+    observe_links(run, replies, record)
+    run.recent.append(record["step_s"])
+    return record
+
+
+def link_bytes(run: Run, replies: dict[int, StepDone], *, carried: bool = False) -> dict[str, int]:
+    """Bytes per link this step: the data plane's, or (``carried``) those a world carried point to point."""
+    out = {}
+    for w, rep in replies.items():
+        for dst, total in (rep.carried_to if carried else rep.bytes_to).items():
+            link = f"w{w}->w{dst}"
+            seen = ("carried " if carried else "") + link
+            out[link] = total - run.bytes_before.get(seen, 0)
+            run.bytes_before[seen] = total
+    return out
+
+
+def observe_links(run: Run, replies: dict[int, StepDone], record: dict[str, Any]) -> None:
+    """Link measurements: kept for a re-plan (``run.links``), and fed to the plan's AdaTopK policy,
+    whose ratios in force and fitted links go into the record."""
+    for w, rep in replies.items():  # a world's transfers too: a re-plan must see a choked link it carried
+        for dst, (nbytes, busy, *_) in [*rep.link_stats.items(), *rep.world_stats.items()]:
+            got, took = run.links.get((w, int(dst)), (0, 0.0))
+            run.links[(w, int(dst))] = (got + int(nbytes), took + busy)
+    policy = run.policy
+    if policy is None:
+        return
+    record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in policy.ratios().items()}
+    if run.observed:  # the first step's sends also open the connections: not learnt from
+        for w, rep in replies.items():
+            for dst, (nbytes, busy, *messages) in rep.link_stats.items():
+                policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
+                record.setdefault("link_stats", {})[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
+    run.observed = True
+    record["link_fit"] = {f"w{a}->w{b}": [round(policy.bps[(a, b)]), round(policy.fixed_s.get((a, b), 0.0), 5)]
+                          for (a, b) in policy.loads if (a, b) in policy.bps}
+
+
+def measured_links(run: Run) -> dict[tuple[int, int], float]:
+    """Bits/s of the links that carried enough traffic lately to judge (bytes over busy time)."""
+    return {link: got * 8 / took for link, (got, took) in run.links.items() if got >= 256 << 10 and took > 0}
