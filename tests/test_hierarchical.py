@@ -484,3 +484,48 @@ def test_a_worker_of_one_group_that_sends_nan_and_garbage_is_retried_skipped_and
     assert len([r for r in steps if r["group"] == 1]) == 16  # the other group trained every step
     assert [r for r in steps if r["group"] == joined["group"]]  # the new group trained too
     assert all("rss" in r for r in steps)  # the synchronous run's record, for every group
+
+
+def _regroup_run(cluster: dict, tmp_path, name: str) -> tuple[list[dict], list[dict]]:
+    """(step records, event records) of a 3-worker gpt-nano run of 8 steps."""
+    metrics = tmp_path / f"{name}.jsonl"
+    train = TrainConfig(model="gpt-nano", steps=8, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
+    run_in_process(train, cluster_config(3, micro_batches=2, inner_steps=2, fragments=1, **cluster))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if "loss" in r and "event" not in r], [r for r in records if "event" in r]
+
+
+def test_a_run_that_is_one_group_until_step_k_and_three_groups_after_gives_one_groups_losses_up_to_k_then_trains_on(tmp_path) -> None:
+    """Why it can fail: a regroup that restarts from the initial weights (the groups' first losses
+    are the untrained model's), loses the learning-rate schedule's position, or changes the steps
+    before it (they must equal a synchronous run's to 1e-5)."""
+    sync, _ = _regroup_run({}, tmp_path, "sync")
+    steps, events = _regroup_run({"regroup": [(4, [[0], [1], [2]])]}, tmp_path, "regroup")
+    before = [r for r in steps if "group" not in r]
+    np.testing.assert_allclose([r["loss"] for r in before], [r["loss"] for r in sync[:4]], rtol=1e-5)
+    (regroup,) = [e for e in events if e["event"] == "regroup"]
+    assert regroup["at_step"] == 4 and regroup["groups"] == [[0], [1], [2]]
+    after = [r for r in steps if "group" in r]
+    assert sorted({r["group"] for r in after}) == [0, 1, 2]
+    for g in range(3):
+        mine = [r for r in after if r["group"] == g]
+        assert [r["inner_step"] for r in mine] == [4, 5, 6, 7]
+        assert [r["lr"] for r in mine] == [r["lr"] for r in sync[4:]]  # the schedule goes on where it was
+    assert max(r["loss"] for r in after if r["inner_step"] == 4) < sync[0]["loss"] - 0.05  # trained weights, not the initial ones
+
+
+def test_a_run_of_three_groups_until_step_k_and_one_group_after_trains_on_from_the_outer_weights(tmp_path) -> None:
+    """Why it can fail: the groups' steps before the regroup differ from a run that never regroups,
+    or the synchronous plan after it starts from the initial weights instead of the outer ones."""
+    hier = {"sync": "hierarchical", "groups": [[0], [1], [2]]}
+    plain, _ = _regroup_run(hier, tmp_path, "plain")
+    steps, events = _regroup_run({**hier, "regroup": [(4, [[0, 1, 2]])]}, tmp_path, "regroup")
+    before = [r for r in steps if "group" in r]
+    key = lambda r: (r["group"], r["inner_step"])  # noqa: E731
+    want = sorted((r for r in plain if r["inner_step"] < 4), key=key)
+    assert [key(r) for r in sorted(before, key=key)] == [key(r) for r in want]
+    np.testing.assert_allclose([r["loss"] for r in sorted(before, key=key)], [r["loss"] for r in want], rtol=1e-5)
+    after = [r for r in steps if "group" not in r]
+    assert [r["step"] for r in after] == [4, 5, 6, 7]
+    assert [e["at_step"] for e in events if e["event"] == "regroup"] == [4]
+    assert after[0]["loss"] < plain[0]["loss"] - 0.05  # the outer weights, not the initial ones

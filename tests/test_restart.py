@@ -242,14 +242,14 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                 coordinator = c.coordinator
                 assert coordinator is not None
                 # recoveries counts from the start of a recovery; the member goes once its survivors are aborted
-                await until("the dropped worker's loss", lambda: coordinator.recoveries >= 1 and len(coordinator.membership.members) == 2, run)
-                assert coordinator.recoveries == 1
+                await until("the dropped worker's loss", lambda: coordinator.recovery.recoveries >= 1 and len(coordinator.membership.members) == 2, run)
+                assert coordinator.recovery.recoveries == 1
                 outage[0] = False
                 spare = lambda: [m for w, m in coordinator.membership.members.items() if w in coordinator.membership.spares]  # noqa: E731
                 await until("the spare", lambda: bool(spare()), run)
                 assert spare()[0].address.startswith("127.0.0.2:") and dropped.address.startswith("127.0.0.2:")
                 c.workers[1].done.set()  # another worker goes: the re-plan takes the spare in
-                await until("the second recovery", lambda: coordinator.recoveries >= 2, run)
+                await until("the second recovery", lambda: coordinator.recovery.recoveries >= 2, run)
                 steps = len(c.steps)
                 await until("steps on the new plan", lambda: len(c.steps) >= steps + 3, run)
                 addresses = {m.address for m in coordinator.membership.members.values()}
@@ -282,7 +282,7 @@ def test_a_worker_that_hangs_in_a_checkpoint_is_lost_by_its_heartbeat_not_the_st
                 coordinator = c.coordinator
                 assert coordinator is not None
                 deadline = time.monotonic() + 300
-                while not (coordinator.recoveries >= 1 and len(coordinator.membership.members) == 2):
+                while not (coordinator.recovery.recoveries >= 1 and len(coordinator.membership.members) == 2):
                     assert not run.done(), f"the run ended: {run.exception() if not run.cancelled() else 'cancelled'}"
                     assert time.monotonic() < deadline, "the hung worker was never lost (the checkpoint waits for it)"
                     await asyncio.sleep(0.05)

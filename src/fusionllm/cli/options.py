@@ -63,6 +63,7 @@ OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, ma
 GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")]
 OverlapStepsOpt = Annotated[int | None, typer.Option("--overlap-steps", min=0, help="--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: the planner's choice.")]
 GroupBatchOpt = Annotated[int | None, typer.Option("--group-batch", min=1, help="--sync hierarchical: rows per inner step of every group (dividing --batch-size; default --batch-size). --batch-size / groups keeps the tokens of a step of all groups those of one synchronous step.")]
+RegroupOpt = Annotated[list[str] | None, typer.Option("--regroup", help="STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains synchronously for 200 steps, then as four groups.")]
 BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
 SYNC_MODES = ("synchronous", "hierarchical")
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
@@ -79,12 +80,29 @@ def parse_groups(text: str | None) -> list[list[int]] | None:
         raise ConfigError(f"--groups {text!r}: worker ids with ',' inside a group and '/' between groups, e.g. 0,1/2/3") from None
 
 
+def parse_regroup(texts: list[str] | None) -> list[tuple[int, list[list[int]]]] | None:
+    """``["40:0/1/2", "80:0,1,2"]`` -> [(40, [[0], [1], [2]]), (80, [[0, 1, 2]])]."""
+    if not texts:
+        return None
+    out = []
+    for text in texts:
+        step, sep, groups = text.partition(":")
+        try:
+            out.append((int(step), parse_groups(groups) or []))
+        except (ValueError, ConfigError):
+            raise ConfigError(f"--regroup {text!r}: STEP:GROUPS, e.g. 40:0/1/2 (three groups from step 40) or 80:0,1,2 (one synchronous group)") from None
+        if not sep or not out[-1][1]:
+            raise ConfigError(f"--regroup {text!r}: STEP:GROUPS, e.g. 40:0/1/2 (three groups from step 40) or 80:0,1,2 (one synchronous group)")
+    return out
+
+
 def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragments: int | None, outer_codec: str | None,
-                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool, group_batch: int | None = None) -> dict:
+                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool, group_batch: int | None = None,
+                regroup: list[str] | None = None) -> dict:
     """The ClusterConfig fields of the hierarchical options (checked there)."""
     return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
             "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking,
-            "group_batch": group_batch}
+            "group_batch": group_batch, "regroup": parse_regroup(regroup)}
 
 
 def task_model(task: str, model: str) -> str:

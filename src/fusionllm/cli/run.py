@@ -45,6 +45,7 @@ from fusionllm.cli.options import (
     OverlapStepsOpt,
     PrecisionOpt,
     RecomputeOpt,
+    RegroupOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -121,6 +122,7 @@ def coordinator(
     max_recoveries: MaxRecoveriesOpt = 3,
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
+    regroup: RegroupOpt = None,
     inner_steps: InnerStepsOpt = None,
     fragments: FragmentsOpt = None,
     outer_codec: OuterCodecOpt = None,
@@ -157,7 +159,7 @@ def coordinator(
         eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard,
         relay_port=relay_port, collectives=collectives,
-        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
+        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch, regroup),
     )
     if config is not None:
         from fusionllm.control.config import RunConfig

@@ -44,6 +44,7 @@ from fusionllm.cli.options import (
     OverlapStepsOpt,
     PrecisionOpt,
     RecomputeOpt,
+    RegroupOpt,
     ReplanOpt,
     ReplicasOpt,
     ResumeOpt,
@@ -141,6 +142,7 @@ def train(
     compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
+    regroup: RegroupOpt = None,
     inner_steps: InnerStepsOpt = None,
     fragments: FragmentsOpt = None,
     outer_codec: OuterCodecOpt = None,
@@ -185,7 +187,7 @@ def train(
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries,
             dashboard=dashboard, compress_roles=compress_roles, collectives=collectives,
-            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
+            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch, regroup),
         ))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(run.to_json())

@@ -63,6 +63,7 @@ class ClusterConfig:
     group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
     outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
+    regroup: list[tuple[int, list[list[int]]]] | None = None  # at step K the run becomes these groups (one group: synchronous), from live weights
     stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
     relay_port: int = 0  # the coordinator's relay for workers behind NAT (control/reach.py): its tunnel port on --listen's host (0: any)
     collectives: str = "auto"  # auto: torch.distributed (gloo/NCCL) inside fast fences of torch workers (control/collectives.py); off: the data plane only
@@ -92,10 +93,22 @@ class ClusterConfig:
             raise ConfigError(f"--evict-after must be >= 0, got {self.evict_after}")
         if self.sync not in ("synchronous", "hierarchical"):
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
+        for k, (step, groups) in enumerate(self.regroup or []):
+            flat = [w for g in groups for w in g]
+            if step < 1 or (k and step <= self.regroup[k - 1][0]):  # type: ignore[index]
+                raise ConfigError(f"--regroup {step}: the steps of --regroup must be >= 1 and increasing")
+            if len(flat) != len(set(flat)) or any(w < 0 for w in flat) or any(not g for g in groups):
+                raise ConfigError(f"--regroup {step}:{groups}: each worker id at most once, no group empty")
+            if len(groups) == 1 and sorted(flat) != list(range(self.workers)):
+                raise ConfigError(f"--regroup {step}: one group is a synchronous run of every worker: name them all (0..{self.workers - 1}), or several groups")
+        if self.regroup and self.resume:
+            raise ConfigError("--regroup with --resume is not supported: resume the checkpoint without --regroup")
+        if self.regroup and self.replicas:
+            raise ConfigError("--regroup plans every grouping itself; leave out --replicas")
         if self.sync == "hierarchical":
             if self.replicas:
                 raise ConfigError("--sync hierarchical forms its groups itself (or from --groups); leave out --replicas")
-            if not self.scheduler and not self.groups:
+            if not self.scheduler and not self.groups and not self.regroup:
                 raise ConfigError("--sync hierarchical needs --scheduler (to form the groups) or --groups by hand, e.g. --groups 0,1/2/3")
             if self.outer_codec is not None:
                 parse_codec(self.outer_codec)

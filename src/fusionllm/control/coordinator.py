@@ -18,27 +18,24 @@ from typing import Any
 
 from fusionllm.core.config import TrainConfig, TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
-from fusionllm.core.metrics import JsonlWriter
 from fusionllm.transport.control import COORDINATOR_SERVICE, WORKER_SERVICE, Shutdown
 from fusionllm.transport.rpc import RpcClient, RpcServer
 
 from .bad_steps import Strikes
 from .collectives import RendezvousStore
-from .config import ClusterConfig, Evict, OnStep, Replan, Run, Say, WorkerLost
+from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
 from .context import RunContext
 from .dashboard import Dashboard
-from .hier_setup import GroupSetup
-from .hierarchical import Groups
 from .membership import Membership
+from .phases import Phases
 from .reach import Reachability
 from .recovery import Recovery
-from .restart import Interrupted, Stopped, Stopper, final_checkpoint, start_or_resume
+from .restart import Stopped, Stopper
 from .setup import Setup
 from .state import Checkpoints
 from .status import RunStatus
 from .steps import StepRunner
 from .task import RunTask
-from .training import SyncLoop
 from .workers import Liveness
 
 
@@ -70,6 +67,7 @@ class Coordinator:
             tls=cluster.tls,
         )
         self.port = 0
+        self.phases: Phases | None = None
 
     @property
     def status(self) -> RunStatus:
@@ -80,7 +78,6 @@ class Coordinator:
 
     async def run(self) -> TrainResult:
         ctx, c = self.ctx, self.cluster
-        run: Run | None = None
         dashboard = Dashboard(ctx.status) if c.dashboard else None
         self.stopper.main = asyncio.current_task()
         unwatch = self.stopper.watch_signals() if self.handle_signals else None
@@ -104,27 +101,8 @@ class Coordinator:
             self.membership.state = "running"
             ctx.status.state = "planning"
             await self.reach.rehome()  # workers behind NAT to the relays workers offer (reach.py)
-            if c.sync == "hierarchical":
-                return await self._train_groups()
-            run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
-            ctx.status.state = "running"
-            with JsonlWriter(self.train.metrics) as ctx.metrics:
-                ctx.metrics.write(self.setup.plan_record)
-                if resumed is not None:
-                    ctx.event(resumed)
-                self.stopper.training = True
-                loop = SyncLoop(ctx, self.runner, self.checkpoints, self.live, self.stopper.stop_if_asked, lambda: self.recovery.replans)
-                while True:
-                    try:
-                        return await loop.train(run)
-                    except WorkerLost as lost:
-                        run = await self.recovery.recover(run, lost)
-                    except Replan as again:
-                        run = await self.recovery.replan(run, again)
-                    except Evict as ev:
-                        run = await self.recovery.evict(run, ev)
-                    except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps
-                        raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
+            self.phases = Phases(ctx, self.setup, self.checkpoints, self.live, self.runner, self.recovery, self.stopper, self.began)
+            return await self.phases.train()
         except asyncio.CancelledError:
             if not self.stopper.stopping:
                 raise
@@ -137,7 +115,7 @@ class Coordinator:
             restart = bool(self.stopper.stopping)  # a finished run, or a fatal error, tells the workers to exit
             self.membership.state = "restarting" if restart else "finished"
             ctx.status.state = "finished"
-            await self._shutdown(run, restart=restart)
+            await self._shutdown(self.phases.run if self.phases is not None else None, restart=restart)
             await self.server.stop(0.5)
             await self.reach.stop_relay()
             self.rendezvous.close()
@@ -145,21 +123,6 @@ class Coordinator:
                 await dashboard.stop()
             if unwatch is not None:
                 unwatch()
-
-    async def _train_groups(self) -> TrainResult:
-        """A run of several groups, each with its own step clock (``hierarchical.py``)."""
-        ctx = self.ctx
-        group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
-        hr = await group_setup.setup_groups()
-        ctx.status.state = "running"
-        groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away)
-        try:
-            with JsonlWriter(self.train.metrics) as ctx.metrics:
-                ctx.metrics.write(self.setup.plan_record)
-                return await groups.train(hr)
-        finally:
-            for client in next(iter(hr.runs.values())).clients.values():
-                await client.close()
 
     async def _shutdown(self, run: Run | None, *, restart: bool = False) -> None:
         """Tell every member (spares too) that the run is over, or (``restart``) that this coordinator

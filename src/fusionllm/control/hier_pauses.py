@@ -132,7 +132,7 @@ class Pauses:
         waiting for the hung one until the step timeout."""
         while hr.alive:
             ref = min((g for g in hr.hier.groups if g.index in hr.alive), key=lambda g: g.inner_steps)
-            step = sum(hr.lengths[ref.index][:p])
+            step = hr.first + sum(hr.lengths[ref.index][:p])
             g = min(hr.alive)
             run = hr.runs[g]
             try:
@@ -193,7 +193,7 @@ class Pauses:
         hr.lengths[index] = list(hr.lengths[ref.index])
         hr.first_round[index] = hr.current[index] = k0
         longest = max(sum(x) for x in hr.lengths.values())
-        hr.data_base[index] = (hr.n_data + len(hr.data_base)) * longest  # past every batch another group reads
+        hr.data_base[index] = hr.data_from + (hr.n_data + len(hr.data_base)) * longest  # past every batch another group reads
         hr.alive.add(index)
         self.membership.spares -= set(workers)
         return index, source

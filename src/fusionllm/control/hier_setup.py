@@ -62,6 +62,10 @@ class HierRun:
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
     stopping: bool = False  # the run is over: the pauser ends
+    first: int = 0  # the step this grouping starts at (a regroup: where the run was), and the step it ends before
+    last: int = 0
+    data_from: int = 0  # the first batch no earlier grouping read: group g reads data_from + i * n_data + g
+    next_data: int = 0  # past every batch read so far (where the next grouping's data starts)
 
     def expected(self, r: int) -> set[int]:
         """The live groups that take part in round ``r`` (a group that joined later does not)."""
@@ -83,31 +87,40 @@ class GroupSetup:
         """Rows per inner step of every group (``--group-batch``; default ``--batch-size``)."""
         return self.cluster.group_batch or self.train.batch_size
 
-    async def setup_groups(self) -> HierRun:
-        """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's)."""
+    async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
+                           states: list[Any] | None = None, data_from: int = 0) -> HierRun:
+        """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
+
+        A regroup passes the grouping (``groups``; default ``--groups`` or the planner's), the steps
+        it trains (``first`` to ``last``), the live weights it starts from (``states``: a
+        synchronous plan's weights and AdamW state, or a grouping's outer weights and momentum), and
+        the first batch no earlier grouping read (``data_from``)."""
         t, c = self.train, self.cluster
+        last = t.steps if last is None else last
+        groups = c.groups if groups is None else groups
         batch = self.group_batch()
         if batch % c.micro_batches:
             raise ConfigError(f"--group-batch {batch} must be a multiple of --micro-batches {c.micro_batches}")
         if c.eval_every and (t.batch_size % batch):
             raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
         graph = await asyncio.to_thread(self.task.trace, batch // c.micro_batches)
-        self.ctx.clock.start_at(0)
-        found = self.checkpoints.resume(graph) if c.resume else None  # the outer weights and momentum of a hierarchical checkpoint
+        self.ctx.clock.start_at(first)
+        found = self.checkpoints.resume(graph) if c.resume and states is None else None  # the outer weights and momentum of a hierarchical checkpoint
         load = found[0] if found else None
         if found:
             self.ctx.clock.start_at(found[1])
-        states = [] if load else [await asyncio.to_thread(self.task.initial_state)]
+        if states is None:
+            states = [] if load else [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
-        if c.scheduler:
+        if c.scheduler and not groups:
             hier = await self.schedule(graph, clients)
         else:
-            unknown = sorted({w for g in c.groups or [] for w in g} - set(addresses))
+            unknown = sorted({w for g in groups or [] for w in g} - set(addresses))
             if unknown:
                 raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
-            hier = make_hier_plan(graph, c.groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
+            hier = make_hier_plan(graph, groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
                                   micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
                                   outer_momentum=c.outer_momentum, overlap=c.overlap,
                                   delay_steps=c.overlap_steps or 0)
@@ -141,7 +154,7 @@ class GroupSetup:
         if batch != t.batch_size and any(run.fed for run in runs.values()):
             raise FusionError("--group-batch needs workers that read their own data (some cannot: see above); leave it out")
         steps_per_round = max(g.inner_steps for g in hier.groups)
-        rounds = max(1, math.ceil(t.steps / steps_per_round))
+        rounds = max(1, math.ceil((last - first) / steps_per_round))
         record = {
             "event": "plan", "sync": "hierarchical", "epoch": self.ctx.clock.epoch, "rounds": rounds, "fragments": len(hier.fragments),
             "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
@@ -156,13 +169,14 @@ class GroupSetup:
         lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
         record["round_lengths"] = {str(k): v for k, v in lengths.items()}
         ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
-        start = resume_round(ref, self.ctx.clock.start_step) if load else 0
+        start = resume_round(ref, self.ctx.clock.start_step - first) if load else 0
         if load:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
         return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
                        current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
-                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start)
+                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start, first=first, last=last, data_from=data_from,
+                       next_data=data_from, steps=first)
 
     async def policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
         """Each group's own AdaTopK link policy, as a synchronous plan's."""

@@ -149,8 +149,8 @@ class Groups:
             began = time.perf_counter()
             offsets = sync_offsets(h, n_frags)
             for j in range(h):
-                lr = lr_at(min(t.steps - 1, i * t.steps // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
-                data_step = data_base + i if data_base is not None else i * hr.n_data + g
+                lr = lr_at(min(t.steps - 1, hr.first + i * (hr.last - hr.first) // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
+                data_step = data_base + i if data_base is not None else hr.data_from + i * hr.n_data + g
                 await self.inner_step(hr, g, run, i, data_step, lr, k)
                 i += 1
                 for f, off in enumerate(offsets):
@@ -164,7 +164,7 @@ class Groups:
                     await self.evaluate_outer(hr, run, eval_n, evaluate)  # the outer weights of whole rounds
                     evaluate = None
             hr.round_s[g] = time.perf_counter() - began
-            if eval_n and g == min(hr.alive) and (i // c.eval_every) > ((i - h) // c.eval_every) and k + 1 < len(lengths):
+            if eval_n and g == min(hr.alive) and ((hr.first + i) // c.eval_every) > ((hr.first + i - h) // c.eval_every) and k + 1 < len(lengths):
                 evaluate = k  # once every fragment of this round is applied
             if k + 1 in hr.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
                 await self.pauses.pause(hr, g, k + 1, pending)
@@ -184,12 +184,13 @@ class Groups:
         """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
         retry, skip, strikes and eviction included."""
         done = await self.runner.run(run, data_step, lr, group=g)
+        hr.next_data = max(hr.next_data, data_step + 1)
         hr.result.tokens += self.group_batch * self.ctx.task.items_per_row  # a skipped step's batch is spent too
         if done is None:
             return
         hr.result.losses.append(done.loss)
         record = step_record(run, done, step=hr.steps, lr=lr, tokens=hr.result.tokens, elapsed=hr.elapsed(), compress=self.ctx.cluster.compress)
-        record.update(group=g, round=k, inner_step=i, steps_total=sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive))
+        record.update(group=g, round=k, inner_step=hr.first + i, steps_total=sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive))
         hr.steps += 1
         self.ctx.step(record)
 

@@ -33,26 +33,30 @@ class SyncLoop:
         self.ctx, self.runner, self.checkpoints, self.live = ctx, runner, checkpoints, live
         self.stop_if_asked, self.replans = stop_if_asked, replans
 
-    async def train(self, run: Run) -> TrainResult:
+    async def train(self, run: Run, *, end: int | None = None, data_offset: int = 0) -> TrainResult:
+        """Steps from the clock's start to ``end`` (default ``--steps``: a regroup ends a grouping
+        earlier); step ``s`` reads batch ``s + data_offset`` (after groups, which read batches of
+        their own)."""
         ctx = self.ctx
         t, c, start = ctx.train, ctx.cluster, ctx.clock.start_step
+        end = t.steps if end is None else end
         eval_n = ctx.eval_count()
         if c.eval_every and eval_n == 0:
             raise FusionError(f"the validation split holds no whole batch of {t.batch_size} x {t.seq_len} tokens: use --eval-every 0 or more data")
         result = TrainResult(num_params=run.graph.num_params())
         started = time.perf_counter()
         step = start
-        while step < t.steps:
+        while step < end:
             self.stop_if_asked(step)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
-            done = await self.runner.run(run, step, lr)
+            done = await self.runner.run(run, step, lr, data_step=step + data_offset)
             step += 1
             if done is None:  # skipped: no worker applied it, its batch is not used again
                 continue
             result.losses.append(done.loss)
             result.tokens = (step - start) * t.batch_size * ctx.task.items_per_row
             record = step_record(run, done, step=step - 1, lr=lr, tokens=result.tokens, elapsed=time.perf_counter() - started, compress=c.compress)
-            if c.eval_every and (step % c.eval_every == 0 or step == t.steps):
+            if c.eval_every and (step % c.eval_every == 0 or step == end):
                 paused = time.perf_counter()
                 record["val_loss"] = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step))
                 result.val_losses.append((step - 1, record["val_loss"]))
@@ -61,9 +65,9 @@ class SyncLoop:
                     result.val_metrics.append((step - 1, run.val_metric))
                 started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
             ctx.step(record)
-            if c.checkpoint_every and (step % c.checkpoint_every == 0 or step == t.steps):
+            if c.checkpoint_every and (step % c.checkpoint_every == 0 or step == end):
                 await self.live.guard(run, self.checkpoints.checkpoint(run, step))
-            if step < t.steps:
+            if step < end:
                 self.check_plan(run, step)
         result.elapsed_s = time.perf_counter() - started
         return result
