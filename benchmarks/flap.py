@@ -62,7 +62,7 @@ async def _proxy_run(train: TrainConfig, outage: float, at: int) -> dict[str, An
             ending = asyncio.create_task(back())
             result = await cluster.run()
             ending.cancel()
-            recoveries = cluster.coordinator.recoveries + cluster.coordinator.replans if cluster.coordinator else -1
+            recoveries = cluster.coordinator.recovery.recoveries + cluster.coordinator.recovery.replans if cluster.coordinator else -1
         return {"train_s": result.elapsed_s, "losses": result.losses, "re_plans": recoveries, "step_s": [r["step_s"] for r in cluster.steps],
                 "repeated_calls": sum(w.repeated_calls for w in cluster.workers), "resent": sum(w.inbox.resent for w in cluster.workers)}
     finally:

@@ -170,7 +170,7 @@ def test_a_network_that_drops_mid_step_costs_seconds_not_the_run(tmp_path: Path)
     losses, cluster, net = asyncio.run(flapping())
     assert losses == reference  # the same steps, run once each, as without the outage
     assert [r["step"] for r in cluster.steps] == list(range(train.steps))
-    assert cluster.coordinator is not None and cluster.coordinator.recoveries == 0 and cluster.coordinator.replans == 0
+    assert cluster.coordinator is not None and cluster.coordinator.recovery.recoveries == 0 and cluster.coordinator.recovery.replans == 0
     assert all(link.cuts == 2 for link in net.links)
     assert sorted(p.name for p in (tmp_path / "flap").iterdir()) == sorted(p.name for p in (tmp_path / "ref").iterdir())
     assert cluster.workers[1].inbox.resent >= 1  # the tensor whose ack was lost came again and was dropped

@@ -254,7 +254,7 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                 await until("steps on the new plan", lambda: len(c.steps) >= steps + 3, run)
                 addresses = {m.address for m in coordinator.membership.members.values()}
                 assert dropped.address in addresses and len(addresses) == 2
-                assert {w["address"] for w in coordinator.plan_record["workers"].values() if w["in_plan"]} == addresses
+                assert {w["address"] for w in coordinator.setup.plan_record["workers"].values() if w["in_plan"]} == addresses
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)

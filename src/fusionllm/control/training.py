@@ -51,7 +51,8 @@ class SyncLoop:
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
             done = await self.runner.run(run, step, lr, data_step=step + data_offset)
             step += 1
-            if done is None:  # skipped: no worker applied it, its batch is not used again
+            if done is None:  # skipped: no worker applied it, its batch is not used again (a checkpoint due here is still written)
+                await self.checkpoint_if_due(run, step, end)
                 continue
             result.losses.append(done.loss)
             result.tokens = (step - start) * t.batch_size * ctx.task.items_per_row
@@ -65,12 +66,16 @@ class SyncLoop:
                     result.val_metrics.append((step - 1, run.val_metric))
                 started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
             ctx.step(record)
-            if c.checkpoint_every and (step % c.checkpoint_every == 0 or step == end):
-                await self.live.guard(run, self.checkpoints.checkpoint(run, step))
+            await self.checkpoint_if_due(run, step, end)
             if step < end:
                 self.check_plan(run, step)
         result.elapsed_s = time.perf_counter() - started
         return result
+
+    async def checkpoint_if_due(self, run: Run, done: int, end: int) -> None:
+        every = self.ctx.cluster.checkpoint_every
+        if every and (done % every == 0 or done == end):
+            await self.live.guard(run, self.checkpoints.checkpoint(run, done))
 
     def check_plan(self, run: Run, done: int) -> None:
         """Raise Replan when the last 8 steps took far longer than the plan's prediction."""

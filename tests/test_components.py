@@ -1,0 +1,190 @@
+"""The coordinator's components, each built with fakes: no processes, no sockets.
+
+Why these checks can fail: a component that reaches into another's attributes (it needs more than
+its constructor's arguments, and building it with fakes fails), a step runner that applies a bad
+step or retries a skipped one, a step loop that evaluates, checkpoints or re-plans at the wrong
+steps, a regroup schedule that drops or misorders groupings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fusionllm.control.bad_steps import Strikes
+from fusionllm.control.config import Evict, Replan
+from fusionllm.control.context import RunContext, StepClock
+from fusionllm.control.phases import Grouping, groupings
+from fusionllm.control.restart import Interrupted, Stopper
+from fusionllm.control.status import RunStatus
+from fusionllm.control.steps import StepRunner
+from fusionllm.control.training import SyncLoop
+from fusionllm.core.config import TrainConfig
+from fusionllm.transport.control import BadTensor, StepDone
+
+
+def _reply(loss: float | None = 1.0, *, bad: bool = False) -> StepDone:
+    if bad:
+        return StepDone(skipped=True, bad=[BadTensor(1, 0, "act", "n3.0", 0, "non-finite")])
+    return StepDone(losses={"0": loss, "1": loss})
+
+
+class FakeLiveness:
+    """Answers each Step from a script: one list of replies per attempt, in order."""
+
+    def __init__(self, script: list[dict[int, StepDone]]) -> None:
+        self.script, self.steps = list(script), []
+
+    async def call_step(self, run: Any, w: int, msg: Any) -> Any:
+        self.steps.append((w, msg.step, msg.attempt))
+        return None
+
+    async def calls(self, run: Any, calls: dict[int, Any]) -> dict[int, StepDone]:
+        for call in calls.values():
+            await call
+        return self.script.pop(0)
+
+    async def raise_if_lost(self, run: Any, why: str) -> None:
+        raise AssertionError(f"no worker is lost here ({why})")
+
+    async def guard(self, run: Any, work: Any) -> Any:
+        return await work
+
+
+def _run() -> Any:
+    plan = SimpleNamespace(workers=[0, 1], micro_batches=2, meta={}, stages=[])
+    return SimpleNamespace(plan=plan, fed=set(), policy=None, actions={}, bytes_before={}, links={}, recent=deque(maxlen=8),
+                           observed=False, graph=SimpleNamespace(num_params=lambda: 10), val_metric=None)
+
+
+def _strikes(events: list[dict], evict_after: int = 3) -> Strikes:
+    membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
+    return Strikes(SimpleNamespace(guard="retry", evict_after=evict_after), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+
+
+def test_the_step_runner_retries_a_bad_step_once_and_returns_the_good_attempt() -> None:
+    events: list[dict] = []
+    live = FakeLiveness([{0: _reply(bad=True), 1: _reply(bad=True)}, {0: _reply(2.0), 1: StepDone()}])
+    runner = StepRunner(SimpleNamespace(), live, _strikes(events))  # type: ignore[arg-type]
+    done = asyncio.run(runner.run(_run(), 7, 0.1))
+    assert done is not None and done.loss == 2.0
+    assert [a for _, _, a in live.steps] == [0, 0, 1, 1]  # both workers, attempt 0 then 1
+    assert [(e["step"], e["action"]) for e in events] == [(7, "retry")]
+
+
+def test_the_step_runner_skips_a_step_bad_twice_and_evicts_at_the_third_strike() -> None:
+    events: list[dict] = []
+    bad = {0: _reply(bad=True), 1: _reply(bad=True)}
+    runner = StepRunner(SimpleNamespace(), FakeLiveness([bad, bad, bad]), _strikes(events))  # type: ignore[arg-type]
+    assert asyncio.run(runner.run(_run(), 3, 0.1, data_step=9, group=2)) is None
+    with pytest.raises(Evict) as ev:
+        asyncio.run(runner.run(_run(), 4, 0.1, group=2))
+    assert ev.value.workers == {1} and ev.value.next_step == 4
+    assert [(e["step"], e["action"], e["group"]) for e in events] == [(3, "retry", 2), (3, "skip", 2), (4, "evict", 2)]
+
+
+class FakeRunner:
+    """A step runner whose steps are all applied (or skipped where told), with their loss."""
+
+    def __init__(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.skip, self.ran = skip, []
+
+    async def run(self, run: Any, step: int, lr: float, *, data_step: int | None = None, group: int | None = None) -> Any:
+        from fusionllm.control.steps import StepDoneAll
+
+        self.ran.append((step, data_step))
+        return None if step in self.skip else StepDoneAll({0: StepDone(seconds=1.0)}, 1.0 / (step + 1))
+
+
+class FakeCheckpoints:
+    def __init__(self) -> None:
+        self.evaluated: list[int] = []
+        self.written: list[int] = []
+
+    async def evaluate(self, run: Any, batches: int, at_step: int, *, outer: bool = False) -> float:
+        self.evaluated.append(at_step)
+        return 0.5
+
+    async def checkpoint(self, run: Any, done: int, **_: Any) -> None:
+        self.written.append(done)
+
+
+def _ctx(records: list[dict], **cluster: Any) -> RunContext:
+    c = SimpleNamespace(eval_every=0, eval_batches=1, checkpoint_every=0, scheduler=None, replan_factor=2.0, max_replans=2, compress="none")
+    c.__dict__.update(cluster)
+    task = SimpleNamespace(items_per_row=4, metric_name="accuracy", eval_count=lambda n: n)
+    return RunContext(TrainConfig(steps=10, warmup=0), c, task, SimpleNamespace(), RunStatus("m", 10), say=lambda _: None,  # type: ignore[arg-type]
+                      on_step=records.append)
+
+
+def test_the_step_loop_evaluates_checkpoints_and_skips_at_their_steps_and_stops_at_a_regroup() -> None:
+    records: list[dict] = []
+    ctx = _ctx(records, eval_every=4, checkpoint_every=3)
+    ctx.clock.start_at(2)
+    runner, checkpoints = FakeRunner(skip={5}), FakeCheckpoints()
+    loop = SyncLoop(ctx, runner, checkpoints, FakeLiveness([]), lambda _: None, lambda: 0)  # type: ignore[arg-type]
+    result = asyncio.run(loop.train(_run(), end=9, data_offset=100))
+    assert [s for s, _ in runner.ran] == [2, 3, 4, 5, 6, 7, 8] and all(d == s + 100 for s, d in runner.ran)
+    assert [r["step"] for r in records] == [2, 3, 4, 6, 7, 8]  # step 5 skipped: no record
+    assert checkpoints.evaluated == [4, 8, 9] and [r["step"] for r in records if "val_loss" in r] == [3, 7, 8]
+    assert checkpoints.written == [3, 6, 9]
+    assert result.tokens == 7 * ctx.train.batch_size * 4
+
+
+def test_the_step_loop_asks_for_a_replan_when_steps_take_far_longer_than_predicted() -> None:
+    ctx = _ctx([], scheduler="opfence")
+    run = _run()
+    run.plan.meta["predicted_step_s"] = 0.3  # the fake steps take 1 s
+    loop = SyncLoop(ctx, FakeRunner(), FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 0)  # type: ignore[arg-type]
+    with pytest.raises(Replan) as again:
+        asyncio.run(loop.train(run))
+    assert again.value.next_step == 8  # after the 8 steps the median needs
+    loop_done = SyncLoop(ctx, FakeRunner(), FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 2)  # type: ignore[arg-type]
+    asyncio.run(loop_done.train(_run_with(0.3)))  # --max-replans reached: no more
+
+
+def _run_with(predicted: float) -> Any:
+    run = _run()
+    run.plan.meta["predicted_step_s"] = predicted
+    return run
+
+
+def test_a_stop_asked_between_two_steps_interrupts_the_loop_and_a_second_one_cancels_at_once() -> None:
+    said: list[str] = []
+    cancelled: list[bool] = []
+
+    async def main() -> None:
+        stopper = Stopper(SimpleNamespace(checkpoint_dir=None, stop_timeout=60.0), said.append)  # type: ignore[arg-type]
+        stopper.main = SimpleNamespace(done=lambda: False, cancel=lambda: cancelled.append(True))  # type: ignore[assignment]
+        stopper.training = True
+        stopper.stop_if_asked(3)  # nothing asked yet
+        stopper.request_stop()
+        with pytest.raises(Interrupted) as stop:
+            stopper.stop_if_asked(4)
+        assert stop.value.done == 4 and not cancelled
+        stopper.request_stop()  # again: at once
+        assert cancelled == [True]
+        stopper.end()
+
+    asyncio.run(main())
+    assert "stopping after the step in flight" in said[0] and "stopping now" in said[1]
+
+
+def test_the_clock_is_the_one_owner_of_the_epoch_and_the_start_step() -> None:
+    clock = StepClock()
+    assert clock.new_epoch() == 1 and clock.new_epoch() == 2
+    clock.follow(7)
+    clock.follow(3)  # an older incarnation's epoch never takes it back
+    clock.start_at(40)
+    assert (clock.epoch, clock.start_step) == (7, 40)
+
+
+def test_groupings_follow_sync_groups_and_regroups_in_order() -> None:
+    assert groupings("synchronous", None, None, 10) == [Grouping(0, 10, None)]
+    assert groupings("hierarchical", [[0], [1]], [(4, [[0, 1]]), (8, [[1], [0]]), (12, [[0], [1]])], 10) == [
+        Grouping(0, 4, [[0], [1]]), Grouping(4, 8, None), Grouping(8, 10, [[1], [0]])]  # a regroup past the end is dropped
+    assert groupings("hierarchical", None, None, 5) == [Grouping(0, 5, [])]  # the planner's groups
