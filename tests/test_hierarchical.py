@@ -529,3 +529,29 @@ def test_a_run_of_three_groups_until_step_k_and_one_group_after_trains_on_from_t
     assert [r["step"] for r in after] == [4, 5, 6, 7]
     assert [e["at_step"] for e in events if e["event"] == "regroup"] == [4]
     assert after[0]["loss"] < plain[0]["loss"] - 0.05  # the outer weights, not the initial ones
+
+
+def test_a_group_far_slower_than_its_plan_makes_every_group_end_the_round_and_the_run_is_planned_again(tmp_path) -> None:
+    """Why it can fail: a hierarchical run that never compares its steps with the plan (the
+    synchronous run re-plans on a slowed link, a group never did), a re-plan that loses the steps
+    or the weights (the losses after it jump back to the untrained model's), or one that does not
+    end (every group must stop at the same round boundary). ``--replan-factor`` is tiny, so any
+    measured step is "far slower" than predicted: the first check asks for the re-plan."""
+    metrics = tmp_path / "m.jsonl"
+    train = TrainConfig(model="gpt-nano", steps=24, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
+    cluster = cluster_config(3, sync="hierarchical", scheduler="opfence", inner_steps=2, fragments=1, micro_batches=2,
+                             replan_factor=1e-6, max_replans=1)
+    result, _ = run_in_process(train, cluster)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (replan,) = [r for r in records if r.get("event") == "replan"]
+    assert replan["sync"] == "hierarchical" and 8 <= replan["at_step"] < 24
+    plans = [r for r in records if r.get("event") == "plan"]
+    assert len(plans) == 2  # the first plan and the one made again
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    first = min(r["loss"] for r in steps if r["inner_step"] == 0)
+    after = records[records.index(plans[1]) + 1:]
+    after = [r for r in after if "loss" in r and "event" not in r]
+    assert len(after) == sum(sum(x) for x in plans[1]["round_lengths"].values())  # every round of the new plan ran
+    assert min(r["inner_step"] for r in after) == replan["at_step"]  # the schedule goes on where the groups ended
+    assert max(r["loss"] for r in after if r["inner_step"] == replan["at_step"]) < first - 0.05  # from the outer weights
+    assert np.isfinite(result.losses).all()

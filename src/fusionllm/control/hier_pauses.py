@@ -75,7 +75,7 @@ class Pauses:
             async with hr.changed:
                 await wait_notified(hr.changed, POLL_S)
             spares = sorted(self.membership.spares - ignored)
-            if spares and hr.alive and hr.join_at is None:
+            if spares and hr.alive and hr.join_at is None and hr.end_at is None:  # (a re-plan takes the spares in)
                 k0 = max(hr.current[g] for g in hr.alive) + 1
                 if k0 >= hr.rounds:
                     self.say(f"worker(s) {spares} joined, but no outer round is left to join: they stay idle")

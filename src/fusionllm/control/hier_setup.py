@@ -66,6 +66,15 @@ class HierRun:
     last: int = 0
     data_from: int = 0  # the first batch no earlier grouping read: group g reads data_from + i * n_data + g
     next_data: int = 0  # past every batch read so far (where the next grouping's data starts)
+    end_at: int | None = None  # a re-plan was asked: every group ends its rounds before this one
+    replan_why: str = ""
+
+    def reached(self) -> int:
+        """The run's step where every group ended (``end_at``): counted in the slowest group, on the
+        run's schedule (``first`` to ``last``)."""
+        ref = min(self.lengths.values(), key=sum)
+        done = sum(ref[: self.end_at]) if self.end_at is not None else sum(ref)
+        return self.first + done * (self.last - self.first) // max(1, sum(ref))
 
     def expected(self, r: int) -> set[int]:
         """The live groups that take part in round ``r`` (a group that joined later does not)."""

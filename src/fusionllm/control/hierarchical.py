@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 
@@ -40,9 +41,11 @@ class Groups:
     """The rounds of every group of a hierarchical run, their outer syncs and evaluations."""
 
     def __init__(self, ctx: RunContext, group_setup: GroupSetup, checkpoints: Checkpoints, live: Liveness, runner: StepRunner,
-                 send_away: Callable[[Run, set[int]], Awaitable[dict[int, str]]]) -> None:
-        """``send_away``: tells evicted workers to leave (``Recovery.send_away``)."""
+                 send_away: Callable[[Run, set[int]], Awaitable[dict[int, str]]], replans: Callable[[], int] = lambda: 0) -> None:
+        """``send_away``: tells evicted workers to leave (``Recovery.send_away``); ``replans()``: the
+        run's re-plans so far (``--max-replans``)."""
         self.ctx, self.checkpoints, self.live, self.runner, self.send_away = ctx, checkpoints, live, runner, send_away
+        self.replans = replans
         self.group_batch = group_setup.group_batch()
         self.pauses = Pauses(ctx, group_setup, checkpoints, live, self)
 
@@ -68,7 +71,7 @@ class Groups:
             raise FusionError("every group left the run (see the messages above)")
         hr.result.elapsed_s = hr.elapsed()
         if self.ctx.cluster.checkpoint_every and hr.current:  # the end: every average applied, the same outer weights everywhere
-            await self.pauses.checkpoint(hr, hr.rounds)
+            await self.pauses.checkpoint(hr, hr.end_at if hr.end_at is not None else hr.rounds)
         self.ctx.metrics.write({"event": "outer_bytes", "bytes": hr.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
@@ -143,7 +146,10 @@ class Groups:
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
         evaluate: int | None = None  # a round whose outer weights are evaluated once all its fragments are applied
         i = sum(lengths[:start])  # a group that joined takes the schedule (learning rate) where the others are
+        rounds_done = start
         for k in range(start, len(lengths)):
+            if hr.end_at is not None and k >= hr.end_at:  # a re-plan: every group ends here (phases.py plans again)
+                break
             h = lengths[k]
             hr.current[g] = k
             began = time.perf_counter()
@@ -171,10 +177,13 @@ class Groups:
                 if evaluate is not None:
                     await self.evaluate_outer(hr, run, eval_n, evaluate)
                     evaluate = None
-        last = sync_offsets(lengths[-1], n_frags)
-        end = len(lengths)
+            rounds_done = k + 1
+        if rounds_done == start:  # joined at the round where the run ends: nothing to send
+            return
+        last = sync_offsets(lengths[rounds_done - 1], n_frags)
+        end = rounds_done
         for f, off in enumerate(last):  # the end: what the last round left unsent goes out, every average is applied
-            tail = (lengths[-1] - off) * tokens_per_step
+            tail = (lengths[rounds_done - 1] - off) * tokens_per_step
             rounds = sorted(r for _, pf, r in pending if pf == f) + ([end] if tail else [])
             await self.outer_sync(hr, g, f, end, tail, rounds, send=tail > 0, announce=True)
         if eval_n and g == min(hr.alive):
@@ -193,6 +202,23 @@ class Groups:
         record.update(group=g, round=k, inner_step=hr.first + i, steps_total=sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive))
         hr.steps += 1
         self.ctx.step(record)
+        self.check_plan(hr, g, run)
+
+    def check_plan(self, hr: HierRun, g: int, run: Run) -> None:
+        """A group whose last 8 steps took far longer than its plan predicted (a link slowed down):
+        every group ends at the next round boundary and the run is planned again (``phases.py``),
+        as a synchronous run re-plans."""
+        c = self.ctx.cluster
+        predicted = run.plan.meta.get("predicted_step_s")
+        if hr.end_at is not None or not (c.scheduler and c.replan_factor > 0 and predicted and len(run.recent) == run.recent.maxlen):
+            return
+        if self.replans() >= c.max_replans:
+            return
+        median = statistics.median(run.recent)
+        if median > c.replan_factor * predicted:
+            hr.end_at = max(hr.current[x] for x in hr.alive) + 1  # no group has started it yet
+            hr.replan_why = f"group {g}'s steps take {median:.2f} s, its plan predicted {predicted:.2f} s"
+            self.ctx.say(f"re-planning at outer round {hr.end_at}: {hr.replan_why}")
 
     async def outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,
                           send: bool = True, announce: bool | None = None) -> None:

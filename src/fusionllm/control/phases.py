@@ -32,7 +32,7 @@ from .recovery import Recovery
 from .restart import Interrupted, Stopper, final_checkpoint, start_or_resume
 from .setup import Setup
 from .state import Checkpoints
-from .steps import StepRunner
+from .steps import StepRunner, measured_links
 from .training import SyncLoop
 from .workers import Liveness
 
@@ -45,6 +45,7 @@ class Grouping:
     first: int
     last: int
     groups: list[list[int]] | None
+    replanned: bool = False  # the rest of a grouping a re-plan ended early (not a regroup)
 
     def describe(self) -> str:
         if self.groups is None:
@@ -80,19 +81,25 @@ class Phases:
         states: list[Any] | None = None
         data_from = 0
         with JsonlWriter(ctx.train.metrics) as ctx.metrics:
-            for k, grouping in enumerate(plan):
+            k = 0
+            while k < len(plan):
+                grouping = plan[k]
                 final = k + 1 == len(plan)
-                if k:
+                regroup = k > 0 and not grouping.replanned
+                if regroup:
                     began = time.perf_counter()
                     ctx.say(f"regrouping at step {grouping.first}: {plan[k - 1].describe()} -> {grouping.describe()}")
                 if grouping.groups is None:
                     part, states, data_from = await self.one(grouping, states, data_from, final=final)
                 else:
-                    part, states, data_from = await self.several(grouping, states, data_from, final=final)
-                if k:
+                    part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
+                    if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
+                        plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
+                if regroup:
                     ctx.event({"event": "regroup", "at_step": grouping.first, "from": plan[k - 1].describe(), "to": grouping.describe(),
                                "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3)})
                 merge(result, part)
+                k += 1
         return result
 
     async def one(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
@@ -130,17 +137,27 @@ class Phases:
         self.run = None
         return part, states, grouping.last + offset
 
-    async def several(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
-        """A grouping of several groups, each with its own step clock (``hierarchical.py``)."""
+    async def several(self, grouping: Grouping, states: list[Any] | None, data_from: int, *,
+                      final: bool) -> tuple[TrainResult, list[Any] | None, int, Grouping | None]:
+        """A grouping of several groups, each with its own step clock (``hierarchical.py``). A group
+        far slower than its plan ends every group at the next round boundary: the rest of the
+        grouping is returned (the planner's groups, from the step reached) to be planned again."""
         ctx = self.ctx
         group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
         hr = await group_setup.setup_groups(groups=grouping.groups or None, first=grouping.first, last=grouping.last, states=states,
                                             data_from=data_from)
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
-        groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away)
+        groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans)
+        again = None
         try:
             part = await groups.train(hr)
+            if hr.end_at is not None and hr.reached() < grouping.last:
+                again = Grouping(hr.reached(), grouping.last, [], replanned=True)
+                self.recovery.replans += 1
+                self.setup.measured = {link: bps for run in hr.runs.values() for link, bps in measured_links(run).items()}
+                ctx.event({"event": "replan", "why": hr.replan_why, "at_step": again.first, "round": hr.end_at, "sync": "hierarchical"})
+                final = False
             if not final:  # every average applied: each group holds the same outer weights and momentum
                 run = hr.runs[min(hr.alive)]
                 states = [await self.live.guard(run, self.checkpoints.read_state(run, s.workers[0], outer=True)) for s in run.plan.stages]
@@ -149,7 +166,7 @@ class Phases:
                 await client.close()
         if not final:
             ctx.clock.new_epoch()
-        return part, None if final else states, hr.next_data
+        return part, None if final else states, hr.next_data, again
 
 
 def merge(total: TrainResult, part: TrainResult) -> None:
