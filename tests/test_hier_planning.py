@@ -11,16 +11,11 @@ import pytest
 from fusionllm.cluster.hardware import Device, Hardware
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml
 from fusionllm.cluster.spec import load_cluster, parse_cluster
-from fusionllm.control.hierarchy_planning import (
-    MIN_INNER_STEPS,
-    choose_hier_plan,
-    choose_inner_steps,
-    describe_hier,
-    sync_report,
-)
-from fusionllm.control.planning import choose_plan
 from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.models.spec import build_model
+from fusionllm.planning.choose import choose_plan
+from fusionllm.planning.describe import describe_hier, sync_report
+from fusionllm.planning.hierarchy import MIN_INNER_STEPS, choose_hier_plan, choose_inner_steps
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan

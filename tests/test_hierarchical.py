@@ -11,7 +11,7 @@ import torch
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
-from fusionllm.harness import InProcessCluster, cluster_config, run_in_process
+from fusionllm.launch.inprocess import InProcessCluster, cluster_config, run_in_process
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.outer import OuterState, nesterov_step

@@ -166,7 +166,7 @@ class HierarchicalMixin:
                        pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start)
 
     async def _group_policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
-        from fusionllm.control.adatopk import adatopk_policy
+        from fusionllm.planning.adatopk import adatopk_policy
         from fusionllm.schedule.plan import Request
 
         cost = await self._cost(graph, clients)
@@ -177,7 +177,7 @@ class HierarchicalMixin:
             self.say(f"  group {g.index} adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
 
     async def _schedule_hier(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
-        from fusionllm.control.hierarchy_planning import choose_hier_plan
+        from fusionllm.planning.hierarchy import choose_hier_plan
         from fusionllm.schedule.plan import Request
 
         c = self.cluster

@@ -65,7 +65,7 @@ class SetupMixin:
         programs = await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         if codec.kind == "adatopk":
-            from fusionllm.control.adatopk import adatopk_policy
+            from fusionllm.planning.adatopk import adatopk_policy
             self.policy, _ = adatopk_policy(plan, cost, Request(t.batch_size, self.task.items_per_row, plan.micro_batches))
             slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in self.policy.ratios().items() if r < 1}
             self.say(f"adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
@@ -153,7 +153,7 @@ class SetupMixin:
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
         # a cluster file's rates judge the links, not host names (the testbed's namespaces share one host name)
         if hw is None and c.hardware and all(m.origin >= 0 for m in members):
-            from fusionllm.control.planning import hardware_from_file
+            from fusionllm.planning.choose import hardware_from_file
 
             hw = await asyncio.to_thread(lambda: hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members]))
         ratios = self.policy.ratios() if self.policy is not None else None
@@ -171,11 +171,8 @@ class SetupMixin:
                 for world in worlds for w in world.workers}
 
     async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
-        from fusionllm.control.planning import (
-            hardware_from_file,
-            probe_hardware,
-            with_measured_links,
-        )
+        from fusionllm.control.probe import probe_hardware
+        from fusionllm.planning.choose import hardware_from_file, with_measured_links
 
         c = self.cluster
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
@@ -192,7 +189,7 @@ class SetupMixin:
         return CostModel(graph, await asyncio.to_thread(self.task.estimate, graph), hw, recompute=self.train.recompute)
 
     async def _schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
-        from fusionllm.control.planning import choose_plan
+        from fusionllm.planning.choose import choose_plan
         from fusionllm.schedule.plan import Request
 
         t, c = self.train, self.cluster

@@ -7,7 +7,7 @@ parameters, and every holder of a parameter applies the same outer optimiser ste
 token-weighted average, so all groups keep one set of outer weights.
 
 This module is the plan's data and its pure rules (fragments, when a fragment syncs, who sends what
-to whom); the planner that chooses groups is ``control/hierarchy_planning.py``, the round simulator
+to whom); the planner that chooses groups is ``planning/hierarchy.py``, the round simulator
 ``sim/rounds.py``, the exchange itself ``runtime/outer.py``.
 """
 
