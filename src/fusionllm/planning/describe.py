@@ -25,7 +25,7 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
     stages = []
     memory = worker_memory(plan, programs(graph, plan), cost, req)
     for s in plan.stages:
-        names = {p for n in s.nodes for p in graph.node(n).params.values()}
+        names = plan.stage_params(graph, s.index)
         stages.append({
             "stage": s.index, "workers": s.workers, "ops": len(s.nodes),
             "first_op": graph.node(s.nodes[0]).name, "last_op": graph.node(s.nodes[-1]).name,

@@ -174,8 +174,7 @@ def holders(graph: OpGraph, plan: Plan) -> dict[str, list[int]]:
     """Which workers of a group hold each parameter (a tied weight: several stages)."""
     out: dict[str, list[int]] = {}
     for s in plan.stages:
-        names = {p for nid in s.nodes for p in graph.node(nid).params.values()}
-        for n in names:
+        for n in plan.stage_params(graph, s.index):
             out.setdefault(n, []).extend(s.workers)
     return {n: sorted(ws) for n, ws in out.items()}
 
