@@ -138,7 +138,6 @@ def train(
     max_recoveries: MaxRecoveriesOpt = 3,
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
-    compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
     inner_steps: InnerStepsOpt = None,
@@ -184,7 +183,7 @@ def train(
             stop_timeout=stop_timeout, scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
             eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
             guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries,
-            dashboard=dashboard, compress_roles=compress_roles, collectives=collectives,
+            dashboard=dashboard, collectives=collectives,
             **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch),
         ))
         run_dir.mkdir(parents=True, exist_ok=True)

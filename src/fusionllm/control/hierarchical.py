@@ -154,7 +154,7 @@ class HierarchicalMixin:
         }
         self.status.event(self.plan_record)
         base = min(g.inner_steps for g in hier.groups)
-        lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
+        lengths = {g.index: round_lengths(g.inner_steps, base, rounds) for g in hier.groups}
         self.plan_record["round_lengths"] = {str(k): v for k, v in lengths.items()}
         ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
         start = resume_round(ref, self.start_step) if load else 0

@@ -89,7 +89,7 @@ class SetupMixin:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
-                      compress_roles=c.compress_roles, seed=t.seed, precision=t.precision,
+                      seed=t.seed, precision=t.precision,
                       recompute=t.recompute, guard=c.guard, guard_factor=c.guard_factor)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -157,7 +157,7 @@ class SetupMixin:
 
             hw = await asyncio.to_thread(lambda: hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members]))
         ratios = self.policy.ratios() if self.policy is not None else None
-        return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress, roles=c.compress_roles,
+        return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress,
                                        ratios=ratios, bps=hw.bps if hw is not None else None, hosts=not c.hardware)
 
     def _collectives(self, worlds: list[World]) -> dict[int, Collective]:
