@@ -317,7 +317,7 @@ def test_a_delayed_apply_keeps_the_steps_made_since_the_send() -> None:
 
 
 def test_groups_by_hand_parse_or_fail_with_one_line() -> None:
-    from fusionllm.cli.options import parse_groups
+    from fusionllm.launch.config import parse_groups
 
     assert parse_groups("0,1/2/3") == [[0, 1], [2], [3]]
     assert parse_groups(None) is None

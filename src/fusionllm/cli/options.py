@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from fusionllm.core.errors import ConfigError
-
 ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl; resnet18 .. resnet152 with --task vision) or package.module:factory.")]
 TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the default), vision (ResNets on images) or package.module:factory returning a fusionllm.Task.")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="bytes (the default), a tokenizer.json, or a directory holding one (fusionllm tokenizer train makes one). Default with --init-from: the checkpoint's own.")]
@@ -67,31 +65,3 @@ BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hiera
 SYNC_MODES = ("synchronous", "hierarchical")
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
 DEFAULT_OUTER_MOMENTUM = 0.0
-
-
-def parse_groups(text: str | None) -> list[list[int]] | None:
-    """``0,1/2/3`` -> [[0, 1], [2], [3]]."""
-    if not text:
-        return None
-    try:
-        return [[int(w) for w in part.split(",")] for part in text.split("/")]
-    except ValueError:
-        raise ConfigError(f"--groups {text!r}: worker ids with ',' inside a group and '/' between groups, e.g. 0,1/2/3") from None
-
-
-def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragments: int | None, outer_codec: str | None,
-                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool, group_batch: int | None = None) -> dict:
-    """The ClusterConfig fields of the hierarchical options (checked there)."""
-    return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
-            "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking,
-            "group_batch": group_batch}
-
-
-def task_model(task: str, model: str) -> str:
-    """``--model`` for ``--task``: the vision task's default model is resnet18 (not the LM default)."""
-    return "resnet18" if task == "vision" and model == "gpt-micro" else model
-
-
-def wire_codec(compress: str, precision: str) -> str:
-    """``--precision bf16`` sends activations and gradients as bf16 unless ``--compress`` names a codec."""
-    return "bf16" if precision == "bf16" and compress == "none" else compress

@@ -29,7 +29,6 @@ from fusionllm.cli.options import (
     SeqOpt,
     SyncOpt,
     TaskOpt,
-    task_model,
 )
 
 
@@ -87,6 +86,7 @@ def plan_cmd(
     import json
 
     from fusionllm.control.collectives import carried_links, check_mode, planned_worlds
+    from fusionllm.launch.config import task_model
     from fusionllm.launch.offline import offline, offline_hier, task_request
     from fusionllm.planning.describe import describe, describe_hier, sync_report
 
@@ -154,6 +154,7 @@ def simulate(
     fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""
     import json
 
+    from fusionllm.launch.config import task_model
     from fusionllm.launch.offline import offline, offline_hier, task_request
     from fusionllm.planning.adatopk import compression_aware, with_compression
     from fusionllm.sim.gantt import plot_gantt
