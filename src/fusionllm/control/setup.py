@@ -75,10 +75,10 @@ class SetupMixin:
         if carried:  # the simulator prices them as gloo's (sim.simulator.with_carried); the plan metrics record lists them
             plan.meta["carried"] = [list(p) for p in carried]
             if cost is not None and "predicted_step_s" in plan.meta:
-                from fusionllm.sim.simulator import simulate
+                from fusionllm.planning.predict import predict
 
                 req = Request(t.batch_size, self.task.items_per_row, plan.micro_batches, plan.schedule)
-                plan.meta["predicted_step_s"] = (await asyncio.to_thread(simulate, plan, cost, req)).step_time_s
+                plan.meta["predicted_step_s"] = await asyncio.to_thread(predict, plan, cost, req)
         self._print_plan(run, addresses)
         await self._assign(run, addresses, states, load, codec)
         self.plan_record = self._plan_event(run, addresses, cost)
