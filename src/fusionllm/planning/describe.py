@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from fusionllm.cost.model import CostModel
-from fusionllm.schedule.fences import find_fences
+from fusionllm.planning.fences import find_fences
 from fusionllm.schedule.hierarchy import HierPlan
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, routes
 from fusionllm.schedule.validate import programs, worker_memory

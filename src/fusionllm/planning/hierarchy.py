@@ -44,8 +44,8 @@ from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.choose import choose_plan
+from fusionllm.planning.fences import fence_link, find_fences
 from fusionllm.planning.schedulers import device_speed
-from fusionllm.schedule.fences import fence_link, find_fences
 from fusionllm.schedule.hierarchy import GroupPlan, HierPlan, param_fragments, remap
 from fusionllm.schedule.plan import Plan, Request
 from fusionllm.sim.rounds import (

@@ -21,7 +21,7 @@ from fusionllm.cluster.hardware import Device
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.fences import find_fences, order_fences
+from fusionllm.planning.fences import find_fences, order_fences
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
