@@ -145,7 +145,7 @@ class Run:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A run, built once by the CLI: what to train and how. ``train`` starts a local cluster by writing
+    """A run, built once (``launch/config.py``): what to train and how. ``train`` starts a local cluster by writing
     it to the run directory (``run.json``, no token in it) for ``fusionllm coordinator --config``;
     the workers get their part of it in typed messages (``Hyper``, ``DataSpec``)."""
 
