@@ -52,7 +52,7 @@ from common import write  # noqa: E402
 
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
 from fusionllm.control.local_cluster import run_local_cluster  # noqa: E402
-from fusionllm.planner import offline  # noqa: E402
+from fusionllm.launch.offline import offline  # noqa: E402
 from fusionllm.schedule.plan import Request  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402
 from fusionllm.testbed.testbed import Testbed  # noqa: E402

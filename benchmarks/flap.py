@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
-from fusionllm.harness import InProcessCluster, cluster_config  # noqa: E402
+from fusionllm.launch.inprocess import InProcessCluster, cluster_config  # noqa: E402
 from fusionllm.testbed.flaky import FlakyNet  # noqa: E402
 from fusionllm.testbed.testbed import STATE  # noqa: E402
 

@@ -7,7 +7,7 @@ over G groups computes), and **hierarchical** training of ``G`` groups of one wo
 ``B`` per inner step on its own data shard, ``S`` inner steps in rounds of ``H`` with the runtime's
 outer sync (pseudo-gradients in fragments through the codec with error feedback, applied
 ``--overlap-steps`` steps after sending, token-weighted average, outer Nesterov SGD). The runs use
-the in-process cluster (``fusionllm.harness``): real workers, real sockets, one process, so only
+the in-process cluster (``fusionllm.launch.inprocess``): real workers, real sockets, one process, so only
 losses mean anything here, not times. Extra rows vary one setting at a time (the codec, the delay,
 the outer optimiser) on the first model and seed.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
-from fusionllm.harness import cluster_config, run_in_process  # noqa: E402
+from fusionllm.launch.inprocess import cluster_config, run_in_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

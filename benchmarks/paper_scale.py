@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
-from fusionllm.control.hierarchy_planning import choose_hier_plan  # noqa: E402
-from fusionllm.planner import offline  # noqa: E402
+from fusionllm.launch.offline import offline  # noqa: E402
+from fusionllm.planning.hierarchy import choose_hier_plan  # noqa: E402
+from fusionllm.planning.schedulers import SCHEDULERS, make_schedule  # noqa: E402
 from fusionllm.schedule.plan import Request  # noqa: E402
-from fusionllm.schedule.schedulers import SCHEDULERS, make_schedule  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402
 from fusionllm.sim.utilization import sync_utilization  # noqa: E402
 
@@ -98,7 +98,7 @@ def main() -> int:
     table += [
         "", "Utilization: the fraction of the cluster's aggregate compute doing training work (forward, backward and "
         "optimizer seconds over wall seconds, weighted by device speed, idle devices 0; sim/utilization.py). "
-        "Hierarchical: replica groups chosen by the planner (control/hierarchy_planning.py), each a synchronous plan "
+        "Hierarchical: replica groups chosen by the planner (planning/hierarchy.py), each a synchronous plan "
         "over its own devices, exchanging pseudo-gradients every round of H inner steps (per group), fragments overlapped "
         "with the next round; the request is one inner step of one group. Goal of issue 16: at least 50%.", "",
         "| cluster | model | synchronous (OP-Fence) utilization | hierarchical utilization | hierarchical tokens/s | x synchronous | groups | devices used | H | codec | round (s) | traffic hidden | plan (s) |",

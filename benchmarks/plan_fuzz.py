@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plan thousands of random (cluster, model, scheduler, schedule, codec) cases; count invalid plans.
 
-Each case (``fusionllm.fuzz``) draws a cluster file (2-10 sites, 2-64 devices, speeds and
+Each case (``tests/fuzz.py``) draws a cluster file (2-10 sites, 2-64 devices, speeds and
 memory spread up to 10x, links 8 Mbit/s-10 Gbit/s, some sites of one device), a model (gpt-nano to
 gpt2-xl, and the test zoo's dense-skip and tied-weight models), a scheduler, a schedule, a codec, a
 batch and a micro-batch count; plans it; validates the plan independently; simulates it. A case
@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))  # the zoo models are `tests.zoo:...`
 os.environ.setdefault("FUSIONLLM_ALLOW_IMPORTS", "tests.")
 from common import write  # noqa: E402
-
-from fusionllm.fuzz import draw_case, run_case  # noqa: E402
+from tests.fuzz import draw_case, run_case  # noqa: E402
 
 
 def plot(results: list[dict], path: Path) -> None:

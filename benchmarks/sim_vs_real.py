@@ -58,9 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
-from fusionllm.planner import offline, task_request  # noqa: E402
+from fusionllm.launch.offline import offline, task_request  # noqa: E402
+from fusionllm.planning.schedulers import SCHEDULERS  # noqa: E402
 from fusionllm.schedule.plan import Plan, Request, StagePlan  # noqa: E402
-from fusionllm.schedule.schedulers import SCHEDULERS  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +213,7 @@ def predict(model: str, cluster: Path, args: argparse.Namespace, traced_m: int, 
 def hier_predict(model: str, cluster: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     """The hierarchical plan `fusionllm plan --sync hierarchical` makes (the coordinator's rule, on the
     cluster file's rates) and the round simulator's steady state for it."""
-    from fusionllm.planner import offline_hier
+    from fusionllm.launch.offline import offline_hier
     from fusionllm.sim.rounds import simulate_rounds
 
     req = request(args, TRACED_M)

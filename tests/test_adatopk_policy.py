@@ -136,9 +136,9 @@ bandwidth = "{rate}"
 def test_plan_policy_covers_every_link_and_direction(rate: str, tmp_path: Path) -> None:
     """A three-stage pipeline across the slow link, tied embeddings all-reduced between the first and
     last stage: both directions and the all-reduce are decided; fast links stay raw."""
-    from fusionllm.control.adatopk import adatopk_policy
-    from fusionllm.control.planning import predict
-    from fusionllm.planner import offline
+    from fusionllm.launch.offline import offline
+    from fusionllm.planning.adatopk import adatopk_policy
+    from fusionllm.planning.predict import predict
     from fusionllm.schedule.plan import Request
 
     path = tmp_path / "c.toml"

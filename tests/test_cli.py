@@ -100,7 +100,7 @@ def test_plan_json_counts_candidates_and_is_repeatable(tmp_path: Path) -> None:
 
     from fusionllm.cli.main import DEFAULT_PLAN_CANDIDATES
     from fusionllm.cluster.random import ClusterShape, random_cluster_toml
-    from fusionllm.schedule.schedulers import DEFAULT_CANDIDATES
+    from fusionllm.planning.schedulers import DEFAULT_CANDIDATES
 
     assert DEFAULT_PLAN_CANDIDATES == DEFAULT_CANDIDATES
     cluster = tmp_path / "c.toml"

@@ -22,7 +22,7 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import WireError
-from fusionllm.harness import InProcessCluster, cluster_config
+from fusionllm.launch.inprocess import InProcessCluster, cluster_config
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.worker import Worker, WorkerConfig
 from fusionllm.testbed.flaky import FlakyLink, FlakyNet

@@ -18,7 +18,7 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
-from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.runtime.faults import Fault, parse_fault, tamper
 from fusionllm.runtime.guards import NumericGuard, norm_of
 from fusionllm.runtime.single import train_single

@@ -1,4 +1,4 @@
-"""The real runtime in one process (``fusionllm.harness``) trains exactly like one plain PyTorch process.
+"""The real runtime in one process (``fusionllm.launch.inprocess``) trains exactly like one plain PyTorch process.
 
 Why this can fail: every case below runs a coordinator and 2-4 workers over gRPC and the TCP data
 plane on 127.0.0.1, each worker running its lowered action list (F, B, SEND/RECV, REDUCE, STEP),
@@ -25,7 +25,12 @@ import torch
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import AuthError, ConfigError, FusionError
 from fusionllm.data import Batcher, load_corpus
-from fusionllm.harness import HarnessError, InProcessCluster, cluster_config, run_in_process
+from fusionllm.launch.inprocess import (
+    HarnessError,
+    InProcessCluster,
+    cluster_config,
+    run_in_process,
+)
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.numpy_backend import NumpyStage

@@ -158,7 +158,7 @@ def test_a_llama_checkpoint_loads_and_exports_with_the_logits_of_transformers(tm
 
 def test_a_llama_trains_in_three_stages_as_in_one_process(tmp_path: Path) -> None:
     """Fails when a stage boundary loses a gradient of grouped-query attention or of the untied LM head."""
-    from fusionllm.harness import cluster_config, run_in_process
+    from fusionllm.launch.inprocess import cluster_config, run_in_process
 
     d = hf_llama(tmp_path / "m")
     corpus = tmp_path / "c.txt"

@@ -8,7 +8,7 @@ import pytest
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml
 from fusionllm.control.limits import check_message_sizes, message_sizes
-from fusionllm.planner import offline
+from fusionllm.launch.offline import offline
 from fusionllm.schedule.plan import Request, make_plan
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import MAX_MESSAGE

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 
 from fusionllm.core.config import TrainConfig
-from fusionllm.harness import InProcessCluster, cluster_config
+from fusionllm.launch.inprocess import InProcessCluster, cluster_config
 from fusionllm.runtime.single import train_single
 from fusionllm.runtime.verify import TOLERANCE
 from fusionllm.runtime.worker import Worker

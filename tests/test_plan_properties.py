@@ -2,7 +2,7 @@
 
 Why this can fail: each case is a cluster file drawn at random (2-10 sites, 2-64 devices, speeds and
 memory spread up to 10x, links 8 Mbit/s-10 Gbit/s, sites of one device), a model from gpt-nano to
-gpt2-xl or the zoo's unusual wirings, any scheduler, schedule and codec. ``fusionllm.fuzz``
+gpt2-xl or the zoo's unusual wirings, any scheduler, schedule and codec. ``tests/fuzz.py``
 checks what must hold: the validator accepts the plan, the simulator runs it to a finite step time,
 memory fits, OP-Fence puts no parameter-free stage on a device faster than the plan's slowest. Round
 one's OP-Fence broke the first two on a 48-device cluster (a replicated stage deadlocked 1F1B).
@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusionllm.cluster.random import ClusterShape, random_cluster, random_cluster_toml
-from fusionllm.fuzz import BUILTIN_MODELS, CODECS, ZOO_MODELS, Case, run_case
-from fusionllm.schedule.schedulers import SCHEDULERS
+from fusionllm.planning.schedulers import SCHEDULERS
+from tests.fuzz import BUILTIN_MODELS, CODECS, ZOO_MODELS, Case, run_case
 
 
 @st.composite

@@ -9,9 +9,10 @@ import pytest
 from fusionllm.cluster.hardware import Hardware
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml
 from fusionllm.cluster.spec import load_cluster
-from fusionllm.control.planning import choose_plan, predict
 from fusionllm.core.errors import FusionError
 from fusionllm.models.spec import build_model
+from fusionllm.planning.choose import choose_plan
+from fusionllm.planning.predict import predict
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule.plan import Plan, Request

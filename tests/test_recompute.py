@@ -8,7 +8,7 @@ import numpy as np
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.cost.model import CostModel
-from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate

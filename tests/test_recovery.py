@@ -63,7 +63,7 @@ def _resumed_reference(tmp_path: Path, ckpt: Path, workers: int, steps: int) -> 
     import torch
 
     from fusionllm.core.config import TrainConfig
-    from fusionllm.harness import cluster_config, run_in_process
+    from fusionllm.launch.inprocess import cluster_config, run_in_process
 
     ref_dir = tmp_path / "ref-ckpt"
     ref_dir.mkdir()

@@ -89,6 +89,18 @@ def test_balanced_partition_and_plan() -> None:
         make_plan(graph, 2, schedule="zigzag")
 
 
+def test_a_stage_lists_its_parameters_once_in_the_order_its_ops_use_them() -> None:
+    """The tied embedding is used by the first op and the head: one stage holding both names it once."""
+    graph = trace_lm(build_model("gpt-nano", device="meta"), 2, 8)
+    whole = make_plan(graph, 1)
+    names = whole.stage_params(graph, 0)
+    assert names == list(graph.params) and names.count("wte.weight") == 1
+    split = make_plan(graph, 2)
+    first, last = split.stage_params(graph, 0), split.stage_params(graph, 1)
+    assert first[0] == "wte.weight" and "wte.weight" in last  # tied across stages: both hold it
+    assert set(first) | set(last) == set(graph.params)
+
+
 def test_failure_grid_marks_the_failing_action() -> None:
     lists = {"worker 0": [Action(0, "F", 0), Action(0, "SEND_F", 0)], "worker 1": [Action(1, "RECV_F", 0), Action(1, "F", 0)]}
     grid = format_grid(lists, ("worker 1", 1))

@@ -11,12 +11,12 @@ from fusionllm.cluster.spec import load_cluster
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.trace import trace
 from fusionllm.models import build_model
+from fusionllm.planning.fences import find_fences, order_fences
+from fusionllm.planning.schedulers import SCHEDULERS, make_schedule
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
-from fusionllm.schedule.fences import find_fences, order_fences
 from fusionllm.schedule.partition import cut_bytes
 from fusionllm.schedule.plan import Plan, Request, StagePlan
-from fusionllm.schedule.schedulers import SCHEDULERS, make_schedule
 from fusionllm.sim.simulator import _Cpu, simulate
 from tests.conftest import ROOT
 
@@ -92,14 +92,14 @@ def micro_cost() -> CostModel:
 
 def test_opfence_never_predicts_worse_than_a_baseline(micro_cost: CostModel) -> None:
     req = Request(16, 128, 4)
-    from fusionllm.control.planning import predict
+    from fusionllm.planning.predict import predict
 
     times = {s: simulate(make_schedule(s, micro_cost, req, evaluate=predict), micro_cost, req).step_time_s for s in SCHEDULERS}
     assert times["opfence"] <= min(times[s] for s in SCHEDULERS if s != "opfence") + 1e-9, times
 
 
 def test_partitioner_respects_memory(micro_cost: CostModel) -> None:
-    from fusionllm.control.planning import predict
+    from fusionllm.planning.predict import predict
     from fusionllm.schedule.plan import make_plan
     from fusionllm.schedule.validate import programs, worker_memory
 
@@ -156,7 +156,7 @@ def test_faster_links_never_slow_the_simulation(micro_cost: CostModel) -> None:
 
 
 def test_forty_eight_gpus_plan() -> None:
-    from fusionllm.planner import offline
+    from fusionllm.launch.offline import offline
 
     _, hw_, _, plan = offline("gpt2", str(ROOT / "examples" / "clusters" / "paper-3x16.toml"), "opfence", Request(32, 256, 8), vocab_size=50257)
     assert len(hw_) == 48 and plan.workers and set(plan.workers) <= set(range(48))
@@ -250,7 +250,7 @@ def test_opfence_is_deterministic_on_a_busy_machine(micro_cost: CostModel, monke
     busy machine) gives the same plan as an idle one, and at most --plan-candidates are judged."""
     import time as time_mod
 
-    from fusionllm.control.planning import predict
+    from fusionllm.planning.predict import predict
 
     req = Request(16, 128, 4)
     first = make_schedule("opfence", micro_cost, req, evaluate=predict, candidates=5)
@@ -263,7 +263,7 @@ def test_opfence_is_deterministic_on_a_busy_machine(micro_cost: CostModel, monke
 
 
 def test_pass_through_stages_are_merged() -> None:
-    from fusionllm.schedule.schedulers import merge_pass_through, sensible
+    from fusionllm.planning.schedulers import merge_pass_through, sensible
 
     graph = trace_lm(build_model("gpt-micro", device="meta"), 2, 64)
     ops = [n.id for n in graph.compute_nodes]
@@ -279,7 +279,7 @@ def test_pass_through_stages_are_merged() -> None:
 def test_fastest_device_behind_a_slow_link_gets_work_or_nothing() -> None:
     """Issue 14's second cluster, built here: the fastest device alone behind 8-100 Mbit/s links.
     OP-Fence may use it or leave it out, but never give it a stage without parameters."""
-    from fusionllm.control.planning import predict
+    from fusionllm.planning.predict import predict
 
     graph = trace_lm(build_model("gpt-micro", device="meta"), 4, 128)
     work = estimate(graph)

@@ -10,7 +10,7 @@ from torch import nn
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, RegistryError
-from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models.task import Task, build_task_model, load_task
 from fusionllm.runtime.single import train_single
 from fusionllm.runtime.verify import verify_task

@@ -127,7 +127,7 @@ def test_a_local_cluster_trains_over_mutual_tls(pki: dict, tmp_path: Path) -> No
 def test_workers_behind_nat_keep_tls_end_to_end_through_the_relay(pki: dict) -> None:
     """The relay copies bytes: TLS runs between the endpoints, and the run trains as over direct links."""
     from fusionllm.core.config import TrainConfig
-    from fusionllm.harness import InProcessCluster, cluster_config
+    from fusionllm.launch.inprocess import InProcessCluster, cluster_config
     from fusionllm.runtime.single import train_single
     from fusionllm.runtime.verify import TOLERANCE
 

@@ -15,13 +15,13 @@ import pytest
 from fusionllm.cluster.hardware import Device, Hardware
 from fusionllm.cost.model import CostModel
 from fusionllm.models import build_model
+from fusionllm.planning.schedulers import make_schedule
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule import plan as plan_mod
 from fusionllm.schedule import validate as validate_mod
 from fusionllm.schedule.actions import Action, Peer, lower, one_f_one_b, peak_in_flight
 from fusionllm.schedule.plan import Plan, Request, StagePlan, make_plan
-from fusionllm.schedule.schedulers import make_schedule
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
 from fusionllm.sim.simulator import simulate
 
@@ -81,7 +81,7 @@ def test_opfence_with_replicas_on_a_built_cluster(micro: tuple) -> None:
     fast fence, a pipeline, both), it is valid and runs."""
     graph, work = micro
     cost = CostModel(graph, work, cluster(8, slow={5, 6, 7}))
-    from fusionllm.control.planning import predict
+    from fusionllm.planning.predict import predict
 
     for batch, m in ((16, 8), (32, 8), (12, 4)):
         req = Request(batch, 64, m)

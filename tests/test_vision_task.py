@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fusionllm.core.config import TrainConfig
-from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.runtime.single import train_single
 
 # ResNet-18 with the CIFAR stem on 16x16 synthetic images: every layer kind of the family, a few

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from fusionllm.control.config import RunConfig
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
-from fusionllm.harness import cluster_config, run_in_process
+from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.runtime.single import train_single
 
 BASE = {"model": "gpt-nano", "batch_size": 8, "seq_len": 32, "lr": 1e-2, "warmup": 2, "seed": 4}

@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from fusionllm.core.errors import ConfigError
-
 ModelOpt = Annotated[str, typer.Option("--model", help="Built-in name (gpt-nano .. gpt2-xl; resnet18 .. resnet152 with --task vision) or package.module:factory.")]
 TaskOpt = Annotated[str, typer.Option("--task", help="lm (language models, the default), vision (ResNets on images) or package.module:factory returning a fusionllm.Task.")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="bytes (the default), a tokenizer.json, or a directory holding one (fusionllm tokenizer train makes one). Default with --init-from: the checkpoint's own.")]
@@ -50,7 +48,7 @@ SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params
 CollectivesOpt = Annotated[str, typer.Option("--collectives", help="auto: torch workers joined by fast links with uncompressed traffic form a torch.distributed group (gloo on CPUs, NCCL on GPUs) and all-reduce replicas and tied weights through it; off: every tensor on the project's own data plane.")]
 CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
-DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.schedule.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
+DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.planning.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
 CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]
 BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]
 # hierarchical mode (issue 16): groups that train apart and exchange pseudo-gradients every round
@@ -68,48 +66,3 @@ BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hiera
 SYNC_MODES = ("synchronous", "hierarchical")
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
 DEFAULT_OUTER_MOMENTUM = 0.0
-
-
-def parse_groups(text: str | None) -> list[list[int]] | None:
-    """``0,1/2/3`` -> [[0, 1], [2], [3]]."""
-    if not text:
-        return None
-    try:
-        return [[int(w) for w in part.split(",")] for part in text.split("/")]
-    except ValueError:
-        raise ConfigError(f"--groups {text!r}: worker ids with ',' inside a group and '/' between groups, e.g. 0,1/2/3") from None
-
-
-def parse_regroup(texts: list[str] | None) -> list[tuple[int, list[list[int]]]] | None:
-    """``["40:0/1/2", "80:0,1,2"]`` -> [(40, [[0], [1], [2]]), (80, [[0, 1, 2]])]."""
-    if not texts:
-        return None
-    out = []
-    for text in texts:
-        step, sep, groups = text.partition(":")
-        try:
-            out.append((int(step), parse_groups(groups) or []))
-        except (ValueError, ConfigError):
-            raise ConfigError(f"--regroup {text!r}: STEP:GROUPS, e.g. 40:0/1/2 (three groups from step 40) or 80:0,1,2 (one synchronous group)") from None
-        if not sep or not out[-1][1]:
-            raise ConfigError(f"--regroup {text!r}: STEP:GROUPS, e.g. 40:0/1/2 (three groups from step 40) or 80:0,1,2 (one synchronous group)")
-    return out
-
-
-def hier_fields(sync: str, groups: str | None, inner_steps: int | None, fragments: int | None, outer_codec: str | None,
-                outer_lr: float, outer_momentum: float, overlap_steps: int | None, blocking: bool, group_batch: int | None = None,
-                regroup: list[str] | None = None) -> dict:
-    """The ClusterConfig fields of the hierarchical options (checked there)."""
-    return {"sync": sync, "groups": parse_groups(groups), "inner_steps": inner_steps, "fragments": fragments, "outer_codec": outer_codec,
-            "outer_lr": outer_lr, "outer_momentum": outer_momentum, "overlap_steps": overlap_steps, "overlap": not blocking,
-            "group_batch": group_batch, "regroup": parse_regroup(regroup)}
-
-
-def task_model(task: str, model: str) -> str:
-    """``--model`` for ``--task``: the vision task's default model is resnet18 (not the LM default)."""
-    return "resnet18" if task == "vision" and model == "gpt-micro" else model
-
-
-def wire_codec(compress: str, precision: str) -> str:
-    """``--precision bf16`` sends activations and gradients as bf16 unless ``--compress`` names a codec."""
-    return "bf16" if precision == "bf16" and compress == "none" else compress

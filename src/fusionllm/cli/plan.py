@@ -29,7 +29,6 @@ from fusionllm.cli.options import (
     SeqOpt,
     SyncOpt,
     TaskOpt,
-    task_model,
 )
 
 
@@ -87,9 +86,9 @@ def plan_cmd(
     import json
 
     from fusionllm.control.collectives import carried_links, check_mode, planned_worlds
-    from fusionllm.control.hierarchy_planning import describe_hier, sync_report
-    from fusionllm.control.planning import describe
-    from fusionllm.planner import offline, offline_hier, task_request
+    from fusionllm.launch.config import task_model
+    from fusionllm.launch.offline import offline, offline_hier, task_request
+    from fusionllm.planning.describe import describe, describe_hier, sync_report
 
     _check_sync(sync)
     model = task_model(task, model)
@@ -155,8 +154,9 @@ def simulate(
     fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""
     import json
 
-    from fusionllm.control.planning import compression_aware, with_compression
-    from fusionllm.planner import offline, offline_hier, task_request
+    from fusionllm.launch.config import task_model
+    from fusionllm.launch.offline import offline, offline_hier, task_request
+    from fusionllm.planning.adatopk import compression_aware, with_compression
     from fusionllm.sim.gantt import plot_gantt
     from fusionllm.sim.rounds import simulate_rounds
     from fusionllm.sim.simulator import simulate as run_sim

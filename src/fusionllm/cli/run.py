@@ -23,6 +23,7 @@ from fusionllm.cli.options import (
     DataOpt,
     DeadAfterOpt,
     EvalBatchesOpt,
+    EvalOpt,
     EvictAfterOpt,
     FragmentsOpt,
     GroupBatchOpt,
@@ -63,20 +64,7 @@ from fusionllm.cli.options import (
     TlsKeyOpt,
     TokenizerOpt,
     WarmupOpt,
-    hier_fields,
-    task_model,
-    wire_codec,
 )
-from fusionllm.core.errors import FusionError
-
-
-def _replicas(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise FusionError(f"--replicas {text!r}: expected comma-separated worker counts such as 1,2") from None
 
 
 @user_errors
@@ -107,7 +95,7 @@ def coordinator(
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
     compress: CompressOpt = "none",
     collectives: CollectivesOpt = "auto",
-    eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss (computed by the workers in the pipeline) every N steps and at the end; 0: never.")] = 0,
+    eval_every: EvalOpt = 50,
     eval_batches: EvalBatchesOpt = 4,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
@@ -140,32 +128,32 @@ def coordinator(
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
-    from fusionllm.control.coordinator import ClusterConfig, run_coordinator
+    from fusionllm.control.config import RunConfig
+    from fusionllm.control.coordinator import run_coordinator
     from fusionllm.control.restart import Stopped
-    from fusionllm.runtime.single import TrainConfig
-    from fusionllm.task import run_task
+    from fusionllm.launch.config import cluster_config, load_run, train_config
+    from fusionllm.launch.task import run_task
     from fusionllm.transport.auth import load_token
-    from fusionllm.transport.tls import TlsFiles
 
-    train_cfg = TrainConfig(
-        model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=0, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision, recompute=recompute,
-    )
-    cluster_cfg = ClusterConfig(
-        listen=listen, token=load_token(token_file), workers=workers, schedule=schedule, micro_batches=micro_batches,
-        replicas=_replicas(replicas), checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout, stop_timeout=stop_timeout,
-        scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
-        eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
-            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard,
-        relay_port=relay_port, collectives=collectives,
-        **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch, regroup),
-    )
-    if config is not None:
-        from fusionllm.control.config import RunConfig
-
-        run = RunConfig.from_json(config.read_text(), listen=listen, token=cluster_cfg.token, workers=workers)
-        train_cfg, cluster_cfg = run.train, run.cluster
+    token = load_token(token_file)
+    if config is not None:  # `fusionllm train` built the run: nothing is built again
+        run = load_run(config, listen=listen, token=token, workers=workers)
+    else:
+        train = train_config(
+            model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data,
+            warmup=warmup, eval_every=eval_every, eval_batches=eval_batches, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
+            precision=precision, recompute=recompute,
+        )
+        run = RunConfig(train, cluster_config(
+            train, listen=listen, token=token, workers=workers, schedule=schedule, micro_batches=micro_batches, replicas=replicas,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout, stop_timeout=stop_timeout,
+            scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, tls=(tls_cert, tls_key, tls_ca),
+            dead_after=dead_after, replan_factor=replan_factor, numeric_guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after,
+            keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard, relay_port=relay_port, collectives=collectives,
+            sync=sync, groups=groups, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
+        ))
+    train_cfg, cluster_cfg = run.train, run.cluster
     bar, on_step, first = progress_bar(train_cfg.steps, "train")
 
     def say(msg: str) -> None:

@@ -62,9 +62,6 @@ from fusionllm.cli.options import (
     TlsKeyOpt,
     TokenizerOpt,
     WarmupOpt,
-    hier_fields,
-    task_model,
-    wire_codec,
 )
 from fusionllm.core.errors import FusionError
 
@@ -139,7 +136,6 @@ def train(
     max_recoveries: MaxRecoveriesOpt = 3,
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
-    compress_roles: Annotated[str, typer.Option("--compress-roles", hidden=True, help="Experiment knob: which traffic --compress applies to (act,grad,reduce).")] = "act,grad,reduce",
     sync: SyncOpt = "synchronous",
     groups: GroupsOpt = None,
     regroup: RegroupOpt = None,
@@ -159,35 +155,36 @@ def train(
     recompute: RecomputeOpt = False,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
-    from fusionllm.runtime.single import TrainConfig, train_single
+    from fusionllm.launch.config import train_config
+    from fusionllm.runtime.single import train_single
 
-    config = TrainConfig(
-        model=task_model(task, model), steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-        data=data, metrics=str(metrics) if metrics else None, warmup=warmup, eval_every=eval_every, threads=threads,
-        eval_batches=eval_batches, task=task, image_size=image_size, tokenizer=tokenizer, init_from=init_from, precision=precision, recompute=recompute,
+    config = train_config(
+        model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data, warmup=warmup,
+        eval_every=eval_every, threads=threads, eval_batches=eval_batches, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
+        precision=precision, recompute=recompute,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
     if cluster:
-        from fusionllm.cli.run import _replicas
-        from fusionllm.control.config import ClusterConfig, RunConfig
+        from fusionllm.control.config import RunConfig
         from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
-        from fusionllm.transport.tls import TlsFiles
+        from fusionllm.launch.config import cluster_config
 
         toml = cluster.endswith(".toml")
         if toml:
             plan_scheduler = None if (replicas or groups) and not scheduler else (scheduler or "opfence")  # --replicas/--groups: by hand
             plan_hardware = None if probe_links else cluster
         else:
-            plan_scheduler, plan_hardware = scheduler, str(hardware) if hardware else None
-        run = RunConfig(config, ClusterConfig(
-            listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=_replicas(replicas),
-            checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every, resume=resume,
-            stop_timeout=stop_timeout, scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=probe_seconds, compress=wire_codec(compress, precision), eval_every=eval_every,
-            eval_batches=eval_batches, tls=TlsFiles.load(tls_cert, tls_key, tls_ca), dead_after_s=dead_after, replan_factor=replan_factor,
-            guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after, keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries,
-            dashboard=dashboard, compress_roles=compress_roles, collectives=collectives,
-            **hier_fields(sync, groups, inner_steps, fragments, outer_codec, outer_lr, outer_momentum, overlap_steps, blocking_sync, group_batch, regroup),
+            plan_scheduler, plan_hardware = scheduler, hardware
+        # listen, token and workers are the spawned coordinator's command line (run.json leaves them out)
+        run = RunConfig(config, cluster_config(
+            config, listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=replicas,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, stop_timeout=stop_timeout, scheduler=plan_scheduler,
+            hardware=plan_hardware, probe_seconds=probe_seconds, compress=compress, tls=(tls_cert, tls_key, tls_ca), dead_after=dead_after,
+            replan_factor=replan_factor, numeric_guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after,
+            keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard, collectives=collectives, sync=sync,
+            groups=groups, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
         ))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(run.to_json())

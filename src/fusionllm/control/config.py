@@ -39,7 +39,6 @@ class ClusterConfig:
     hardware: str | None = None  # a cluster file to plan with; None: probe the workers
     probe_seconds: float = 1.0
     compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
-    compress_roles: str = "act,grad,reduce"  # which traffic --compress applies to (an experiment knob: --compress-roles)
     eval_every: int = 0  # validation loss in the pipeline every N steps (and at the end); 0: never
     eval_batches: int = 4
     dead_after_s: float = 10.0  # a worker whose heartbeat (every 2 s) is older than this is lost
@@ -61,7 +60,6 @@ class ClusterConfig:
     outer_momentum: float = 0.0
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
     group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
-    outer_warmup: bool = False  # the first round replaced by rounds of 1, 2, 4 .. steps (measured: no clear gain, docs/scheduler.md)
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
     regroup: list[tuple[int, list[list[int]]]] | None = None  # at step K the run becomes these groups (one group: synchronous), from live weights
     stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
@@ -76,9 +74,6 @@ class ClusterConfig:
         if self.keep_checkpoints < 0:
             raise ConfigError("--keep-checkpoints must be >= 0 (0: keep all)")
         parse_codec(self.compress)  # a bad --compress fails before any worker is waited for
-        roles = set(self.compress_roles.split(","))
-        if not roles or not roles <= {"act", "grad", "reduce"}:
-            raise ConfigError(f"--compress-roles {self.compress_roles!r}: a comma-separated subset of act,grad,reduce")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
         if not self.stop_timeout > 0:
@@ -169,7 +164,7 @@ class Run:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A run, built once by the CLI: what to train and how. ``train`` starts a local cluster by writing
+    """A run, built once (``launch/config.py``): what to train and how. ``train`` starts a local cluster by writing
     it to the run directory (``run.json``, no token in it) for ``fusionllm coordinator --config``;
     the workers get their part of it in typed messages (``Hyper``, ``DataSpec``)."""
 

@@ -175,7 +175,7 @@ class GroupSetup:
         self.ctx.status.event(record)
         self.setup.plan_record = record
         base = min(g.inner_steps for g in hier.groups)
-        lengths = {g.index: round_lengths(g.inner_steps, base, rounds, warmup=c.outer_warmup) for g in hier.groups}
+        lengths = {g.index: round_lengths(g.inner_steps, base, rounds) for g in hier.groups}
         record["round_lengths"] = {str(k): v for k, v in lengths.items()}
         ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
         start = resume_round(ref, self.ctx.clock.start_step - first) if load else 0
@@ -194,7 +194,7 @@ class GroupSetup:
             runs[g.index].policy = await asyncio.to_thread(self.setup.adatopk, g.plan, cost, self.group_batch(), indent=f"  group {g.index} ")
 
     async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
-        from fusionllm.control.hierarchy_planning import choose_hier_plan
+        from fusionllm.planning.hierarchy import choose_hier_plan
 
         c = self.cluster
         hw = await self.setup.hardware(clients)

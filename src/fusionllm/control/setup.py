@@ -86,10 +86,10 @@ class Setup:
         if carried:  # the simulator prices them as gloo's (sim.simulator.with_carried); the plan metrics record lists them
             plan.meta["carried"] = [list(p) for p in carried]
             if cost is not None and "predicted_step_s" in plan.meta:
-                from fusionllm.sim.simulator import simulate
+                from fusionllm.planning.predict import predict
 
                 req = Request(t.batch_size, self.task.items_per_row, plan.micro_batches, plan.schedule)
-                plan.meta["predicted_step_s"] = (await asyncio.to_thread(simulate, plan, cost, req)).step_time_s
+                plan.meta["predicted_step_s"] = await asyncio.to_thread(predict, plan, cost, req)
         for line in plan_lines(run, addresses, self.membership.members):
             self.say(line)
         for line in self.reach.relay_lines(addresses):
@@ -101,7 +101,7 @@ class Setup:
 
     def adatopk(self, plan: Plan, cost: Any, batch: int, *, indent: str = "") -> Any:
         """AdaTopK's link policy for ``plan`` (each group has its own)."""
-        from fusionllm.control.adatopk import adatopk_policy
+        from fusionllm.planning.adatopk import adatopk_policy
 
         policy, _ = adatopk_policy(plan, cost, Request(batch, self.task.items_per_row, plan.micro_batches))
         slow = {f"w{a}->w{b}": round(r, 4) for (a, b), r in policy.ratios().items() if r < 1}
@@ -113,7 +113,7 @@ class Setup:
         t, c = self.train, self.cluster
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
-                      compress_roles=c.compress_roles, seed=t.seed, precision=t.precision,
+                      seed=t.seed, precision=t.precision,
                       recompute=t.recompute, guard=c.guard, guard_factor=c.guard_factor)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         infos = {w: m.info for w, m in self.membership.members.items()}
@@ -153,11 +153,11 @@ class Setup:
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
         # a cluster file's rates judge the links, not host names (the testbed's namespaces share one host name)
         if hw is None and c.hardware and all(m.origin >= 0 for m in members):
-            from fusionllm.control.planning import hardware_from_file
+            from fusionllm.planning.choose import hardware_from_file
 
             hw = await asyncio.to_thread(lambda: hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members]))
         ratios = run.policy.ratios() if run.policy is not None else None
-        return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress, roles=c.compress_roles,
+        return await asyncio.to_thread(find_worlds, run.graph, run.plan, run.actions, infos, compress=c.compress,
                                        ratios=ratios, bps=hw.bps if hw is not None else None, hosts=not c.hardware)
 
     def collectives(self, worlds: list[World]) -> dict[int, Collective]:
@@ -172,11 +172,8 @@ class Setup:
 
     async def hardware(self, clients: dict[int, RpcClient]) -> Any:
         """The members' devices and links: from --hardware's file, or probed."""
-        from fusionllm.control.planning import (
-            hardware_from_file,
-            probe_hardware,
-            with_measured_links,
-        )
+        from fusionllm.control.probe import probe_hardware
+        from fusionllm.planning.choose import hardware_from_file, with_measured_links
 
         c = self.cluster
         members = sorted(self.membership.members.values(), key=lambda m: m.id)
@@ -194,7 +191,7 @@ class Setup:
 
     async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> tuple[OpGraph, Plan, Any]:
         """OP-Fence (or another --scheduler) over the members."""
-        from fusionllm.control.planning import choose_plan
+        from fusionllm.planning.choose import choose_plan
         from fusionllm.schedule.plan import Request
 
         t, c = self.train, self.cluster

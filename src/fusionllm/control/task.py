@@ -1,7 +1,7 @@
 """What the coordinator needs from the model and the data, without knowing either.
 
 The coordinator plans and keeps the clock; it does not build models, trace them, time their ops or
-read corpora. A ``RunTask`` does that for it, made by the layer above (``fusionllm.task.LMTask``
+read corpora. A ``RunTask`` does that for it, made by the layer above (``fusionllm.launch.task.LMTask``
 for the language models of ``--model``), so ``control`` imports only the layers under it.
 """
 

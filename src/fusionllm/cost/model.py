@@ -165,13 +165,6 @@ class CostModel:
     def latency(self, src: int, dst: int) -> float:
         return self.hw.latency[src][dst]
 
-    def allreduce_seconds(self, nbytes: int, group: list[int]) -> float:
-        """Ring all-reduce: 2(n-1) rounds, each moving nbytes/n on the slowest ring link (wire time only)."""
-        n = len(group)
-        if n < 2:
-            return 0.0
-        return 2 * (n - 1) * self.allreduce_round_seconds(nbytes, group)
-
     def allreduce_round_seconds(self, nbytes: int, group: list[int]) -> float:
         """One round of the ring: each member sends its chunk to the next and waits for the ack (a
         round trip) and for the previous member's chunk before the next round (``runtime/reduce.py``)."""

@@ -238,9 +238,6 @@ class OpGraph:
                     state[nxt] = 1
                     stack.append((nxt, iter(sorted(deps[nxt]))))
 
-    def topological_ids(self) -> list[str]:
-        return [n.id for n in self.nodes]
-
 
 def op_key(node: Node) -> str:
     """The name of a node's op as backends advertise the kinds they run: ``module:torch.nn.Linear``, ``method:view``, ..."""

@@ -311,7 +311,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         if not paths:
             raise FusionError(f"checkpoint {directory} has no shards this worker can read (a directory shared by every machine is needed)")
         stage = plan.stage_of_worker(worker)
-        names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
+        names = set(plan.stage_params(graph, stage.index))
         return read_selected(paths, stage_keep(names))
 
     def _runtime(self, what: str) -> StageRuntime:

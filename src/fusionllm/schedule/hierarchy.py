@@ -7,7 +7,7 @@ parameters, and every holder of a parameter applies the same outer optimiser ste
 token-weighted average, so all groups keep one set of outer weights.
 
 This module is the plan's data and its pure rules (fragments, when a fragment syncs, who sends what
-to whom); the planner that chooses groups is ``control/hierarchy_planning.py``, the round simulator
+to whom); the planner that chooses groups is ``planning/hierarchy.py``, the round simulator
 ``sim/rounds.py``, the exchange itself ``runtime/outer.py``.
 """
 
@@ -146,23 +146,11 @@ def sync_offsets(inner_steps: int, fragments: int) -> list[int]:
     return [max(1, round(inner_steps * (f + 1) / fragments)) for f in range(fragments)]
 
 
-def round_lengths(inner_steps: int, base: int, rounds: int, *, warmup: bool) -> list[int]:
+def round_lengths(inner_steps: int, base: int, rounds: int) -> list[int]:
     """Inner steps of each round of a group whose H is ``inner_steps`` (``base``: the H of the plan's
-    slowest group, the same for every group, so every group has the same number of rounds).
-
-    With ``warmup`` the first of the ``rounds`` is replaced by rounds of 1, 2, 4 .. slowest-group
-    steps (the last one takes the rest of ``base``; each group its share): the groups sync often
-    while their weights move fast, then every ``inner_steps``."""
-    full = [inner_steps] * rounds
-    if not warmup or base <= 1 or rounds < 1:
-        return full
-    parts: list[int] = []
-    x = 1
-    while base - sum(parts) - x >= 2 * x:
-        parts.append(x)
-        x *= 2
-    parts.append(base - sum(parts))
-    return [max(1, round(inner_steps * p / base)) for p in parts] + full[1:]
+    slowest group, the same for every group, so every group has the same number of rounds): every
+    round ``inner_steps`` (warm-up rounds of 1, 2, 4 .. steps were measured without a clear gain)."""
+    return [inner_steps] * rounds
 
 
 def leader(group: GroupPlan, holders: list[int]) -> int:
@@ -174,8 +162,7 @@ def holders(graph: OpGraph, plan: Plan) -> dict[str, list[int]]:
     """Which workers of a group hold each parameter (a tied weight: several stages)."""
     out: dict[str, list[int]] = {}
     for s in plan.stages:
-        names = {p for nid in s.nodes for p in graph.node(nid).params.values()}
-        for n in names:
+        for n in plan.stage_params(graph, s.index):
             out.setdefault(n, []).extend(s.workers)
     return {n: sorted(ws) for n, ws in out.items()}
 

@@ -80,6 +80,11 @@ class Plan:
         s = self.stage_of_worker(worker)
         return [m for m in range(self.micro_batches) if self.worker_for(s.index, m) == worker]
 
+    def stage_params(self, graph: OpGraph, stage: int) -> list[str]:
+        """The names of the parameters stage ``stage`` holds, in the order its ops first use them
+        (a weight two of its ops share, once)."""
+        return list(dict.fromkeys(p for nid in self.stages[stage].nodes for p in graph.node(nid).params.values()))
+
     def to_json(self) -> str:
         return json.dumps({
             "stages": [{"index": s.index, "nodes": s.nodes, "workers": s.workers} for s in self.stages],
@@ -250,10 +255,9 @@ def shared_groups(graph: OpGraph, plan: Plan) -> dict[int, list[tuple[tuple[int,
     """
     holders: dict[str, set[int]] = {}
     for s in plan.stages:
-        for nid in s.nodes:
-            for name in graph.node(nid).params.values():
-                if graph.params[name].trainable:
-                    holders.setdefault(name, set()).update(s.workers)
+        for name in plan.stage_params(graph, s.index):
+            if graph.params[name].trainable:
+                holders.setdefault(name, set()).update(s.workers)
     by_group: dict[tuple[int, ...], list[str]] = {}
     for name, ws in holders.items():
         if len(ws) > 1:
@@ -271,8 +275,7 @@ def owners(graph: OpGraph, plan: Plan) -> dict[str, int]:
     """The worker that counts each trainable parameter's gradient in the global norm."""
     out: dict[str, int] = {}
     for s in sorted(plan.stages, key=lambda s: min(s.workers)):
-        for nid in s.nodes:
-            for name in graph.node(nid).params.values():
-                if graph.params[name].trainable:
-                    out[name] = min(out.get(name, min(s.workers)), min(s.workers))
+        for name in plan.stage_params(graph, s.index):
+            if graph.params[name].trainable:
+                out[name] = min(out.get(name, min(s.workers)), min(s.workers))
     return out

@@ -256,8 +256,3 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
         codec_cpu_s=[sum(encode[g]) + sum(decode_load[g]) for g in range(n_groups)],
         rounds=rounds,
     )
-
-
-def hier_utilization(hier: HierPlan, cost: CostModel, req: Request, *, steps: list[GroupStep] | None = None) -> float:
-    """The fraction of the cluster's aggregate compute that trains (sim/utilization.py), in steady state."""
-    return simulate_rounds(hier, cost, req, steps=steps).utilization

@@ -192,7 +192,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             entry[w] = max(clock[w], acked[w])  # every tensor of the step acknowledged
             if len(entry) < len(workers):
                 return False
-            params = sum(cost.graph.params[p].meta.nbytes for n in stage_nodes[s] for p in set(cost.graph.node(n).params.values()))
+            params = sum(cost.graph.params[p].meta.nbytes for p in plan.stage_params(cost.graph, s))
             # the gradient-norm all-gather: every other worker's share, and the acks of this worker's own
             t0 = max(max(entry[v] + cost.latency(v, w) for v in workers), entry[w] + max(cost.latency(w, v) + cost.latency(v, w) for v in workers))
             clock[w] = cpu[w].run(t0, cost.optimizer_seconds(params, device[w]))

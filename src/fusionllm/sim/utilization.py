@@ -35,7 +35,7 @@ def optimizer_busy_s(cost: CostModel, plan: Plan) -> dict[int, float]:
     graph = cost.graph
     out: dict[int, float] = {}
     for s in plan.stages:
-        nbytes = sum(graph.params[p].meta.nbytes for p in {p for n in s.nodes for p in graph.node(n).params.values()})
+        nbytes = sum(graph.params[p].meta.nbytes for p in plan.stage_params(graph, s.index))
         for w in s.workers:
             dev = cost.hw.devices[w]
             if dev.flops:

@@ -150,7 +150,7 @@ class FlakyLink:
 
 
 class FlakyNet:
-    """Every link of an in-process cluster (``fusionllm.harness``) through a FlakyLink: each worker's
+    """Every link of an in-process cluster (``fusionllm.launch.inprocess``) through a FlakyLink: each worker's
     control and data ports, and the coordinator's port as the workers reach it.
 
     A worker listens on ``worker_host`` (127.0.0.2) on the port its proxy has on ``proxy_host``

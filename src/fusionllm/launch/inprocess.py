@@ -30,9 +30,9 @@ from fusionllm.control.task import RunTask
 from fusionllm.core.config import TrainConfig, TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.logging import get_logger
+from fusionllm.launch.task import run_task
 from fusionllm.runtime.backend import load_backend
 from fusionllm.runtime.worker import Worker, WorkerConfig
-from fusionllm.task import run_task
 
 HOST = "127.0.0.1"
 log = get_logger("harness", "harness")

@@ -1,5 +1,5 @@
 """AdaTopK in planning: the link policy of a plan, the plan-level check that it pays, and OP-Fence
-on links that AdaTopK would compress (re-exported by ``control.planning``)."""
+on links that AdaTopK would compress."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ from dataclasses import replace
 
 from fusionllm.compress.policy import FLOOR, LinkLoad, LinkPolicy
 from fusionllm.cost.model import CostModel
+from fusionllm.planning.predict import predict
+from fusionllm.planning.schedulers import make_schedule
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, routes, shared_groups
-from fusionllm.schedule.schedulers import make_schedule
-from fusionllm.sim.simulator import simulate
 
 ADATOPK_PLAN_RATIO = FLOOR  # the byte ratio of eq:0.7, AdaTopK's coarsest codec (no measurable loss, docs/compression.md)
 COMPRESSED_PLAN_GAIN = 0.8  # a plan that relies on compression replaces the plain one only if predicted this much faster
-
-
-def _predict(plan: Plan, cost: CostModel, req: Request) -> float:
-    return simulate(plan, cost, req).step_time_s
 
 
 def _mb_compute(plan: Plan, cost: CostModel, req: Request) -> dict[int, float]:
@@ -95,7 +91,7 @@ def adatopk_policy(plan: Plan, cost: CostModel, req: Request) -> tuple[LinkPolic
     if not ratios:
         return policy, cost
     judged = replace(cost, ratios=ratios)
-    if _predict(plan, judged, req) > _predict(plan, cost, req):  # (the simulator runs all-reduces raw: equal there is the policy's call)
+    if predict(plan, judged, req) > predict(plan, cost, req):  # (the simulator runs all-reduces raw: equal there is the policy's call)
         policy.keep_none()
         return policy, cost
     return policy, judged
@@ -125,10 +121,10 @@ def compression_aware(plan: Plan, cost: CostModel, req: Request) -> tuple[Plan, 
     if not ratios:
         return plan, judged
     squeezed = replace(cost, ratios=ratios)
-    again = make_schedule("opfence", squeezed, req, evaluate=_predict)
+    again = make_schedule("opfence", squeezed, req, evaluate=predict)
     _, judged_again = adatopk_policy(again, cost, req)
     # the compressed plan must win clearly: on three-sites a 2% predicted gain measured 20% slower
-    if _predict(again, judged_again, req) < COMPRESSED_PLAN_GAIN * _predict(plan, judged, req):
+    if predict(again, judged_again, req) < COMPRESSED_PLAN_GAIN * predict(plan, judged, req):
         return again, judged_again
     return plan, judged
 

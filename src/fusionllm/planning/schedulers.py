@@ -21,7 +21,7 @@ from fusionllm.cluster.hardware import Device
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.fences import find_fences, order_fences
+from fusionllm.planning.fences import find_fences, order_fences
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
@@ -92,8 +92,8 @@ Layout = list[tuple[tuple[int, ...], list[str]]]
 
 def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DEFAULT_CANDIDATES) -> Plan:
     """``evaluate`` predicts a plan's step time and raises InvalidPlan for a plan that cannot run
-    (the simulator, which validates what it runs, given by the caller: the scheduler sits below
-    it); without it the validator and the closed-form estimate decide alone. The search is bounded by the
+    (usually ``planning.predict``, the simulator, which validates what it runs; the caller may wrap
+    it, e.g. with a placement constraint); without it the validator and the closed-form estimate decide alone. The search is bounded by the
     number of ``candidates`` simulated, never by the clock: the same inputs give the same plan on
     any machine, however busy. Every candidate is validated (``schedule.validate``) before it is
     judged; invalid ones are discarded and counted in ``plan.meta["invalid_candidates"]``."""

@@ -27,14 +27,14 @@ from fusionllm.cluster.random import ClusterShape, random_cluster
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import (
+from fusionllm.planning.schedulers import (
     DEFAULT_CANDIDATES,
     SCHEDULERS,
     device_speed,
     has_params,
     make_schedule,
 )
+from fusionllm.schedule.plan import Plan, Request
 from fusionllm.schedule.validate import InvalidPlan, programs, validate_plan, worker_memory
 from fusionllm.sim.simulator import simulate
 
@@ -108,7 +108,8 @@ def model_cost_inputs(model: str) -> tuple[OpGraph, dict]:
 
 
 def run_case(case: Case) -> Outcome:
-    from fusionllm.control.planning import compression_aware, predict, with_compression
+    from fusionllm.planning.adatopk import compression_aware, with_compression
+    from fusionllm.planning.predict import predict
 
     graph, work = model_cost_inputs(case.model)
     hw = Hardware.from_spec(random_cluster(case.cluster_seed, ClusterShape(sites=case.sites, devices=case.devices, kind=case.kind)))

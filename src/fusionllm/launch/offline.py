@@ -1,7 +1,8 @@
 """Planning without workers: trace a model on meta, time its ops here, plan it for a cluster file.
 
-What `fusionllm plan` and `simulate`, the benchmarks and the property tests use; it sits above
-``control`` because it builds models and times ops (``runtime.profile``).
+What `fusionllm plan` and `simulate`, the benchmarks and the property tests use. The choice is
+``planning``'s; this module sits in ``launch`` because it builds models and times ops
+(``models``, ``runtime.profile``), which planning may not import.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from collections.abc import Callable
 
 from fusionllm.cluster.hardware import Hardware
 from fusionllm.cluster.spec import load_cluster
-from fusionllm.control.planning import predict
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
+from fusionllm.planning.hierarchy import choose_hier_plan
+from fusionllm.planning.predict import predict
+from fusionllm.planning.schedulers import DEFAULT_CANDIDATES, make_schedule
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan
 from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import DEFAULT_CANDIDATES, make_schedule
 
 
 def offline(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256,
@@ -76,9 +78,8 @@ def offline_hier(model: str, cluster_file: str, scheduler: str, req: Request, *,
                  inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, overlap: bool = True, task: str = "lm", image_size: int = 32,
                  say: Callable[[str], None] = lambda _: None) -> tuple[OpGraph, Hardware, CostModel, HierPlan]:
-    """A hierarchical plan (``control.hierarchy_planning.choose_hier_plan``) for a cluster file, traced
+    """A hierarchical plan (``planning.hierarchy.choose_hier_plan``) for a cluster file, traced
     and timed as ``offline`` does; ``req`` is one inner step of one group."""
-    from fusionllm.control.hierarchy_planning import choose_hier_plan
 
     graph, hw, work = _traced(model, cluster_file, req, vocab_size, task, image_size)
     hier, cost = choose_hier_plan(graph, hw, scheduler, req, work=work, say=say, compress=compress, inner_steps=inner_steps,

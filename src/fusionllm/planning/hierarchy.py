@@ -29,7 +29,6 @@ of groups and with H). The tie rule prefers fewer groups; the planner says how m
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,15 +39,15 @@ import numpy as np
 
 from fusionllm.cluster.hardware import Hardware
 from fusionllm.compress.codecs import parse_codec
-from fusionllm.control.planning import choose_plan
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.fences import fence_link, find_fences
+from fusionllm.planning.choose import choose_plan
+from fusionllm.planning.fences import fence_link, find_fences
+from fusionllm.planning.schedulers import device_speed
 from fusionllm.schedule.hierarchy import GroupPlan, HierPlan, param_fragments, remap
 from fusionllm.schedule.plan import Plan, Request
-from fusionllm.schedule.schedulers import device_speed
 from fusionllm.sim.rounds import (
     GroupStep,
     RoundResult,
@@ -58,8 +57,6 @@ from fusionllm.sim.rounds import (
     round_traffic,
     simulate_rounds,
 )
-from fusionllm.sim.simulator import simulate
-from fusionllm.sim.utilization import sync_utilization
 
 CODEC_LADDER = ("none", "q8", "q4", "q2", "topk:0.03", "topk:0.01")  # least lossy first
 PREFERRED_CODEC = "q4"  # the lossiest the planner takes before it raises H (Streaming DiLoCo's 4 bits lose nothing measurable)
@@ -439,35 +436,3 @@ def _merge(planner: _Planner, hw: Hardware, fences: list[list[int]]) -> list[lis
             sets = [s for k, s in enumerate(sets) if k not in (i, j)] + [union]
             merged = True
     return sets if merged else None
-
-
-def describe_hier(hier: HierPlan, cost: CostModel, req: Request) -> dict[str, Any]:
-    """What `fusionllm plan --sync hierarchical --json` prints: groups, H, fragments, codecs, the
-    predicted round and the utilization of every device."""
-    graph = cost.graph
-    result = simulate_rounds(hier, cost, req)
-    groups = []
-    for g, step_s, wait in zip(hier.groups, result.step_s, result.waits_s, strict=True):
-        groups.append({
-            "group": g.index, "workers": g.workers, "stages": [s.workers for s in g.plan.stages],
-            "micro_batches": g.plan.micro_batches, "inner_steps": g.inner_steps, "step_s": step_s,
-            "waits_s_per_round": wait, "tokens_per_round": g.inner_steps * req.tokens,
-        })
-    frag_sizes = [sum(graph.params[n].meta.numel for n in f) for f in hier.fragments]
-    return {
-        "sync": "hierarchical", "grouping": hier.meta.get("grouping"), "fences": find_fences(cost.hw), "groups": groups,
-        "fragments": len(hier.fragments), "fragment_params": frag_sizes, "codec": hier.codec, "link_codecs": hier.link_codecs,
-        "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
-        "unused_devices": sorted(set(range(len(cost.hw))) - set(hier.workers)),
-        "utilization": result.utilization, "device_utilization": {str(k): v for k, v in result.device_busy.items()},
-        "predicted": result.to_json(), "traffic_hidden": hier.meta.get("traffic_hidden"),
-        "synchronous": hier.meta.get("synchronous"), "candidates": hier.meta.get("candidates"),
-        "plan": json.loads(hier.to_json()),
-    }
-
-
-def sync_report(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
-    """A synchronous plan's utilization and every device's busy fraction (for `plan --json`)."""
-    r = simulate(plan, cost, req)
-    util, frac = sync_utilization(plan, cost, r.busy_s, r.step_time_s)
-    return {"utilization": util, "device_utilization": {str(k): v for k, v in frac.items()}}
