@@ -12,7 +12,6 @@ the whole run's wall time against an undisturbed run. Writes faults.json and fau
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
+from fusionllm.control.local_cluster import read_pids  # noqa: E402
+from fusionllm.core.metrics import read_metrics  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "fusionllm"]
 RUN = ["--model", "gpt-micro", "--steps", "30", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--seed", "3",
@@ -31,7 +33,7 @@ RUN = ["--model", "gpt-micro", "--steps", "30", "--batch-size", "8", "--seq-len"
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") != "plan"] if path.exists() else []
+    return [r for r in read_metrics(path, missing_ok=True).records if r.get("event") != "plan"]
 
 
 def run(fault: str | None, tmp: Path) -> dict:
@@ -44,8 +46,7 @@ def run(fault: str | None, tmp: Path) -> dict:
     try:
         while fault is not None and fault_at is None:
             if len([r for r in _records(out) if "step" in r]) >= 12:
-                pids = subprocess.run(["pgrep", "-f", f"worker .*{run_dir}/token .*--rank 2 "], capture_output=True, text=True).stdout.split()
-                victim = int(pids[0])
+                victim = read_pids(run_dir).workers[2]  # the local cluster lists what it started
                 os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 fault_at = time.monotonic()
             if proc.poll() is not None:

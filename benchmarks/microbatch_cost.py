@@ -26,24 +26,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write  # noqa: E402
 
+from fusionllm.control.local_cluster import read_pids  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _processes(tag: str) -> dict[str, int]:
-    """The run's coordinator and workers (their command lines name its run directory)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not any(tag.encode() in c for c in cmd):
-            continue
-        if b"--rank" in cmd:
-            out[f"w{int(cmd[cmd.index(b'--rank') + 1])}"] = int(pid)
-        elif b"coordinator" in cmd:
-            out["coordinator"] = int(pid)
-    return out
+def _processes(run_dir: Path) -> dict[str, int]:
+    """The run's coordinator and workers, as its local cluster lists them in the run directory."""
+    pids = read_pids(run_dir)
+    if pids is None:
+        return {}
+    return {**({"coordinator": pids.coordinator} if pids.coordinator is not None else {}), **{f"w{r}": p for r, p in pids.workers.items()}}
 
 
 def _cpu(pid: int) -> float:
@@ -62,7 +55,7 @@ def measure(args: argparse.Namespace, m: int, tmp: Path) -> dict:
     while proc.poll() is None:
         done = metrics.read_text().count('"step"') if metrics.exists() else 0
         if first is None and done >= 5:
-            pids = _processes(str(run_dir))
+            pids = _processes(run_dir)
             first = (done, {k: _cpu(p) for k, p in pids.items()})
         if first is not None and last is None and done >= args.steps - 2:
             last = (done, {k: _cpu(p) for k, p in pids.items()})
