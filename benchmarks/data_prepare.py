@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import results_dir, write  # noqa: E402
 
 FILE_BYTES = 16 << 20
 
@@ -54,7 +54,7 @@ def make_corpus(root: Path, total: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("data_prepare"))
     ap.add_argument("--gigabytes", type=float, default=1.0)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--batch-size", type=int, default=16)

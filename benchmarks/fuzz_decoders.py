@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import results_dir, write  # noqa: E402
 
 BOUNDARY = (0x00, 0x01, 0x7F, 0x80, 0xFF)
 MAX_PAYLOAD = 1 << 20  # the limit handed to decoders that take one: a budget the allocation check can use
@@ -245,7 +245,7 @@ def relay_target() -> tuple[list[bytes], Callable[[bytes], object], int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("fuzz_decoders"))
     ap.add_argument("--inputs", type=int, default=1_000_000, help="inputs in total, shared by the targets by their speed budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample", type=int, default=200, help="one input in this many is decoded under tracemalloc")

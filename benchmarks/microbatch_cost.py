@@ -24,18 +24,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
-
-from fusionllm.control.local_cluster import read_pids  # noqa: E402
+from common import cluster_pids, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _processes(run_dir: Path) -> dict[str, int]:
     """The run's coordinator and workers, as its local cluster lists them in the run directory."""
-    pids = read_pids(run_dir)
-    if pids is None:
-        return {}
+    pids = cluster_pids(run_dir, timeout=10)
     return {**({"coordinator": pids.coordinator} if pids.coordinator is not None else {}), **{f"w{r}": p for r, p in pids.workers.items()}}
 
 
@@ -68,7 +64,7 @@ def measure(args: argparse.Namespace, m: int, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("microbatch_cost"))
     ap.add_argument("--cluster", type=Path, default=ROOT / "examples" / "clusters" / "uniform.toml")
     ap.add_argument("--model", default="gpt-nano")
     ap.add_argument("--batch-size", type=int, default=16)

@@ -12,7 +12,7 @@ from /proc), per GiB moved. Modes alternate, so both see the same load on a shar
 
     python benchmarks/relay_copy.py [--mb 1024] [--repeats 3]
 
-Writes benchmarks/results/relay_copy.json, relay_copy.md and relay_copy.png.
+Writes benchmarks/results/relay_copy/relay_copy.json, relay_copy.md and relay_copy.png.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import results_dir, stop, write  # noqa: E402
 
 TOKEN = "relay-copy-benchmark-token"
 
@@ -91,10 +91,7 @@ def _measure(kernel: bool, total: int) -> dict:
         took = asyncio.run(_send(address, total))
         cpu1 = _cpu(relay.pid), _cpu(worker.pid)
     finally:
-        for p in (relay, worker):
-            if p is not None:
-                p.kill()
-                p.wait()
+        stop([relay, worker], grace=0)
     gib = total / (1 << 30)
     return {"mode": "kernel" if kernel else "python", "seconds": round(took, 3), "gbit_s": round(total * 8 / took / 1e9, 3),
             "relay_cpu_s_per_gib": round((cpu1[0] - cpu0[0]) / gib, 3), "worker_cpu_s_per_gib": round((cpu1[1] - cpu0[1]) / gib, 3)}
@@ -108,7 +105,7 @@ def main() -> None:
     ap.add_argument("--copy", choices=["kernel", "python"], default="kernel", help="how a helper process's relay copies (set for each mode)")
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("relay_copy"))
     a = ap.parse_args()
     if a.role == "relay":
         return asyncio.run(_relay(a.copy == "kernel"))
