@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.compress.codecs import decode, encode, parse_codec  # noqa: E402
 
@@ -72,10 +72,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for spec in dict.fromkeys(r["codec"] for r in rows):

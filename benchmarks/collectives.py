@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, stop, write  # noqa: E402
+from common import pyplot, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "collectives-benchmark-token-0123456789abcdef"  # the same for every worker (32+ characters)
@@ -550,10 +550,7 @@ def _table(rows: list[dict], profile: dict, memcpy: float, mode: dict) -> list[s
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ops = [op for op in ("allreduce", "p2p") if any(r["op"] == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4), squeeze=False)

@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, read_metrics, results_dir, stop, write  # noqa: E402
+from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "731f1e9"
@@ -424,10 +424,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     kinds = [("setup", "setup"), ("per_step", "per step"), ("per_eval", "per evaluation"), ("per_checkpoint", "per checkpoint"), ("model_bytes", "model size")]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import read_metrics, results_dir, training_steps, write  # noqa: E402
+from common import pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 1e9  # links at least this fast are not "slow links"
@@ -288,10 +288,7 @@ def main() -> int:
 
 
 def _plot(runs: list[dict], order: list[str], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     acc = any(r.get("val_accuracy_curve") for r in runs)  # --task vision: accuracy under the loss
     fig, axes = plt.subplots(2 if acc else 1, len(order), figsize=(4.2 * len(order), 7.2 if acc else 3.8), squeeze=False)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import results_dir, write  # noqa: E402
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 
 FILE_BYTES = 16 << 20
 
@@ -104,10 +104,7 @@ def main() -> int:
         table.append(f"| {r['tokenizer']} | {r['text_bytes'] / 1e6:,.0f} MB | {r['tokens']:,} | {r['text_bytes'] / r['tokens']:.2f} | {r['seconds']:.0f} | "
                      f"{r['mb_per_s']:.1f} | {r['shards']} | {r['shard_bytes'] / 1e6:,.0f} MB ({r['dtype']}) | {r['batch_ms']:.2f} ms |")
     write(args.out, "data_prepare", rows, table, {"args": {k: str(v) for k, v in vars(args).items()}})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar([r["tokenizer"] for r in rows], [r["mb_per_s"] for r in rows])

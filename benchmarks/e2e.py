@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, read_metrics, results_dir, stop, write  # noqa: E402
+from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
 from fusionllm.control.local_cluster import run_local_cluster  # noqa: E402
@@ -491,10 +491,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], out: Path, u: str = "tokens") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     clusters = list(dict.fromkeys(r["cluster"] for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import read_metrics, results_dir, write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL = 1e-5
 RANDOM_SHAPE = {"kind": "cpu", "sites": (2, 3), "devices": (3, 4), "latency": False}
@@ -142,10 +142,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:

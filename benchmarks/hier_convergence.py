@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.harness import cluster_config, run_in_process  # noqa: E402
@@ -120,10 +120,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)

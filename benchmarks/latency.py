@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "latency-benchmark"
@@ -178,10 +178,7 @@ def report(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     delayed = [r for r in results if r["error"] is not None]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import read_metrics, results_dir, write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL = 0.20
 
@@ -129,10 +129,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, pred, meas = [], [], []

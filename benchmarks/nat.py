@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import kept_provenance, read_metrics, results_dir, write  # noqa: E402
+from benchmarks.common import kept_provenance, pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL_LOSS, GOAL_RATE, GOAL_JOIN_S = 1e-5, 0.9, 2.0
 CLUSTERS = {
@@ -221,10 +221,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels, ratios, colours = [], [], []

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.control.hierarchy_planning import choose_hier_plan  # noqa: E402
 from fusionllm.planner import offline  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['cluster']}\n{r['model']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 4.5))

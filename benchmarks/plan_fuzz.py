@@ -28,16 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))  # the zoo models are `tests.zoo:...`
 os.environ.setdefault("FUSIONLLM_ALLOW_IMPORTS", "tests.")
-from common import results_dir, write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.fuzz import draw_case, run_case  # noqa: E402
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for sched, colour in (("opfence", "tab:red"), ("uniform", "tab:blue"), ("params", "tab:green"), ("compute", "tab:orange")):

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import read_metrics, results_dir, training_steps, write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
 
 
 def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
@@ -72,10 +72,7 @@ def main() -> int:
                      f"{r['final_val_loss'] / base[r['seed']]['final_val_loss'] - 1:+.2%} | {r['train_loss_last10']:.4f} | "
                      f"{r['bytes_per_step']:,.0f} | {r['tokens_per_s']:,.0f} |")
     write(args.out, "precision", runs, table, {"args": {k: str(v) for k, v in vars(args).items()}})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, stop, write  # noqa: E402
+from common import pyplot, results_dir, stop, write  # noqa: E402
 
 TOKEN = "relay-copy-benchmark-token"
 
@@ -132,10 +132,7 @@ def main() -> None:
 
 
 def _plot(path: Path, summary: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     modes = list(summary)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import read_metrics, results_dir, write  # noqa: E402
+from common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
 from fusionllm.planner import offline, task_request  # noqa: E402
@@ -521,10 +521,7 @@ def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def _plot(all_rows: list[dict], path: Path, unit: str = "tokens") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows_ = [r for r in all_rows if not is_hier(r)]
     hier = [r for r in all_rows if is_hier(r)]
