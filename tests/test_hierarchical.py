@@ -11,6 +11,7 @@ import torch
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.harness import InProcessCluster, cluster_config, run_in_process
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
@@ -371,7 +372,7 @@ def test_a_group_that_joins_mid_run_starts_from_the_current_outer_weights_and_mo
         return c
 
     c = asyncio.run(main())
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = read_metrics(metrics).records
     joined = [e for e in events if e.get("event") == "group_joined"]
     assert len(joined) == 1 and joined[0]["workers"] == [2], c.lines
     k0 = joined[0]["round"]
