@@ -41,8 +41,8 @@ class Started(list):
     def stop(self, root: Path) -> list[str]:
         """Kill what the test left running: its own processes by handle (with their group if they
         lead one), then the processes of every local cluster run under ``root``, the test's own
-        directory, as their ``pids.json`` lists them (the coordinator and workers its ``train``
-        started). Returns what was running."""
+        directory, as their ``pids.json`` lists them (the ``train`` that ran it, unless that was this
+        process, and the coordinator and workers it started). Returns what was running."""
         from fusionllm.control.local_cluster import PIDS_FILE, read_pids
 
         left = []
@@ -59,7 +59,9 @@ class Started(list):
                 p.wait()
         for path in root.rglob(PIDS_FILE) if root.is_dir() else []:
             pids = read_pids(path.parent)
-            for pid in pids.running() if pids else []:
+            for pid in pids.running(launcher=True) if pids else []:
+                if pid == os.getpid():
+                    continue  # a test that ran the local cluster in this process
                 left.append(f"{pid} (listed in {path})")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

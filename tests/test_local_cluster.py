@@ -50,6 +50,7 @@ def test_a_local_cluster_lists_every_process_it_starts_while_they_run(tmp_path: 
     after = read_pids(run_dir)
     assert after is not None and after.stopped and after.launcher == os.getpid()
     assert after.all() == seen["all"] and after.running() == []  # stopped and waited for
+    assert after.running(launcher=True) == [os.getpid()]  # this process ran the cluster, and still runs
 
 
 def test_a_pid_is_running_only_while_it_is_the_process_that_was_started(tmp_path: Path) -> None:

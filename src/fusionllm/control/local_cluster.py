@@ -108,9 +108,11 @@ class ClusterPids:
         """The coordinator and the workers (not the launcher), in that order."""
         return [*([self.coordinator] if self.coordinator is not None else []), *(self.workers[r] for r in sorted(self.workers))]
 
-    def running(self) -> list[int]:
-        """Those of ``all()`` still running as the process that was started (same start time)."""
-        return [pid for pid in self.all() if pid in self.start_ticks and start_ticks(pid) == self.start_ticks[pid]]
+    def running(self, *, launcher: bool = False) -> list[int]:
+        """Those of ``all()`` (and the launcher, if asked) still running as the process that was
+        started (the same start time)."""
+        pids = [*([self.launcher] if launcher else []), *self.all()]
+        return [pid for pid in pids if pid in self.start_ticks and start_ticks(pid) == self.start_ticks[pid]]
 
 
 def read_pids(run_dir: Path) -> ClusterPids | None:
