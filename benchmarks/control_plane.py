@@ -471,10 +471,10 @@ def main() -> int:
         plot(doc["results"], args.out / "control_plane.png")
         return 0
 
-    def stop(signum: int, _frame: Any) -> None:
+    def interrupted(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, interrupted)
     new = []
     with tempfile.TemporaryDirectory(prefix="fcp-") as tmp, CoordinatorLink() as link:
         idle0 = link.counters()
