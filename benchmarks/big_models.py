@@ -15,7 +15,6 @@ a stage's weights in one gRPC message). Writes big_models.json and big_models.md
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import read_metrics, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +34,7 @@ def _run(args: list[str], timeout: float) -> tuple[int, float, str]:
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "step" in r] if path.exists() else []
+    return read_metrics(path, missing_ok=True).steps
 
 
 def one(model: str, steps: tuple[int, int], every: int, args: argparse.Namespace, tmp: Path) -> dict:
@@ -66,7 +65,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("big_models"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fusionllm-big-") as tmp:
         rows = [one(m, (args.steps[0], args.steps[1]), args.every, args, Path(tmp)) for m in args.models]

@@ -5,7 +5,7 @@ For 1M to 64M elements and ratios 0.001 to 0.3: top-k (exact below 1M elements, 
 threshold above: the table reports how far its k is from the exact k), per-token top-k, fp16, bf16.
 Writes codec_speed.json/.md/.png.
 
-    python benchmarks/codec_speed.py [--quick] [--out benchmarks/results]
+    python benchmarks/codec_speed.py [--quick] [--out benchmarks/results/codec_speed]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.compress.codecs import decode, encode, parse_codec  # noqa: E402
 
@@ -48,7 +48,7 @@ def bench(x: np.ndarray, spec: str, reps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("codec_speed"))
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -72,10 +72,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for spec in dict.fromkeys(r["codec"] for r in rows):

@@ -27,7 +27,7 @@ what other load distorts least.
 
 Gloo talks over loopback (``GLOO_SOCKET_IFNAME=lo`` unless set), like the data plane here.
 
-    python benchmarks/collectives.py [--quick] [--out benchmarks/results]
+    python benchmarks/collectives.py [--quick] [--out benchmarks/results/collectives]
 
 Writes collectives.json/.md/.png. Goal (issue 21): gloo all-reduce at least 2x the project's ring on
 128 MB, and no slower on small tensors.
@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "collectives-benchmark-token-0123456789abcdef"  # the same for every worker (32+ characters)
@@ -370,15 +370,7 @@ def run_group(world: int, plan: dict, timeout: float) -> list[dict]:
                 raise RuntimeError(_failure(world, failed, procs, logs))
             return [json.loads(p.read_text()) for p in results]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            stop(procs)
 
 
 def _failure(world: int, ranks: list[int], procs: list[subprocess.Popen], logs: list[Path], why: str = "") -> str:
@@ -447,7 +439,7 @@ def _modes(device: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("collectives"))
     ap.add_argument("--quick", action="store_true", help="fewer repeats, no 128 MB all-reduce among 4 (about a minute)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: GPU tensors, NCCL against the data plane (few repeats; writes collectives_gpu.*)")
@@ -558,10 +550,7 @@ def _table(rows: list[dict], profile: dict, memcpy: float, mode: dict) -> list[s
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ops = [op for op in ("allreduce", "p2p") if any(r["op"] == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4), squeeze=False)

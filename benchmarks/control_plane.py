@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "731f1e9"
@@ -171,13 +171,7 @@ class Scenario:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+    return read_metrics(path, missing_ok=True).records
 
 
 def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -277,15 +271,7 @@ def run_once(link: CoordinatorLink, env: dict[str, str], model: str, sc: Scenari
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.1, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(procs)
         sampler.halt.set()
         if sampler.is_alive():
             sampler.join()
@@ -438,10 +424,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     kinds = [("setup", "setup"), ("per_step", "per step"), ("per_eval", "per evaluation"), ("per_checkpoint", "per checkpoint"), ("model_bytes", "model size")]
@@ -471,7 +454,7 @@ def main() -> int:
     ap.add_argument("--code", choices=["before", "after", "both"], default="both")
     ap.add_argument("--models", default="gpt-micro,gpt2")
     ap.add_argument("--steps", default="gpt-micro:30,5", help="k, steps of each run (>= 2): N, or MODEL:N,...,N (the last for the rest)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("control_plane"))
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from control_plane.json; run nothing")
     args = ap.parse_args()
     steps: dict[str, int] = {}
@@ -484,14 +467,14 @@ def main() -> int:
     path = args.out / "control_plane.json"
     if args.report_only:  # the table and the plot again, from the JSON
         doc = json.loads(path.read_text())
-        write(args.out, "control_plane", doc["results"], table(doc["results"]), {k: doc[k] for k in ("date", "workers", "run_flags", "before_commit")})
+        write(args.out, "control_plane", doc["results"], table(doc["results"]), {**kept_provenance(doc), **{k: doc[k] for k in ("workers", "run_flags", "before_commit")}})
         plot(doc["results"], args.out / "control_plane.png")
         return 0
 
-    def stop(signum: int, _frame: Any) -> None:
+    def interrupted(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, interrupted)
     new = []
     with tempfile.TemporaryDirectory(prefix="fcp-") as tmp, CoordinatorLink() as link:
         idle0 = link.counters()

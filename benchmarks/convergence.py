@@ -22,7 +22,7 @@ and codec (so each cluster, or a codec added later, can be its own run). Needs r
 
 ``--task vision`` (``--model resnet18 --image-size 32`` by default) trains a CIFAR-stem ResNet on the
 seeded synthetic images instead (10 classes): tokens/s becomes images/s and the final validation
-accuracy (in points) is reported next to the loss; results go to benchmarks/results/vision_convergence
+accuracy (in points) is reported next to the loss; results go to benchmarks/results/convergence/vision
 by default.
 
     python benchmarks/convergence.py [--clusters tri-slow dp-slow] [--steps 120] [--seeds 0 1] [--codecs none adatopk]
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import training_steps, write  # noqa: E402
+from common import pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 1e9  # links at least this fast are not "slow links"
@@ -131,7 +131,7 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} {codec} seed {seed}: {proc.stderr[-2000:]}")
-    rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    rec = read_metrics(metrics).steps
     slow = slow_links(path)
     # a training step's bytes: the step after an evaluation also carries the evaluation's forward passes
     per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in training_steps(rec)]
@@ -237,7 +237,7 @@ def vision_table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results (benchmarks/results/vision_convergence with --task vision)")
+    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/convergence (benchmarks/results/convergence/vision with --task vision)")
     ap.add_argument("--task", default="lm", choices=("lm", "vision"), help="lm: GPTs on text; vision: ResNets on the seeded synthetic images")
     ap.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
@@ -258,7 +258,7 @@ def main() -> int:
     if args.model is None:
         args.model = "gpt-micro" if args.task == "lm" else "resnet18"
     if args.out is None:
-        args.out = ROOT / "benchmarks" / "results" / ("" if args.task == "lm" else f"{args.task}_convergence")
+        args.out = results_dir("convergence", *([] if args.task == "lm" else [args.task]))
     runs: list[dict] = []
     old = args.out / "convergence.json"
     if old.exists() and not args.fresh:
@@ -288,10 +288,7 @@ def main() -> int:
 
 
 def _plot(runs: list[dict], order: list[str], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     acc = any(r.get("val_accuracy_curve") for r in runs)  # --task vision: accuracy under the loss
     fig, axes = plt.subplots(2 if acc else 1, len(order), figsize=(4.2 * len(order), 7.2 if acc else 3.8), squeeze=False)

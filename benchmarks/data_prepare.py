@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 
 FILE_BYTES = 16 << 20
 
@@ -54,7 +54,7 @@ def make_corpus(root: Path, total: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("data_prepare"))
     ap.add_argument("--gigabytes", type=float, default=1.0)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -104,10 +104,7 @@ def main() -> int:
         table.append(f"| {r['tokenizer']} | {r['text_bytes'] / 1e6:,.0f} MB | {r['tokens']:,} | {r['text_bytes'] / r['tokens']:.2f} | {r['seconds']:.0f} | "
                      f"{r['mb_per_s']:.1f} | {r['shards']} | {r['shard_bytes'] / 1e6:,.0f} MB ({r['dtype']}) | {r['batch_ms']:.2f} ms |")
     write(args.out, "data_prepare", rows, table, {"args": {k: str(v) for k, v in vars(args).items()}})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar([r["tokenizer"] for r in rows], [r["mb_per_s"] for r in rows])

@@ -31,7 +31,7 @@ e2e_loss_time.png. Needs root (the testbed).
 
     python benchmarks/e2e.py [--quick] [--clusters three-sites uniform random:12] [--steps 120] [--merge] [--systems peer hivemind]
     python benchmarks/e2e.py --task vision --clusters three-sites --systems peer uniform opfence opfence+adatopk \
-        --steps 60 --eval-every 20 --eval-batches 2 --out benchmarks/results/vision
+        --steps 60 --eval-every 20 --eval-batches 2 --out benchmarks/results/e2e/vision
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
 from fusionllm.control.local_cluster import run_local_cluster  # noqa: E402
@@ -108,10 +108,7 @@ def run_peer(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) ->
         try:
             codes = [p.wait(timeout=args.timeout) for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            stop(procs, grace=0)
     if any(codes):
         raise RuntimeError(f"the peer failed (exit codes {codes}); its log: {log}\n{log.read_text()[-2000:]}")
 
@@ -175,10 +172,7 @@ def run_hivemind(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path
         try:
             codes = [p.wait(timeout=args.timeout) for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            stop(procs, grace=0)
     if any(codes):
         raise RuntimeError(f"hivemind failed (exit codes {codes}); its log: {log}\n{log.read_text()[-3000:]}")
     steps = merge(metrics, n)
@@ -203,7 +197,7 @@ def run_hierarchical(tb: Testbed, args: argparse.Namespace, metrics: Path, log: 
     code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
     if code != 0:
         raise RuntimeError(f"fusionllm --sync hierarchical failed (exit {code}); logs in {run_dir}")
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    lines = read_metrics(metrics).records
     plan = next(r for r in lines if r.get("event") == "plan")
     outer = next((r for r in lines if r.get("event") == "outer_bytes"), {})
     left_out = [r for r in lines if r.get("event") in ("left_out", "group_left")]
@@ -319,7 +313,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 run_fusion(tb, path, SYSTEMS[system], args, metrics, tmp / f"{name}-{system}")
                 predicted = None
             after = tb.link_bytes()
-            lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+            lines = read_metrics(metrics).records
             rec = [r for r in lines if "step" in r]
             plan_event = next((r for r in lines if r.get("event") == "plan"), None)
             if predicted is None:
@@ -428,7 +422,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a reduced run (fewer steps) for a check in a few minutes")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("e2e"))
     ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform", "random:12", "random:7"],
                     help="names in examples/clusters, or random:SEED (four CPU devices in three sites)")
     ap.add_argument("--report", action="store_true", help="only rewrite e2e.md and the plots from e2e.json (with the arguments given)")
@@ -469,7 +463,7 @@ def main() -> int:
         saved = json.loads((args.out / "e2e.json").read_text())
         rows = saved["results"]
         retarget(rows)
-        write(args.out, "e2e", rows, table(rows, args), {"args": saved.get("args", {})})
+        write(args.out, "e2e", rows, table(rows, args), {**kept_provenance(saved), "args": saved.get("args", {})})
         _plot(rows, args.out, unit(args))
         return 0
     if "hivemind" in args.systems and args.task != "lm":
@@ -480,7 +474,7 @@ def main() -> int:
         args.systems = [s for s in args.systems if s != "hivemind"]
     if args.quick:
         args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = 24, 8, 2, 8, 3
-        args.out = args.out / "quick" if args.out == ROOT / "benchmarks" / "results" else args.out
+        args.out = args.out / "quick" if args.out == results_dir("e2e") else args.out
     rows = []
     old = args.out / "e2e.json"
     if args.merge and old.exists():  # keep the clusters not run this time (each cluster can be its own run)
@@ -497,10 +491,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], out: Path, u: str = "tokens") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     clusters = list(dict.fromkeys(r["cluster"] for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))

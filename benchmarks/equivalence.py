@@ -22,7 +22,6 @@ Writes equivalence.json, equivalence.md and equivalence.png (per-step loss diffe
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL = 1e-5
 RANDOM_SHAPE = {"kind": "cpu", "sites": (2, 3), "devices": (3, 4), "latency": False}
@@ -57,7 +56,7 @@ def common_args(args: argparse.Namespace) -> list[str]:
 
 
 def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path).records
 
 
 def reference(args: argparse.Namespace, tmp: Path, micro_batches: int) -> tuple[list[dict], dict]:
@@ -143,10 +142,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
@@ -162,7 +158,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "equivalence")
+    ap.add_argument("--out", type=Path, default=results_dir("equivalence"))
     ap.add_argument("--clusters", nargs="+", default=["local:3", "three-sites", "random:5"])
     ap.add_argument("--task", default="vision")
     ap.add_argument("--model", default="resnet18")

@@ -6,13 +6,12 @@ is killed or stopped. Measured: seconds from the fault to the coordinator's reco
 plus re-planning plus re-assigning the stages), the steps run again (since the newest checkpoint), and
 the whole run's wall time against an undisturbed run. Writes faults.json and faults.md.
 
-    python benchmarks/faults.py [--out benchmarks/results]
+    python benchmarks/faults.py [--out benchmarks/results/faults]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import cluster_pids, read_metrics, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "fusionllm"]
@@ -31,7 +30,7 @@ RUN = ["--model", "gpt-micro", "--steps", "30", "--batch-size", "8", "--seq-len"
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") != "plan"] if path.exists() else []
+    return [r for r in read_metrics(path, missing_ok=True).records if r.get("event") != "plan"]
 
 
 def run(fault: str | None, tmp: Path) -> dict:
@@ -44,8 +43,7 @@ def run(fault: str | None, tmp: Path) -> dict:
     try:
         while fault is not None and fault_at is None:
             if len([r for r in _records(out) if "step" in r]) >= 12:
-                pids = subprocess.run(["pgrep", "-f", f"worker .*{run_dir}/token .*--rank 2 "], capture_output=True, text=True).stdout.split()
-                victim = int(pids[0])
+                victim = cluster_pids(run_dir).workers[2]  # the local cluster lists what it started
                 os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 fault_at = time.monotonic()
             if proc.poll() is not None:
@@ -79,7 +77,7 @@ def run(fault: str | None, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("faults"))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fusion-faults-") as tmp:

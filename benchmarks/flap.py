@@ -15,7 +15,7 @@ Two ways to drop it:
 Both check that the losses equal the undisturbed run's and that nothing was re-planned. Writes
 flap.json and flap.md.
 
-    python benchmarks/flap.py [--mode proxy|testbed|both] [--outage 5] [--steps 200 --at 50] [--out benchmarks/results]
+    python benchmarks/flap.py [--mode proxy|testbed|both] [--outage 5] [--steps 200 --at 50] [--out benchmarks/results/flap]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import read_metrics, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config  # noqa: E402
@@ -77,7 +77,7 @@ def proxy(outage: float, steps: int, at: int) -> dict[str, Any]:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(path, missing_ok=True).records
 
 
 def _testbed_run(tmp: Path, tag: str, outage: float, steps: int, at: int) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def main() -> int:
     ap.add_argument("--outage", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--at", type=int, default=50)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("flap"))
     args = ap.parse_args()
     rows = []
     if args.mode in ("proxy", "both"):

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 
 BOUNDARY = (0x00, 0x01, 0x7F, 0x80, 0xFF)
 MAX_PAYLOAD = 1 << 20  # the limit handed to decoders that take one: a budget the allocation check can use
@@ -245,7 +245,7 @@ def relay_target() -> tuple[list[bytes], Callable[[bytes], object], int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("fuzz_decoders"))
     ap.add_argument("--inputs", type=int, default=1_000_000, help="inputs in total, shared by the targets by their speed budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample", type=int, default=200, help="one input in this many is decoded under tracemalloc")
@@ -300,10 +300,7 @@ def main() -> int:
     if crashed:
         table += ["", "Crashes (first input of each kind, hex, and where):", ""] + [f"- {t}: `{k}` at {v.split(' | ')[1]}" for t, k, v in crashed]
     write(args.out, "fuzz_decoders", rows, table, {"args": {k: str(v) for k, v in vars(args).items()}})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([r["target"] for r in rows], [r["refused"] for r in rows], label="refused")

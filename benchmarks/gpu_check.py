@@ -3,7 +3,7 @@
 
 Run on a machine with a CUDA device (the `device` tool), from the repository root:
 
-    python benchmarks/gpu_check.py --out results/gpu [--collectives | --only-collectives]
+    python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check] [--collectives | --only-collectives]
 
 Writes gpu_check.json and gpu_check.md; exits non-zero when a check fails. ``--collectives`` adds
 NCCL against the project's data plane on GPU tensors (all-reduce of 1, 16, 128 MB, point-to-point of
@@ -21,8 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-FUSION = [sys.executable, "-m", "fusionllm"]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import read_metrics, results_dir, write  # noqa: E402
+
+FUSION = [sys.executable, "-m", "fusionllm"]
 
 
 def run(cmd: list[str], timeout: float = 300) -> tuple[int, str, float]:
@@ -32,7 +35,7 @@ def run(cmd: list[str], timeout: float = 300) -> tuple[int, str, float]:
 
 
 def losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+    return read_metrics(path).losses()
 
 
 def collectives(out: Path) -> dict:
@@ -63,7 +66,7 @@ def collectives(out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="Equivalence checks on a GPU (and, optionally, NCCL against the data plane).")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
+    ap.add_argument("--out", type=Path, default=results_dir("gpu_check"))
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--collectives", action="store_true", help="also time NCCL against the data plane on GPU tensors (seconds)")
     ap.add_argument("--only-collectives", action="store_true", help="only that timing, none of the equivalence checks")
@@ -93,11 +96,9 @@ def main() -> int:
 
 def _report(out: Path, results: list[dict]) -> int:
     """Write gpu_check.json/.md; 1 when a check failed (a skipped one, ``ok`` None, is no failure)."""
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
     table = ["| check | ok | detail | seconds |", "|---|---|---|---|"]
     table += [f"| {r['check']} | {'skipped' if r['ok'] is None else 'yes' if r['ok'] else 'NO'} | {r['detail']} | {r['seconds']} |" for r in results]
-    (out / "gpu_check.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    write(out, "gpu_check", results, table)
     return 0 if all(r["ok"] is not False for r in results) else 1
 
 

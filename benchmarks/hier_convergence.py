@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.launch.inprocess import cluster_config, run_in_process  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--evals", type=int, default=5)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--variants", action="store_true", help="also vary the codec, the delay and the outer optimiser (first model and seed)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("hier_convergence"))
     args = ap.parse_args()
     rows = []
     for model in args.models:
@@ -120,10 +120,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)

@@ -24,7 +24,7 @@ within 10% of the shaped rate (TCP/IP headers take about 4% of it).
 
     sudo .venv/bin/python benchmarks/latency.py [--cluster FILE] [--rates 20mbit,200mbit] [--pings 30]
 
-Writes benchmarks/results/latency.json, latency.md and latency.png.
+Writes benchmarks/results/latency/latency.json, latency.md and latency.png.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "latency-benchmark"
@@ -178,10 +178,7 @@ def report(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     delayed = [r for r in results if r["error"] is not None]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -210,7 +207,7 @@ def main() -> int:
     ap.add_argument("--cluster", type=Path, default=ROOT / "examples" / "clusters" / "two-sites-50ms.toml")
     ap.add_argument("--rates", default="", help="comma-separated link rates to measure the cross-site pairs at as well, e.g. 200mbit")
     ap.add_argument("--pings", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("latency"))
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--client", help=argparse.SUPPRESS)
     ap.add_argument("--big", type=int, default=1 << 20, help=argparse.SUPPRESS)
@@ -247,9 +244,8 @@ def main() -> int:
                 print(f"{spec.name} w{i}->w{j}: one-way {r['push_one_way_s'] * 1e3:.1f} ms (configured {r['latency_s'] * 1e3:.0f}), "
                       f"{r['throughput_bps'] / 1e6:.1f} of {r['shaped_bps'] / 1e6:g} Mbit/s", flush=True)
                 results.append(r)
-    command = " ".join([".venv/bin/python benchmarks/latency.py", *sys.argv[1:]])
-    write(args.out, "latency", results, [*report(results), "", f"Command (root): `{command}`"],
-          {"cluster": str(args.cluster.relative_to(ROOT) if args.cluster.is_relative_to(ROOT) else args.cluster), "pings": args.pings, "command": command})
+    write(args.out, "latency", results, [*report(results), "", "Run as root (the testbed)."],
+          {"cluster": str(args.cluster.relative_to(ROOT) if args.cluster.is_relative_to(ROOT) else args.cluster), "pings": args.pings})
     plot(results, args.out / "latency.png")
     return 0
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL = 0.20
 
@@ -90,7 +90,7 @@ def distributed(model: str, workers: int, args: argparse.Namespace, tmp: Path) -
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{model} local:{workers} failed:\n{proc.stderr[-3000:]}")
-    rec = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rec = read_metrics(metrics).records
     steps = [r for r in rec if "step" in r]
     plan = next(r for r in rec if r.get("event") == "plan")
     last = steps[-1]["rss"]
@@ -129,10 +129,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, pred, meas = [], [], []
@@ -153,7 +150,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("memory"))
     ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"])
     ap.add_argument("--model", default="gpt2", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=4)

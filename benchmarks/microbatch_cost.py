@@ -24,26 +24,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import cluster_pids, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _processes(tag: str) -> dict[str, int]:
-    """The run's coordinator and workers (their command lines name its run directory)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not any(tag.encode() in c for c in cmd):
-            continue
-        if b"--rank" in cmd:
-            out[f"w{int(cmd[cmd.index(b'--rank') + 1])}"] = int(pid)
-        elif b"coordinator" in cmd:
-            out["coordinator"] = int(pid)
-    return out
+def _processes(run_dir: Path) -> dict[str, int]:
+    """The run's coordinator and workers, as its local cluster lists them in the run directory."""
+    pids = cluster_pids(run_dir, timeout=10)
+    return {**({"coordinator": pids.coordinator} if pids.coordinator is not None else {}), **{f"w{r}": p for r, p in pids.workers.items()}}
 
 
 def _cpu(pid: int) -> float:
@@ -62,7 +51,7 @@ def measure(args: argparse.Namespace, m: int, tmp: Path) -> dict:
     while proc.poll() is None:
         done = metrics.read_text().count('"step"') if metrics.exists() else 0
         if first is None and done >= 5:
-            pids = _processes(str(run_dir))
+            pids = _processes(run_dir)
             first = (done, {k: _cpu(p) for k, p in pids.items()})
         if first is not None and last is None and done >= args.steps - 2:
             last = (done, {k: _cpu(p) for k, p in pids.items()})
@@ -75,7 +64,7 @@ def measure(args: argparse.Namespace, m: int, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("microbatch_cost"))
     ap.add_argument("--cluster", type=Path, default=ROOT / "examples" / "clusters" / "uniform.toml")
     ap.add_argument("--model", default="gpt-nano")
     ap.add_argument("--batch-size", type=int, default=16)

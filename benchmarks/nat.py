@@ -24,7 +24,7 @@ Reported:
 - ``random:SEED``: a random CPU cluster (``cluster.random``, 2-3 sites, 3-4 devices, random rates) whose
   sites are put behind NAT at random (at least one, never all: the first reachable worker relays).
 
-    sudo python benchmarks/nat.py            # writes benchmarks/results/nat.{json,md,png}
+    sudo python benchmarks/nat.py            # writes benchmarks/results/nat/nat.{json,md,png}
     sudo python benchmarks/nat.py --clusters nat-site two-nats random:1 random:2 --models gpt-micro gpt-nano
 """
 
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import kept_provenance, pyplot, read_metrics, results_dir, write  # noqa: E402
 
 GOAL_LOSS, GOAL_RATE, GOAL_JOIN_S = 1e-5, 0.9, 2.0
 CLUSTERS = {
@@ -112,7 +112,7 @@ JOINED = re.compile(r"joined \S+ as worker (\d+), serving on (\S+), ([0-9.]+) s 
 
 
 def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path).records
 
 
 def train_args(args: argparse.Namespace, model: str) -> list[str]:
@@ -221,10 +221,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels, ratios, colours = [], [], []
@@ -253,12 +250,12 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probe-seconds", type=float, default=2.0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=results_dir("nat"))
     p.add_argument("--report", action="store_true", help="only rewrite nat.md and nat.png from nat.json (with the arguments given)")
     args = p.parse_args()
     if args.report:
         doc = json.loads((args.out / "nat.json").read_text())
-        write(args.out, "nat", doc["results"], table(doc["results"], args), {"goals": doc.get("goals", {})})
+        write(args.out, "nat", doc["results"], table(doc["results"], args), {**kept_provenance(doc), "goals": doc.get("goals", {})})
         plot(doc["results"], args.out)
         return 0
     rows = []

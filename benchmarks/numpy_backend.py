@@ -6,7 +6,7 @@ each, with ``NumpyStageExecutor`` and with ``StageExecutor``, on the same weight
 the table gives the median time of a few repetitions and the NumPy / torch ratio, and checks that
 both computed the same thing. Writes numpy_backend.json/.md.
 
-    python benchmarks/numpy_backend.py [--batch 4] [--seq 128] [--reps 5] [--out benchmarks/results]
+    python benchmarks/numpy_backend.py [--batch 4] [--seq 128] [--reps 5] [--out benchmarks/results/numpy_backend]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import results_dir, write  # noqa: E402
 
 from fusionllm.graph.ir import OpGraph  # noqa: E402
 from fusionllm.models.spec import build_model  # noqa: E402
@@ -99,7 +99,7 @@ def bench(graph: OpGraph, tensors: dict[str, torch.Tensor], ids: list[str], batc
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("numpy_backend"))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)

@@ -8,7 +8,7 @@ that exchange compressed pseudo-gradients every round, sim/rounds.py). Every pla
 the fraction of the cluster's aggregate compute doing training work (sim/utilization.py); the issue's
 goal is at least 50%. Writes paper_scale.json, paper_scale.md and paper_scale.png.
 
-    python benchmarks/paper_scale.py [--out benchmarks/results] [--quick] [--models gpt2 resnet101 ...]
+    python benchmarks/paper_scale.py [--out benchmarks/results/paper_scale] [--quick] [--models gpt2 resnet101 ...]
 
 ResNet models (``--task vision``: ResNet-101 at 224x224, the paper's) count images where the GPT
 rows count tokens (their "tokens/s" columns are images/s); ``--image-size`` sets the resolution.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.launch.offline import offline  # noqa: E402
 from fusionllm.planning.hierarchy import choose_hier_plan  # noqa: E402
@@ -38,7 +38,7 @@ MODELS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("paper_scale"))
     ap.add_argument("--quick", action="store_true", help="one cluster, two models")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -119,10 +119,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['cluster']}\n{r['model']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 4.5))

@@ -10,7 +10,7 @@ fails when planning crashes, returns a plan the validator rejects, or the simula
 Writes plan_fuzz.json/.md/.png. Ops are counted, not timed (no calibration), so results are the
 same on any machine except the planning times.
 
-    python benchmarks/plan_fuzz.py [--cases 2000] [--seed 0] [--out benchmarks/results]
+    python benchmarks/plan_fuzz.py [--cases 2000] [--seed 0] [--out benchmarks/results/plan_fuzz]
 """
 
 from __future__ import annotations
@@ -28,15 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))  # the zoo models are `tests.zoo:...`
 os.environ.setdefault("FUSIONLLM_ALLOW_IMPORTS", "tests.")
-from common import write  # noqa: E402
+from common import pyplot, results_dir, write  # noqa: E402
 from tests.fuzz import draw_case, run_case  # noqa: E402
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for sched, colour in (("opfence", "tab:red"), ("uniform", "tab:blue"), ("params", "tab:green"), ("compute", "tab:orange")):
@@ -56,7 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("plan_fuzz"))
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results = []

@@ -5,7 +5,7 @@ The 1,000-op graph is GPT-2 XL traced at `fine` granularity (the glue inside eac
 The 1,000-device clusters are 50 sites of 20 GPUs and a random one (`fusionllm.cluster.random`, seeded).
 Writes plan_speed.json/.md.
 
-    python benchmarks/plan_speed.py [--out benchmarks/results]
+    python benchmarks/plan_speed.py [--out benchmarks/results/plan_speed]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import results_dir, write  # noqa: E402
 
 from fusionllm.cluster.hardware import Hardware  # noqa: E402
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
@@ -78,7 +78,7 @@ def run(name: str, model: str, granularity: str, cluster_text: str, req: Request
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("plan_speed"))
     args = ap.parse_args()
     req = Request(64, 1024, 8)
     paper = (ROOT / "examples" / "clusters" / "paper-6x8.toml").read_text()

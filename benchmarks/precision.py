@@ -13,7 +13,6 @@ precision.md and precision.png (validation loss against step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import training_steps, write  # noqa: E402
+from benchmarks.common import pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
 
 
 def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
@@ -36,7 +35,7 @@ def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Pat
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} {precision} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    rec = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    rec = read_metrics(metrics).steps
     bytes_ = [sum(r.get("bytes", {}).values()) for r in training_steps(rec)]
     return {"mode": mode, "precision": precision, "seed": seed, "final_val_loss": rec[-1]["val_loss"],
             "train_loss_last10": statistics.fmean(r["loss"] for r in rec[-10:]), "tokens_per_s": rec[-1]["tokens_per_s"],
@@ -46,7 +45,7 @@ def run(mode: str, precision: str, seed: int, args: argparse.Namespace, tmp: Pat
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("precision"))
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -73,10 +72,7 @@ def main() -> int:
                      f"{r['final_val_loss'] / base[r['seed']]['final_val_loss'] - 1:+.2%} | {r['train_loss_last10']:.4f} | "
                      f"{r['bytes_per_step']:,.0f} | {r['tokens_per_s']:,.0f} |")
     write(args.out, "precision", runs, table, {"args": {k: str(v) for k, v in vars(args).items()}})
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:

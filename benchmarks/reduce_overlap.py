@@ -12,13 +12,12 @@ and how many buckets the workers started before REDUCE (from their logs).
 On a machine with fewer cores than workers, the backward and gloo's threads compete for the same
 cores: overlap then hides little, or nothing.
 
-    python benchmarks/reduce_overlap.py [--model gpt-micro] [--steps 8] [--rounds 2] [--out benchmarks/results]
+    python benchmarks/reduce_overlap.py [--model gpt-micro] [--steps 8] [--rounds 2] [--out benchmarks/results/reduce_overlap]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import read_metrics, results_dir, write  # noqa: E402
 
 
 def run(mode: str, model: str, steps: int, batch: int, seq: int, work: Path) -> dict:
@@ -37,7 +36,7 @@ def run(mode: str, model: str, steps: int, batch: int, seq: int, work: Path) -> 
            "--model", model, "--batch-size", str(batch), "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0",
            "--seed", "3", "--metrics", str(out), "--run-dir", str(run_dir)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=900)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = read_metrics(out).records
     steps_ = [r for r in records if "step" in r]
     told = [line.split("backward: ")[1] for p in sorted(run_dir.glob("worker-*.log")) for line in p.read_text().splitlines()
             if "overlapped with the backward" in line]
@@ -52,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("reduce_overlap"))
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {"overlap": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,14 +5,14 @@ Three processes on loopback, as on a real relayed link: a relay (``Relay``); a h
 ``Tunnel`` to the relay and a sink server behind it that reads everything and answers with one
 byte); and this process, which connects to the worker's public port on the relay and sends --mb
 MiB. The relay process copies every byte once each way in and out, the worker's tunnel end once
-more. For each mode (FUSIONLLM_RELAY_SPLICE=1 or 0 in both helper processes) and repeat: the
-throughput (bytes / time to the sink's answer) and the CPU seconds the relay process and the
-worker process spent (utime + stime from /proc), per GiB moved. Modes alternate, so both see the
-same load on a shared machine.
+more. For each mode (``--copy kernel`` or ``python`` to both helper processes: their ``Relay`` and
+``Tunnel`` made with ``kernel_copy`` on or off) and repeat: the throughput (bytes / time to the
+sink's answer) and the CPU seconds the relay process and the worker process spent (utime + stime
+from /proc), per GiB moved. Modes alternate, so both see the same load on a shared machine.
 
     python benchmarks/relay_copy.py [--mb 1024] [--repeats 3]
 
-Writes benchmarks/results/relay_copy.json, relay_copy.md and relay_copy.png.
+Writes benchmarks/results/relay_copy/relay_copy.json, relay_copy.md and relay_copy.png.
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, results_dir, stop, write  # noqa: E402
 
 TOKEN = "relay-copy-benchmark-token"
 
 
-async def _relay() -> None:
+async def _relay(kernel: bool) -> None:
     from fusionllm.transport.relay import Relay
 
-    relay = Relay(TOKEN)
+    relay = Relay(TOKEN, kernel_copy=kernel)
     print(await relay.start("127.0.0.1"), flush=True)
     await asyncio.Event().wait()
 
 
-async def _worker(relay_port: int, total: int) -> None:
+async def _worker(relay_port: int, total: int, kernel: bool) -> None:
     from fusionllm.transport.relay import Tunnel
 
     async def sink(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -52,7 +52,7 @@ async def _worker(relay_port: int, total: int) -> None:
         w.close()
 
     server = await asyncio.start_server(sink, "127.0.0.1", 0)
-    tunnel = Tunnel(f"127.0.0.1:{relay_port}", TOKEN, [f"127.0.0.1:{server.sockets[0].getsockname()[1]}"])
+    tunnel = Tunnel(f"127.0.0.1:{relay_port}", TOKEN, [f"127.0.0.1:{server.sockets[0].getsockname()[1]}"], kernel_copy=kernel)
     await tunnel.open()
     print(tunnel.addresses[0], flush=True)
     await asyncio.Event().wait()
@@ -80,22 +80,18 @@ async def _send(address: str, total: int) -> float:
 
 
 def _measure(kernel: bool, total: int) -> dict:
-    env = {**os.environ, "FUSIONLLM_RELAY_SPLICE": "1" if kernel else "0"}
-    me = [sys.executable, __file__]
-    relay = subprocess.Popen([*me, "--role", "relay"], stdout=subprocess.PIPE, text=True, env=env)
+    me = [sys.executable, __file__, "--copy", "kernel" if kernel else "python"]
+    relay = subprocess.Popen([*me, "--role", "relay"], stdout=subprocess.PIPE, text=True)
     worker = None
     try:
         port = int(relay.stdout.readline())
-        worker = subprocess.Popen([*me, "--role", "worker", "--relay-port", str(port), "--bytes", str(total)], stdout=subprocess.PIPE, text=True, env=env)
+        worker = subprocess.Popen([*me, "--role", "worker", "--relay-port", str(port), "--bytes", str(total)], stdout=subprocess.PIPE, text=True)
         address = worker.stdout.readline().strip()
         cpu0 = _cpu(relay.pid), _cpu(worker.pid)
         took = asyncio.run(_send(address, total))
         cpu1 = _cpu(relay.pid), _cpu(worker.pid)
     finally:
-        for p in (relay, worker):
-            if p is not None:
-                p.kill()
-                p.wait()
+        stop([relay, worker], grace=0)
     gib = total / (1 << 30)
     return {"mode": "kernel" if kernel else "python", "seconds": round(took, 3), "gbit_s": round(total * 8 / took / 1e9, 3),
             "relay_cpu_s_per_gib": round((cpu1[0] - cpu0[0]) / gib, 3), "worker_cpu_s_per_gib": round((cpu1[1] - cpu0[1]) / gib, 3)}
@@ -106,14 +102,15 @@ def main() -> None:
     ap.add_argument("--role", choices=["relay", "worker"])
     ap.add_argument("--relay-port", type=int)
     ap.add_argument("--bytes", type=int)
+    ap.add_argument("--copy", choices=["kernel", "python"], default="kernel", help="how a helper process's relay copies (set for each mode)")
     ap.add_argument("--mb", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("relay_copy"))
     a = ap.parse_args()
     if a.role == "relay":
-        return asyncio.run(_relay())
+        return asyncio.run(_relay(a.copy == "kernel"))
     if a.role == "worker":
-        return asyncio.run(_worker(a.relay_port, a.bytes))
+        return asyncio.run(_worker(a.relay_port, a.bytes, a.copy == "kernel"))
     total = a.mb << 20
     runs = []
     for r in range(a.repeats):
@@ -135,10 +132,7 @@ def main() -> None:
 
 
 def _plot(path: Path, summary: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     modes = list(summary)

@@ -32,11 +32,11 @@ sim_vs_real.json, sim_vs_real.md and sim_vs_real.png (predicted vs measured, wit
 vision task on its seeded synthetic images instead: every `fusionllm train` gets ``--task vision
 --image-size N``, and the in-process planning (the predictions, the hierarchical plan) plans that
 task's model with its request (``planner.task_request``: a batch row is one image, so tokens/s
-becomes images/s). Its results go to benchmarks/results/sim_vs_real_resnet unless --out says otherwise.
+becomes images/s). Its results go to benchmarks/results/sim_vs_real/resnet unless --out says otherwise.
 
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py [--rows examples|sweep|random|hier|all] [--merge]
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py --rows latency --steps 12 --warmup 3 \
-        --out benchmarks/results/sim_vs_real_latency/after [--only SCHEDULER[:M]] [--merge]   # two-sites-50ms, its link delayed
+        --out benchmarks/results/sim_vs_real/latency/after [--only SCHEDULER[:M]] [--merge]   # two-sites-50ms, its link delayed
     sudo flock /tmp/fusionllm-bench.lock python benchmarks/sim_vs_real.py --task vision --model resnet18 --image-size 32 \
         --rows examples --batch-size 16 --steps 12 --warmup 3 [--cluster NAME ...] [--merge]
 """
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import pyplot, read_metrics, results_dir, write  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
 from fusionllm.launch.offline import offline, task_request  # noqa: E402
@@ -184,7 +184,7 @@ def measure(cluster: Path, row: Row, args: argparse.Namespace, tmp: Path, load: 
     stderr = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(metrics).records
     if any(r.get("event") == "replan" for r in records):  # a new plan (and a new epoch's clock) mid-run: not the plan predicted
         raise RuntimeError(f"{' '.join(cmd)} replanned; the steps measured would mix two plans")
     rec = [r for r in records if "step" in r]
@@ -286,7 +286,7 @@ def hier_measure(name: str, cluster: Path, args: argparse.Namespace, tmp: Path, 
     stderr = proc.stderr.read() if proc.stderr else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
-    got = hier_summary([json.loads(line) for line in metrics.read_text().splitlines()], request(args, TRACED_M).tokens)
+    got = hier_summary(read_metrics(metrics).records, request(args, TRACED_M).tokens)
     got["other_cores"] = OtherLoad.cores(mark, load.sample()) if mark else float("nan")
     got["steps_asked"] = steps
     return got
@@ -350,7 +350,7 @@ def meta(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results (benchmarks/results/sim_vs_real_resnet with --task vision)")
+    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/sim_vs_real (benchmarks/results/sim_vs_real/resnet with --task vision)")
     ap.add_argument("--task", default="lm", choices=("lm", "vision"), help="lm: GPTs on text; vision: ResNets on the seeded synthetic images")
     ap.add_argument("--image-size", type=int, default=32, help="--task vision: pixels square")
     ap.add_argument("--model", default=None, help="default gpt-micro (--task lm), resnet18 (--task vision)")
@@ -372,7 +372,7 @@ def main() -> int:
     args = ap.parse_args()
     args.model = args.model or ("gpt-micro" if args.task == "lm" else "resnet18")
     if args.out is None:
-        args.out = ROOT / "benchmarks" / "results" / ("" if args.task == "lm" else "sim_vs_real_resnet")
+        args.out = results_dir("sim_vs_real", *([] if args.task == "lm" else ["resnet"]))
     results: list[dict] = []
     old = args.out / "sim_vs_real.json"
     if (args.merge or args.repredict) and old.exists():
@@ -521,10 +521,7 @@ def sync_report(results: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def _plot(all_rows: list[dict], path: Path, unit: str = "tokens") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows_ = [r for r in all_rows if not is_hier(r)]
     hier = [r for r in all_rows if is_hier(r)]

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write  # noqa: E402
+from common import results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = [sys.executable, "-m", "fusionllm"]
@@ -177,19 +177,7 @@ class Soak:
         return [p for p in self.workers if p.alive and not p.stopped and self.address_of(p) in planned and not (avoid_nan and p.nan_steps)]
 
     def stop_all(self) -> None:
-        procs = [p.popen for p in self.workers] + ([self.coordinator] if self.coordinator else [])
-        for p in procs:
-            if p.poll() is None:
-                with _quiet():
-                    p.send_signal(signal.SIGCONT)
-                    p.terminate()
-        deadline = time.monotonic() + 20
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop([p.popen for p in self.workers] + [self.coordinator], grace=20, resume=True)  # a held worker is continued first
 
     # ---- waiting ---------------------------------------------------------------------------------
     def wait_for(self, what: str, check: object, timeout: float, *, quiet: bool = False) -> bool:
@@ -350,7 +338,7 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dead-after", type=float, default=12.0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=results_dir("soak"))
     args = ap.parse_args()
     minutes = args.minutes or (10.0 if args.quick else 60.0)
     every = args.fault_every or (85.0 if args.quick else 300.0)
@@ -457,14 +445,6 @@ def main() -> int:
     name = "soak_quick" if args.quick else "soak"
     write(args.out, name, {"summary": summary, "faults": rows}, table)
     return 0 if rc == 0 and not missing else 1
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Both runs use the same model, data, seed and plan; the losses of every step are 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write  # noqa: E402
+from benchmarks.common import read_metrics, results_dir, write  # noqa: E402
 
 GOAL = 1e-5
 CACHE = Path.home() / ".cache" / "fusionllm"
@@ -66,7 +65,7 @@ def train(args: argparse.Namespace, tmp: Path, name: str, extra: list[str]) -> l
     if proc.returncode != 0:
         raise SystemExit(f"{name}: training failed:\n{proc.stderr[-3000:]}")
     print("\n".join(line for line in proc.stderr.splitlines() if "worker" in line and "stage" in line), flush=True)
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return read_metrics(metrics).records
 
 
 def versions(records: list[dict]) -> dict[str, str]:
@@ -81,7 +80,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=results_dir("two_torch"))
     args = p.parse_args()
     py = old_python(args.old)
     with tempfile.TemporaryDirectory(prefix="fusionllm-two-torch-") as tmp:

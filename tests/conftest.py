@@ -1,7 +1,6 @@
 import atexit
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -41,8 +40,11 @@ class Started(list):
 
     def stop(self, root: Path) -> list[str]:
         """Kill what the test left running: its own processes by handle (with their group if they
-        lead one), then fusionllm processes whose command line names ``root``, the test's own
-        directory (the coordinator and workers its ``train`` started). Returns what was running."""
+        lead one), then the processes of every local cluster run under ``root``, the test's own
+        directory, as their ``pids.json`` lists them (the ``train`` that ran it, unless that was this
+        process, and the coordinator and workers it started). Returns what was running."""
+        from fusionllm.control.local_cluster import PIDS_FILE, read_pids
+
         left = []
         for p in self:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -55,12 +57,14 @@ class Started(list):
                     else:
                         p.kill()
                 p.wait()
-        pattern = f"fusionllm (train|worker|coordinator) .*{re.escape(str(root))}"
-        for line in subprocess.run(["pgrep", "-fa", pattern], capture_output=True, text=True).stdout.splitlines():
-            if line.strip():
-                left.append(line)
+        for path in root.rglob(PIDS_FILE) if root.is_dir() else []:
+            pids = read_pids(path.parent)
+            for pid in pids.running(launcher=True) if pids else []:
+                if pid == os.getpid():
+                    continue  # a test that ran the local cluster in this process
+                left.append(f"{pid} (listed in {path})")
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
         return left
 
 

@@ -1,6 +1,5 @@
 """Workers of different frameworks in one run: NumPy workers without torch, placed by what they run."""
 
-import json
 import os
 import re
 import subprocess
@@ -11,6 +10,7 @@ import pytest
 
 from fusionllm.control.capabilities import place
 from fusionllm.core.errors import FusionError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models.spec import build_model
 from fusionllm.npexec.executor import supported_kinds
@@ -113,7 +113,7 @@ def _train(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None, 
 
 
 def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+    return read_metrics(path).losses()
 
 
 def _torch_losses(tmp: Path, *args: str) -> list[float]:
@@ -162,7 +162,7 @@ def test_numpy_worker_moves_to_a_stage_it_runs_and_shares_a_tied_weight(tmp_path
     assert "moved stages to workers that can run their ops" in mixed.stderr
     assert re.search(r"worker 1 \(cpu, numpy [0-9.]+ @ [^)]*\): stage 2", mixed.stderr)
     _assert_close(_losses(out), _torch_losses(tmp_path, *args))  # one tied weight there: the all-reduce must add up
-    assert json.loads(out.read_text().splitlines()[-1])["bytes"].get("w1->w0", 0) > 0  # the tied weight's reduce
+    assert read_metrics(out).records[-1]["bytes"].get("w1->w0", 0) > 0  # the tied weight's reduce
 
 
 @pytest.mark.slow

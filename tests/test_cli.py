@@ -1,11 +1,12 @@
 """The `fusionllm` command as a user runs it: real subprocesses, exit codes, one-line errors."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fusionllm.core.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # every test starts the `fusionllm` command
 
@@ -58,7 +59,7 @@ def test_train_single_process_writes_metrics_and_loss_falls(tmp_path: Path) -> N
         "--seq-len", "32", "--lr", "1e-2", "--warmup", "5", "--eval-every", "10", "--metrics", str(metrics),
     )
     assert proc.returncode == 0, proc.stderr
-    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    records = read_metrics(metrics).steps
     assert [r["step"] for r in records] == list(range(20))
     assert all({"step", "loss", "tokens", "elapsed_s"} <= r.keys() for r in records)
     assert records[-1]["tokens"] == 20 * 8 * 32

@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fusionllm.control.local_cluster import read_pids
+from fusionllm.core.metrics import read_metrics
 from tests.conftest import Started
 
 pytestmark = pytest.mark.slow  # real processes
@@ -22,10 +23,10 @@ BASE = [sys.executable, "-m", "fusionllm"]
 COMMON = ["--steps", "6", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
 
 
-def _leftovers(root: Path) -> list[str]:
-    """fusionllm workers and coordinators started under ``root`` (this test's run directory) only."""
-    out = subprocess.run(["pgrep", "-fa", f"fusionllm (worker|coordinator) .*{re.escape(str(root))}"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.strip()]
+def _running(run_dir: Path) -> list[int]:
+    """The coordinator and workers the local cluster of ``run_dir`` started that still run (its PIDs file)."""
+    pids = read_pids(run_dir)
+    return pids.running() if pids else []
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def no_leftover_processes(tmp: Path, started: Started):
 
 
 def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+    return read_metrics(path).losses()
 
 
 def _single(tmp: Path, model: str) -> Callable[[], list[float]]:
@@ -108,7 +109,7 @@ def test_three_workers_match_single_process(tmp: Path, schedule: str, runs: Runs
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_close(_losses(out), _single(tmp, "gpt-nano")())
     assert "worker 2" in proc.stderr and "stage 2" in proc.stderr  # the plan is shown
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "step" in r]
+    records = read_metrics(out).steps
     assert all({"step", "loss", "tokens", "elapsed_s", "tokens_per_s", "bytes"} <= r.keys() for r in records)
     # activations left worker 0: on the data plane, or through the torch.distributed world (one host: --collectives auto)
     assert records[0]["bytes"].get("w0->w1", 0) + records[0].get("carried_bytes", {}).get("w0->w1", 0) > 0
@@ -121,7 +122,7 @@ def test_opfence_plan_from_probes_matches_single_process(tmp: Path, runs: Runs) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "probed 6 links" in proc.stderr and "scheduler opfence" in proc.stderr
     _assert_close(_losses(out), _single(tmp, "gpt-nano")())
-    assert "predicted_step_s" in next(r for r in map(json.loads, out.read_text().splitlines()) if "step" in r)
+    assert "predicted_step_s" in read_metrics(out).steps[0]
 
 
 def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path, runs: Runs) -> None:
@@ -129,7 +130,7 @@ def test_replicated_stage_with_skip_edges_and_tied_weights(tmp: Path, runs: Runs
     proc, out = runs["skip_tied"]  # --replicas 1,2 --schedule 1f1b --collectives off: the data plane's ring
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_close(_losses(out), _single(tmp, "tests.zoo:skip_tied")())
-    bytes_ = json.loads(out.read_text().splitlines()[-1])["bytes"]
+    bytes_ = read_metrics(out).steps[-1]["bytes"]
     assert bytes_.get("w1->w2", 0) > 0 and bytes_.get("w2->w1", 0) > 0  # the replicas reduced gradients
 
 
@@ -145,7 +146,7 @@ def test_resume_continues_exactly(tmp: Path, runs: Runs) -> None:
     proc, resumed = _cluster(tmp, "gpt-nano", 3, "--schedule", "1f1b", "--checkpoint-dir", str(ckpt), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr
-    records = [r for r in map(json.loads, resumed.read_text().splitlines()) if "step" in r]
+    records = read_metrics(resumed).steps
     assert [r["step"] for r in records] == [3, 4, 5]
     _assert_close([r["loss"] for r in records], _losses(full)[3:])
 
@@ -184,13 +185,12 @@ def test_ctrl_c_stops_every_process(tmp: Path) -> None:
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.5)  # wait until it trains
-    mine = _leftovers(run_dir)
-    assert len(mine) == 3  # coordinator and two workers
+    assert len(_running(run_dir)) == 3  # coordinator and two workers
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
     proc.wait(timeout=120)
     time.sleep(1)
-    assert _leftovers(run_dir) == []  # ours only: the machine is shared
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"step"' in line]
+    assert _running(run_dir) == []
+    steps = [r["step"] for r in read_metrics(metrics).steps]
     final = sorted(ckpt.glob("step-*"))
     assert len(final) == 1 and json.loads((final[0] / "state.json").read_text())["step"] == steps[-1] + 1  # the step it reached
 

@@ -5,7 +5,6 @@ train as one process does, and a lost worker's world forms again with the worker
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fusionllm.control.local_cluster import read_pids
+from fusionllm.core.metrics import read_metrics
 from tests.conftest import Started
 
 pytestmark = pytest.mark.slow  # real processes
@@ -38,7 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(path, missing_ok=True).records
 
 
 def _losses(path: Path) -> list[float]:
@@ -88,21 +89,6 @@ def test_a_tied_weight_across_a_pipeline_through_gloo_trains_as_one_process(tmp_
     assert "group 0: w0,w1 (gloo), all-reduces w0,w1" in text, text[-2000:]
 
 
-def _pids_of(run_dir: Path, rank: int) -> list[int]:
-    """The worker process of ``rank`` that this test's run started (its command line names the run directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            text = [a.decode(errors="replace") for a in argv]
-            if "worker" in text and f"{run_dir}/token" in text and "--rank" in text and text[text.index("--rank") + 1] == str(rank):
-                found.append(int(entry.name))
-    return found
-
-
 # [kill] in `make test`: test_recovery.py::test_a_lost_worker_costs_a_re_plan_not_the_run[kill] (its world of 4 forms again with 3)
 @pytest.mark.parametrize("how", [pytest.param("kill", marks=pytest.mark.soak), "hang"])
 def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Path, how: str) -> None:
@@ -119,7 +105,9 @@ def test_a_lost_worker_forms_the_world_again_with_the_workers_left(tmp_path: Pat
         while len([r for r in _records(out) if "step" in r]) < 4:
             assert proc.poll() is None and time.monotonic() < deadline, "training ended early or never reached step 4"
             time.sleep(0.1)
-        (victim,) = _pids_of(run_dir, 2)
+        pids = read_pids(run_dir)  # the local cluster lists the processes it started
+        assert pids is not None and 2 in pids.workers
+        victim = pids.workers[2]
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         if how == "hang":  # once the others trained to the end without it, end it: train's own clean-up of a stopped worker
             # (SIGTERM, 5 s, SIGKILL) is test_recovery.py's [hang]; here it only cost time

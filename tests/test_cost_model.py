@@ -155,7 +155,7 @@ def test_the_balanced_split_and_the_simulator_agree_on_a_scaled_model() -> None:
 
 
 def test_a_link_a_world_carries_is_predicted_faster_than_the_same_link_on_the_data_plane() -> None:
-    """gloo's measured point to point (benchmarks/results/collectives.md) against the data plane's
+    """gloo's measured point to point (benchmarks/results/collectives/collectives.md) against the data plane's
     framing, per-message overhead and copies, on the same 10 Gbit/s link; and a two-stage pipeline
     whose plan says the world carries its links (``plan.meta["carried"]``) predicts a shorter step."""
     graph = trace_lm(build_model("gpt-nano", device="meta"), 4, 16)

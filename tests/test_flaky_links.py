@@ -22,6 +22,7 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import WireError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
 from fusionllm.runtime.peers import Inbox, PeerNet
 from fusionllm.runtime.worker import Worker, WorkerConfig
@@ -220,7 +221,7 @@ def _testbed_train(tmp_path: Path, tag: str, *cluster: str) -> tuple[subprocess.
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return read_metrics(path, missing_ok=True).records
 
 
 @pytest.mark.slow  # like tests/test_testbed.py: processes in network namespaces, root only

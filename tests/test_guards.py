@@ -9,7 +9,6 @@ retry that does not start from the same state, changes every later loss.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.runtime.faults import Fault, parse_fault, tamper
 from fusionllm.runtime.guards import NumericGuard, norm_of
@@ -33,11 +33,11 @@ def _train(metrics: Path) -> TrainConfig:
 
 
 def _events(path: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == kind]
+    return [r for r in read_metrics(path).records if r.get("event") == kind]
 
 
 def _steps(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "step" in r and "event" not in r]
+    return read_metrics(path).steps
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------

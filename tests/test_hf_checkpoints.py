@@ -14,6 +14,7 @@ import torch
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.data.batching import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.hf import export, from_pretrained
@@ -109,7 +110,7 @@ def test_the_readme_fine_tuning_walkthrough_end_to_end(tmp_path: Path) -> None:
          "--checkpoint-every", "3", "--metrics", "m.jsonl", "--run-dir", "run", cwd=tmp_path)
     out = _cli("export", "ck", "--hf", "finetuned", cwd=tmp_path)
     assert "tokenizer" in out
-    first = next(json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"step": 0' in line or '"step":0' in line)
+    first = next(r for r in read_metrics(tmp_path / "m.jsonl").steps if r["step"] == 0)
     x, y = Batcher(load_lm_tokens(str(tmp_path / "shards")).train, 8, 32, 0).get(0)
     with torch.no_grad():
         window = torch.cat([x, y[:, -1:]], 1)

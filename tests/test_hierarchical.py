@@ -11,6 +11,7 @@ import torch
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config, run_in_process
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
@@ -358,7 +359,7 @@ def test_a_group_that_joins_mid_run_starts_from_the_current_outer_weights_and_mo
         return c
 
     c = asyncio.run(main())
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = read_metrics(metrics).records
     joined = [e for e in events if e.get("event") == "group_joined"]
     assert len(joined) == 1 and joined[0]["workers"] == [2], c.lines
     k0 = joined[0]["round"]
@@ -456,15 +457,15 @@ def test_a_worker_of_one_group_that_sends_nan_and_garbage_is_retried_skipped_and
     faults = (parse_fault("nan@4"), parse_fault("scale@10"))
     result, _ = run_in_process(train, cluster, worker_options=[{}, {"faults": faults}, {}, {}])
 
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    bad = [r for r in records if r.get("event") == "bad_step"]
+    m = read_metrics(metrics)
+    bad = m.of("bad_step")
     assert [(e["step"], e["attempt"], e["action"], e["group"]) for e in bad] == [(4, 0, "retry", 0), (4, 1, "skip", 0), (10, 0, "evict", 0)]
     assert all(e["suspects"] == [1] for e in bad), bad
-    (evicted,) = [r for r in records if r.get("event") == "evict"]
+    (evicted,) = m.of("evict")
     assert evicted["workers"] == [1] and evicted["group"] == 0
-    (joined,) = [r for r in records if r.get("event") == "group_joined"]
+    (joined,) = m.of("group_joined")
     assert sorted(joined["workers"]) == [0, 2]
-    steps = [r for r in records if "loss" in r and "event" not in r]
+    steps = m.steps
     assert all(np.isfinite(r["loss"]) for r in steps)
     group0 = [r["inner_step"] for r in steps if r["group"] == 0]
     assert group0 == [0, 1, 3, 4], group0  # inner step 2 skipped; step 5 was the evicting one
@@ -478,8 +479,8 @@ def _regroup_run(cluster: dict, tmp_path, name: str) -> tuple[list[dict], list[d
     metrics = tmp_path / f"{name}.jsonl"
     train = TrainConfig(model="gpt-nano", steps=8, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
     run_in_process(train, cluster_config(3, micro_batches=2, inner_steps=2, fragments=1, **cluster))
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if "loss" in r and "event" not in r], [r for r in records if "event" in r]
+    m = read_metrics(metrics)
+    return m.steps, m.events
 
 
 def test_a_run_that_is_one_group_until_step_k_and_three_groups_after_gives_one_groups_losses_up_to_k_then_trains_on(tmp_path) -> None:
@@ -529,15 +530,13 @@ def test_a_group_far_slower_than_its_plan_makes_every_group_end_the_round_and_th
     cluster = cluster_config(3, sync="hierarchical", scheduler="opfence", inner_steps=2, fragments=1, micro_batches=2,
                              replan_factor=1e-6, max_replans=1)
     result, _ = run_in_process(train, cluster)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    (replan,) = [r for r in records if r.get("event") == "replan"]
+    m = read_metrics(metrics)
+    (replan,) = m.of("replan")
     assert replan["sync"] == "hierarchical" and 8 <= replan["at_step"] < 24
-    plans = [r for r in records if r.get("event") == "plan"]
+    plans = m.plans
     assert len(plans) == 2  # the first plan and the one made again
-    steps = [r for r in records if "loss" in r and "event" not in r]
-    first = min(r["loss"] for r in steps if r["inner_step"] == 0)
-    after = records[records.index(plans[1]) + 1:]
-    after = [r for r in after if "loss" in r and "event" not in r]
+    first = min(r["loss"] for r in m.steps if r["inner_step"] == 0)
+    after = [r for r in m.records[m.records.index(plans[1]) + 1:] if "event" not in r]
     assert len(after) == sum(sum(x) for x in plans[1]["round_lengths"].values())  # every round of the new plan ran
     assert min(r["inner_step"] for r in after) == replan["at_step"]  # the schedule goes on where the groups ended
     assert max(r["loss"] for r in after if r["inner_step"] == replan["at_step"]) < first - 0.05  # from the outer weights

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import re
@@ -20,6 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fusionllm.control.local_cluster import read_pids
+from fusionllm.core.metrics import read_metrics
 from fusionllm.transport.messages import pack
 
 pytestmark = pytest.mark.slow  # real processes
@@ -66,10 +67,6 @@ async def _calls(port: int, rng: random.Random) -> list[str]:
     return codes
 
 
-def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
-
-
 def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: Path) -> None:
     ref, ref_log = tmp_path / "ref.jsonl", tmp_path / "ref.log"
     # the undisturbed run beside the attacked one (each alone keeps about one of the two cores busy); the
@@ -96,7 +93,8 @@ def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: P
         while not (out.exists() and out.read_text().count("\n") >= 2):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
-        workers = [int(p) for p in subprocess.run(["pgrep", "-f", f"worker .*{run_dir}/token"], capture_output=True, text=True).stdout.split()]
+        pids = read_pids(run_dir)
+        workers = list(pids.workers.values()) if pids else []
         ports = _listening(workers)
         assert len(workers) == 3 and len(ports) >= 6  # a control port and a data port each
         for port in [coord_port, *ports]:
@@ -114,5 +112,5 @@ def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: P
     assert clean.returncode == 0, ref_log.read_text()[-2000:]
     assert proc.returncode == 0, text[-3000:]
     assert "OK" not in codes and set(codes) <= {"UNAUTHENTICATED", "UNIMPLEMENTED", "UNAVAILABLE", "INTERNAL", "UNKNOWN"}, set(codes)
-    assert _losses(out) == _losses(ref)  # the run went on exactly as without the attack
+    assert read_metrics(out).losses() == read_metrics(ref).losses()  # the run went on exactly as without the attack
     assert os.path.exists(run_dir / "token")

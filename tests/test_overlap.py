@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from fusionllm.core.metrics import read_metrics
 from fusionllm.runtime.collective import buckets_of
 from fusionllm.runtime.overlap import OverlappedReduce, finish
 from tests.conftest import Started
@@ -157,7 +158,7 @@ RUN = ["--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--eval-ev
 def single(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     out = tmp_path_factory.mktemp("single") / "single.jsonl"
     subprocess.run([sys.executable, "-m", "fusionllm", "train", "--single-process", *RUN, "--metrics", str(out)], check=True, capture_output=True, timeout=300)
-    return [json.loads(line)["loss"] for line in out.read_text().splitlines() if '"step"' in line]
+    return read_metrics(out).losses()
 
 
 @pytest.mark.soak  # (make test-soak) the same runs as test_collectives_process's, which overlap by default; this one also reads the logs
@@ -170,7 +171,7 @@ def test_training_with_overlapped_buckets_matches_one_process(tmp_path: Path, cl
                           capture_output=True, text=True, timeout=300, env={**os.environ, "FUSIONLLM_LOGLEVEL": "INFO"})
     left = started.stop(tmp_path)
     assert proc.returncode == 0 and not left, (proc.stdout + proc.stderr)[-3000:]
-    losses = [json.loads(line)["loss"] for line in out.read_text().splitlines() if '"step"' in line]
+    losses = read_metrics(out).losses()
     assert len(losses) == len(single) == 4
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, single, strict=True)), (losses, single)
     logs = "".join(p.read_text() for p in sorted(run_dir.glob("worker-*.log")))

@@ -12,7 +12,6 @@ one process; the 1-3-1 pipeline that hung is trained in every run.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusionllm.cluster.random import ClusterShape, random_cluster, random_cluster_toml
+from fusionllm.core.metrics import read_metrics
 from fusionllm.planning.schedulers import SCHEDULERS
 from tests.fuzz import BUILTIN_MODELS, CODECS, ZOO_MODELS, Case, run_case
 
@@ -85,7 +85,7 @@ COMMON = ["--model", "gpt-nano", "--steps", "3", "--batch-size", "8", "--seq-len
 
 
 def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+    return read_metrics(path).losses()
 
 
 SOAK = pytest.mark.soak  # `make test-soak`; the 1-3-1 regression runs in every `make test`

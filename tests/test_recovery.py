@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fusionllm.control.local_cluster import read_pids
+from fusionllm.core.metrics import read_metrics
 from tests.conftest import Started
 
 pytestmark = pytest.mark.slow  # real processes
@@ -31,24 +32,25 @@ def no_leftover_processes(tmp_path: Path, started: Started):
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") != "plan"] if path.exists() else []
+    """Step records and events but the plans, in file order (empty before the file is written)."""
+    return [r for r in read_metrics(path, missing_ok=True).records if r.get("event") != "plan"]
 
 
 def _wait_steps(path: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len([r for r in _records(path) if "step" in r]) >= n:
+        if len(read_metrics(path, missing_ok=True).steps) >= n:
             return
         assert proc.poll() is None, "training ended early"
         time.sleep(0.1)
     raise AssertionError(f"no step {n} within {timeout} s")
 
 
-def _pids(pattern: str) -> list[int]:
-    """PIDs whose command line matches ``pattern``; callers put their own run directory in it."""
-    assert "/token" in pattern, "match only this test's processes: put its run directory in the pattern"
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def _workers(run_dir: Path, *ranks: int) -> list[int]:
+    """The PIDs of the workers of these ranks, as the local cluster of ``run_dir`` lists them."""
+    pids = read_pids(run_dir)
+    assert pids is not None, f"{run_dir}: no PIDs file"
+    return [pids.workers[r] for r in ranks if r in pids.workers]
 
 
 def _losses(records: list[dict], start: int) -> dict[int, float]:
@@ -90,13 +92,13 @@ def test_a_lost_worker_costs_a_re_plan_not_the_run(tmp_path: Path, how: str) -> 
     victim = []
     try:
         _wait_steps(out, 1, proc)
-        victim = _pids(f"worker .*{run_dir}/token .*--rank 2 ")  # found before step 7: the signal goes the moment it is seen
+        victim = _workers(run_dir, 2)  # found before step 7: the signal goes the moment it is seen
         assert len(victim) == 1
         _wait_steps(out, 7, proc)
         os.kill(victim[0], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         if how == "hang":  # lost once the recovery is recorded: end it then (the local cluster would wait 13 s for it at the end)
             deadline = time.monotonic() + 300
-            while not any(r.get("event") == "recovery" for r in _records(out)):
+            while not read_metrics(out, missing_ok=True).of("recovery"):
                 assert proc.poll() is None, "training ended before the hung worker was lost"
                 assert time.monotonic() < deadline, "the hung worker was not lost within 300 s"
                 time.sleep(0.1)
@@ -149,7 +151,7 @@ def test_workers_stop_when_the_coordinator_dies_and_resume_continues(tmp_path: P
         _wait_steps(out, 8, coord)
         coord.kill()
         coord.wait()
-        steps_done = max(r["step"] for r in _records(out) if "step" in r)
+        steps_done = max(r["step"] for r in read_metrics(out).steps)
         newest = sorted(ckpt.glob("step-*"))[-1]  # complete ones only: a checkpoint is written as .tmp-step-* and renamed when whole
         again = tmp_path / "again.jsonl"
         # the resumed run starts while the old workers wait out their --coordinator-timeout (its own token and port)
@@ -164,7 +166,7 @@ def test_workers_stop_when_the_coordinator_dies_and_resume_continues(tmp_path: P
             if p is not None and p.poll() is None:
                 p.kill()
     assert proc.returncode == 0, err[-3000:]
-    resumed = [r["step"] for r in _records(again) if "step" in r]
+    resumed = [r["step"] for r in read_metrics(again).steps]
     assert resumed[0] == int(newest.name.split("-")[1]) and resumed[-1] == steps_done + 3
 
 
@@ -183,7 +185,7 @@ def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: P
             port = int(m.group(1)) if m else None
         assert port
         _wait_steps(out, 1, proc)
-        victim = _pids(f"worker .*{run_dir}/token .*--rank 1 ")
+        victim = _workers(run_dir, 1)
         assert len(victim) == 1
         _wait_steps(out, 4, proc)  # a checkpoint (step 3) to recover from
         os.kill(victim[0], signal.SIGSTOP)  # the run stands still mid-step until the spare is in: it joins mid-run however slowly it starts
@@ -202,9 +204,10 @@ def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: P
             if p is not None and p.poll() is None:
                 p.kill()
     assert proc.returncode == 0, text[-3000:]
-    events = [r for r in _records(out) if r.get("event") == "recovery"]
+    metrics = read_metrics(out)
+    events = metrics.of("recovery")
     assert len(events) == 1 and events[0]["workers"] == 3  # two left + the spare
-    assert max(r["step"] for r in _records(out) if "step" in r) == 11
+    assert max(r["step"] for r in metrics.steps) == 11
 
 
 def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_path: Path) -> None:
@@ -223,7 +226,7 @@ def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_pat
             port = int(m.group(1)) if m else None
         assert port
         _wait_steps(out, 1, proc)
-        held = _pids(f"worker .*{run_dir}/token .*--rank [01] ")
+        held = _workers(run_dir, 0, 1)
         assert len(held) == 2
         _wait_steps(out, 3, proc)
         for pid in held:  # the run stands still until the spare is in: it joins mid-run however slowly it starts

@@ -25,6 +25,7 @@ from fusionllm.control.restart import live_group
 from fusionllm.core.checkpoints import latest_checkpoint
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import TransportError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
 from fusionllm.transport.auth import load_token
 from fusionllm.transport.control import Heartbeat, HeartbeatReply, LiveState, Registered
@@ -76,7 +77,7 @@ class Cluster:
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_metrics(path, missing_ok=True).records
 
 
 def _losses(path: Path) -> dict[int, float]:

@@ -12,6 +12,7 @@ import pytest
 
 from fusionllm.cluster.spec import load_cluster
 from fusionllm.compress.policy import FLOOR
+from fusionllm.core.metrics import read_metrics
 from fusionllm.testbed import cgroups
 from fusionllm.testbed.sh import TestbedError, can_emulate, run
 from fusionllm.testbed.testbed import LOCK, STATE, Testbed, down, leftovers, machine_lock
@@ -54,7 +55,7 @@ def clean():
 def _steps(metrics: Path) -> list[dict]:
     """The training steps of a metrics file, without its events (plans, re-plans, a refused step's
     ``bad_step``: a healthy run may see one, and it carries no loss or ratios)."""
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    return read_metrics(metrics).steps
 
 
 @needs_root
@@ -76,12 +77,11 @@ def test_train_inside_the_testbed_matches_single_process(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "links shaped with tc" in proc.stderr and "10.213." in proc.stderr
     subprocess.run([*BASE, "train", "--single-process", *COMMON, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
-    la = [r["loss"] for r in map(json.loads, a.read_text().splitlines()) if "step" in r]
-    lb = [r["loss"] for r in map(json.loads, b.read_text().splitlines()) if "step" in r]
+    la, lb = read_metrics(a).losses(), read_metrics(b).losses()
     assert len(la) == len(lb) == 4
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
     # the slow link carried bytes: activations crossed sites
-    assert sum(json.loads(a.read_text().splitlines()[-1])["bytes"].values()) > 0
+    assert sum(read_metrics(a).records[-1]["bytes"].values()) > 0
 
 
 @needs_root
@@ -220,7 +220,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
             if out.exists() and len(out.read_text().splitlines()) >= 10:
                 break
             time.sleep(0.2)
-        first = next(r for r in map(json.loads, out.read_text().splitlines()) if "step" in r)
+        first = read_metrics(out).steps[0]
         assert first.get("predicted_step_s"), first
         for a, b in ((0, 1), (1, 0)):  # OP-Fence's plan runs on the two devices of site A: choke their link
             set_link_rate(a, b, 8_000_000)  # steps ~15x the prediction (2 Mbit/s made them 60x, and cost a minute); a busy
@@ -230,7 +230,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, text[-3000:]
-    records = [r for r in map(json.loads, out.read_text().splitlines()) if "loss" in r or r.get("event") == "replan"]
+    records = [r for r in read_metrics(out).records if "loss" in r or r.get("event") == "replan"]
     events = [r for r in records if r.get("event") == "replan"]
     assert len(events) == 1, [r for r in records if "event" in r]
     i = records.index(events[0])

@@ -13,6 +13,7 @@ import pytest
 
 from fusionllm.cluster.spec import SiteSpec, parse_cluster
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import read_metrics
 from fusionllm.testbed.sh import TestbedError, can_emulate, can_nat, run
 from fusionllm.testbed.testbed import LOCK, STATE, Slot, Testbed, down, leftovers, machine_lock
 
@@ -330,9 +331,8 @@ def test_workers_behind_two_nats_train_like_one_process(clean: None, tmp_path) -
     assert "worker 1 is behind NAT: reached through relay the coordinator" in text, text[-3000:]
     assert "worker 2 is behind NAT" in text
     subprocess.run([*base, "train", "--single-process", *common, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
-    la = [r["loss"] for r in map(json.loads, a.read_text().splitlines()) if "step" in r]
-    lb = [r["loss"] for r in map(json.loads, b.read_text().splitlines()) if "step" in r]
+    la, lb = read_metrics(a).losses(), read_metrics(b).losses()
     assert len(la) == len(lb) == 4
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
-    plan = next(r for r in map(json.loads, a.read_text().splitlines()) if r.get("event") == "plan")
+    plan = read_metrics(a).plans[0]
     assert [plan["workers"][w]["relay"] is not None for w in ("0", "1", "2")] == [False, True, True]

@@ -4,12 +4,13 @@ allows) between two of this one's. Runs where ``benchmarks/two_torch.py`` made t
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fusionllm.core.metrics import read_metrics
 
 OLD = Path.home() / ".cache" / "fusionllm" / "torch-2.4.1" / "bin" / "python"
 COMMON = ["--model", "gpt-nano", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--seed", "1", "--eval-every", "0"]
@@ -19,7 +20,7 @@ needs_old = pytest.mark.skipif(not OLD.exists(), reason=f"no second torch enviro
 
 
 def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r]
+    return read_metrics(path).losses()
 
 
 @needs_old

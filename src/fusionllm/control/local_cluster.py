@@ -5,18 +5,32 @@ on error and Ctrl+C (SIGTERM, then SIGKILL), and is waited for: no process is le
 children run in sessions of their own, so a terminal's Ctrl+C reaches only this process: it passes
 one SIGINT on to the coordinator, which ends the step in flight and writes its final checkpoint
 (bounded by ``stop_timeout``), and then stops them all.
+
+Its caller learns the children's PIDs from ``<run_dir>/pids.json`` (``PIDS_FILE``), rewritten
+atomically as each process starts and once more when all are stopped::
+
+    {"launcher": 4100, "coordinator": 4101, "workers": {"0": 4102, "1": 4103},
+     "start_ticks": {"4100": 881234, "4101": 881240, ...}, "stopped": false}
+
+``launcher`` is the process running the cluster (``fusionllm train``); ``start_ticks`` is each
+process's start time (``/proc/<pid>/stat``), so a reader never takes a PID the system has since
+given to another process for one of ours. The coordinator's relay, if any, runs inside the
+coordinator. Tests and benchmarks read the file with ``read_pids`` and signal those PIDs, never
+processes found by their command line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.core.errors import ConfigError
@@ -34,6 +48,83 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PIDS_FILE = "pids.json"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None if no such process is running."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited already
+
+
+class _PidsWriter:
+    """``<run_dir>/pids.json``, rewritten (write, then rename) each time the cluster starts a process."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / PIDS_FILE
+        self.doc: dict = {"launcher": os.getpid(), "coordinator": None, "workers": {}, "start_ticks": {}, "stopped": False}
+        self._ticks(os.getpid())
+        self._write()
+
+    def started(self, pid: int, worker: int | None = None) -> None:
+        if worker is None:
+            self.doc["coordinator"] = pid
+        else:
+            self.doc["workers"][str(worker)] = pid
+        self._ticks(pid)
+        self._write()
+
+    def stopped(self) -> None:
+        self.doc["stopped"] = True
+        self._write()
+
+    def _ticks(self, pid: int) -> None:
+        ticks = start_ticks(pid)
+        if ticks is not None:
+            self.doc["start_ticks"][str(pid)] = ticks
+
+    def _write(self) -> None:
+        part = self.path.with_name(f".{PIDS_FILE}.part")
+        part.write_text(json.dumps(self.doc))
+        part.replace(self.path)
+
+
+@dataclass(frozen=True)
+class ClusterPids:
+    """The processes a local cluster started, as its ``pids.json`` lists them."""
+
+    launcher: int
+    coordinator: int | None
+    workers: dict[int, int] = field(default_factory=dict)  # rank -> PID
+    start_ticks: dict[int, int] = field(default_factory=dict)  # PID -> start time
+    stopped: bool = False  # every child was stopped and waited for
+
+    def all(self) -> list[int]:
+        """The coordinator and the workers (not the launcher), in that order."""
+        return [*([self.coordinator] if self.coordinator is not None else []), *(self.workers[r] for r in sorted(self.workers))]
+
+    def running(self, *, launcher: bool = False) -> list[int]:
+        """Those of ``all()`` (and the launcher, if asked) still running as the process that was
+        started (the same start time)."""
+        pids = [*([self.launcher] if launcher else []), *self.all()]
+        return [pid for pid in pids if pid in self.start_ticks and start_ticks(pid) == self.start_ticks[pid]]
+
+
+def read_pids(run_dir: Path) -> ClusterPids | None:
+    """The PIDs a local cluster started with ``run_dir``, or None before it wrote any."""
+    try:
+        doc = json.loads((Path(run_dir) / PIDS_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return ClusterPids(
+        launcher=int(doc["launcher"]), coordinator=doc["coordinator"], workers={int(k): int(v) for k, v in doc["workers"].items()},
+        start_ticks={int(k): int(v) for k, v in doc["start_ticks"].items()}, stopped=bool(doc["stopped"]),
+    )
 
 
 def _die_with_parent() -> None:
@@ -58,6 +149,7 @@ def run_local_cluster(
     ``worker_prefixes`` wrap each worker's command (the testbed runs it in a network namespace and a
     CPU cgroup); ``worker_args`` add flags per worker (its --listen address, --threads, --device);
     ``worker_pythons`` run worker i under another interpreter (another environment, e.g. another torch).
+    The PIDs of the processes started are in ``run_dir / PIDS_FILE`` (``read_pids``) as they start.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     token_file = run_dir / "token"
@@ -67,12 +159,14 @@ def run_local_cluster(
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     procs: list[subprocess.Popen] = []
     logs = []
+    pids = _PidsWriter(run_dir)
     try:
         coord = subprocess.Popen(
             [*base, "coordinator", "--listen", f"{host}:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
             preexec_fn=_die_with_parent, start_new_session=True,
         )
         procs.append(coord)
+        pids.started(coord.pid)
         for i in range(workers):
             log = open(run_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed in finally
             logs.append(log)
@@ -83,6 +177,7 @@ def run_local_cluster(
                 [*prefix, *([python, "-m", "fusionllm"] if python else base), "worker", "--join", f"{host}:{port}", "--token-file", str(token_file), "--rank", str(i), *extra],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, start_new_session=True,
             ))
+            pids.started(procs[-1].pid, worker=i)
         rc = coord.wait()
         deadline = time.monotonic() + 8  # workers hear "finished" within one heartbeat (2 s)
         for p in procs[1:]:
@@ -105,6 +200,7 @@ def run_local_cluster(
         old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             _stop_all(procs)
+            pids.stopped()
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)

@@ -7,12 +7,12 @@ into the output directory. matplotlib is imported only here, when plotting.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.metrics import read_metrics
 
 MAX_METRICS = 1 << 30
 
@@ -28,17 +28,8 @@ def load_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         raise ConfigError(f"{path}: no such metrics file (write one with `fusionllm train ... --metrics FILE`)")
     if path.stat().st_size > MAX_METRICS:
         raise ConfigError(f"{path}: larger than {MAX_METRICS >> 20} MiB; is it a metrics file?")
-    steps, events = [], []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{path}:{i}: not JSON; is this a metrics file?") from None
-        if not isinstance(rec, dict):
-            raise ConfigError(f"{path}:{i}: not a JSON object")
-        (events if "event" in rec else steps).append(rec)
+    metrics = read_metrics(path)
+    steps, events = metrics.steps, [r for r in metrics.records if "event" in r]
     if not steps:
         raise ConfigError(f"{path}: no step records")
     return steps, events

@@ -12,7 +12,7 @@ dropped and its devices stay idle):
 
 - ``synchronous``: one group of every device, that is today's synchronous plan; always a candidate,
   so the hierarchical plan is never predicted slower than the synchronous one;
-- ``fences``: one group per fence (``schedule.fences.find_fences``);
+- ``fences``: one group per fence (``planning.fences.find_fences``);
 - ``fences, idle devices regrouped``: in each fence, the devices its plan leaves idle form further
   groups (planned again, or, where they look exactly like the devices a plan used, given the same
   plan), so a fence of eight GPUs whose best plan is one GPU becomes eight groups;

@@ -93,11 +93,11 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count
 
 
 async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 count: Callable[[int], None] = lambda n: None) -> None:
+                 count: Callable[[int], None] = lambda n: None, *, kernel: bool = True) -> None:
     """Copy both ways until both directions ended (or one broke), then close both: in the kernel
-    (``zerocopy.bridge``) where it can, else in Python."""
+    (``zerocopy.bridge``) where it can and ``kernel`` allows, else in Python."""
     try:
-        if await zerocopy.bridge(a, b, count):
+        if kernel and await zerocopy.bridge(a, b, count):
             return
         await asyncio.gather(pipe(a[0], b[1], count), pipe(b[0], a[1], count))
     finally:
@@ -120,10 +120,13 @@ class Hosted:
 
 
 class Relay:
-    """The relay server: ``start`` binds the tunnel port; public ports are bound per hosted worker."""
+    """The relay server: ``start`` binds the tunnel port; public ports are bound per hosted worker.
+    ``kernel_copy=False`` copies relayed bytes in Python even where the kernel could
+    (``benchmarks/relay_copy.py`` compares the two)."""
 
-    def __init__(self, token: str, *, role: str = "relay") -> None:
+    def __init__(self, token: str, *, role: str = "relay", kernel_copy: bool = True) -> None:
         self.token = token
+        self.kernel_copy = kernel_copy
         self.log = get_logger("transport", role)
         self.hosted: dict[str, Hosted] = {}  # tunnel id -> worker
         self.refusals = 0
@@ -268,7 +271,7 @@ class Relay:
                 self._copied += n
 
             spliced = True
-            await splice((reader, writer), other, count)
+            await splice((reader, writer), other, count, kernel=self.kernel_copy)
         except (asyncio.TimeoutError, asyncio.CancelledError, ConnectionError, OSError):
             pass
         finally:
@@ -327,10 +330,12 @@ async def relay_connect(address: str, token: str, request: dict[str, Any], *, ti
 class Tunnel:
     """A worker's side: hosted by a relay, it joins each session the relay opens, connecting it to
     ``targets[k]`` (its own servers). ``lost`` is set when the tunnel ends (the relay went away).
-    ``source``: the host its connections to the relay leave from (default: the system's choice)."""
+    ``source``: the host its connections to the relay leave from (default: the system's choice);
+    ``kernel_copy`` as for ``Relay``."""
 
-    def __init__(self, relay: str, token: str, targets: list[str], *, source: str = "") -> None:
+    def __init__(self, relay: str, token: str, targets: list[str], *, source: str = "", kernel_copy: bool = True) -> None:
         self.relay = relay
+        self.kernel_copy = kernel_copy
         self.source = source
         self.token = token
         self.targets = targets
@@ -399,7 +404,7 @@ class Tunnel:
         except (TransportError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             return
         self.sessions += 1
-        await splice((reader, writer), local)
+        await splice((reader, writer), local, kernel=self.kernel_copy)
 
     async def close(self) -> None:
         if self._task is not None:

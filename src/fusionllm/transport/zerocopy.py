@@ -28,8 +28,8 @@ Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 def available() -> bool:
-    """Linux's ``os.splice``, unless FUSIONLLM_RELAY_SPLICE=0 asks for the Python copy (benchmarks)."""
-    return hasattr(os, "splice") and os.environ.get("FUSIONLLM_RELAY_SPLICE", "1") != "0"
+    """Linux's ``os.splice`` (a relay made with ``kernel_copy=False`` copies in Python regardless)."""
+    return hasattr(os, "splice")
 
 
 def _plain_socket(stream: Stream) -> socket.socket | None:

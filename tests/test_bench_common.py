@@ -1,0 +1,49 @@
+"""The benchmarks' shared scaffolding: what a result records, the index made from results, stopping by handle."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import common, index
+
+
+def test_a_result_records_its_commit_command_machine_and_date(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(common.ROOT)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/codec_speed.py", "--quick"])  # as typed at the repository's root
+    common.write(tmp_path, "codec_speed", [{"codec": "fp16", "gb_s": 1.5}], ["| codec |", "|---|"], {"quick": True})
+    doc = json.loads((tmp_path / "codec_speed.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", doc["commit"]), doc["commit"]
+    assert doc["command"] == "python benchmarks/codec_speed.py --quick"
+    assert {"hostname", "cores", "memory_gib", "python", "torch"} <= set(doc["machine"]) and doc["machine"]["cores"] >= 1
+    assert doc["date"].endswith("UTC") and doc["quick"] is True and doc["results"] == [{"codec": "fp16", "gb_s": 1.5}]
+    assert doc["commit"] in (tmp_path / "codec_speed.md").read_text()
+
+
+def test_the_index_lists_every_result_and_says_what_older_ones_did_not_record(tmp_path: Path) -> None:
+    (tmp_path / "e2e" / "quick").mkdir(parents=True)
+    new = {"benchmark": "e2e", "commit": "a" * 40 + "-dirty", "command": "python benchmarks/e2e.py --quick", "date": "2026-12-02 19:00 UTC",
+           "machine": {"hostname": "vm", "cores": 2, "memory_gib": 7.8, "python": "3.11.7", "torch": "2.5.1"}, "results": []}
+    old = {"benchmark": "e2e", "date": "2026-11-30 10:20", "machine": "vm (2 cores, x86_64, Python 3.11.7)", "results": []}
+    (tmp_path / "e2e" / "quick" / "e2e.json").write_text(json.dumps(new))
+    (tmp_path / "e2e" / "quick" / "e2e.md").write_text("# e2e\n")
+    (tmp_path / "e2e" / "e2e.json").write_text(json.dumps(old))
+    (tmp_path / "e2e" / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))  # no result: left out
+    text = index.render(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| [")]
+    assert len(rows) == 2
+    assert rows[0].startswith("| [e2e/e2e.json](e2e/e2e.json) | 2026-11-30 10:20 | not recorded | not recorded | vm (2 cores")  # no report: the JSON
+    assert "[e2e/quick/e2e.json](e2e/quick/e2e.md)" in rows[1] and "aaaaaaaaaaaa-dirty" in rows[1]
+    assert "`python benchmarks/e2e.py --quick`" in rows[1] and "vm (2 cores, 7.8 GiB, Python 3.11.7, torch 2.5.1)" in rows[1]
+
+
+def test_the_committed_index_is_the_one_the_results_give() -> None:
+    results = common.RESULTS
+    assert (results / "README.md").read_text() == index.render(results), "run: python benchmarks/index.py"
+
+
+def test_stop_ends_the_processes_it_is_given_and_waits_for_them() -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    common.stop([*procs, None], grace=5)
+    assert [p.returncode for p in procs] == [-15, -15]  # SIGTERM was enough; both waited for
