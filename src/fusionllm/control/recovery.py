@@ -77,7 +77,7 @@ class RecoveryMixin:
                 except FusionError:
                     member = self.membership.members.get(w)
                     # behind NAT, its relay gone: it comes back through another relay within --dead-after
-                    if member is None or not member.info.get("relay") or time.monotonic() - began > self.cluster.dead_after_s:
+                    if member is None or not member.info.relayed or time.monotonic() - began > self.cluster.dead_after_s:
                         return False
                     await asyncio.sleep(0.2)
 

@@ -132,10 +132,10 @@ class SetupMixin:
         hw = getattr(cost, "hw", None)
         workers = {}
         for w, m in self.membership.members.items():
-            workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
-                               "software": m.info.get("software") or {},
+            workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.device.kind,
+                               "software": dict(m.info.software),
                                "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers,
-                               "relay": m.info.get("relay") or None}
+                               "relay": m.info.relay or None}
         bandwidth = {}
         if hw is not None:
             bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}
@@ -226,9 +226,7 @@ class SetupMixin:
             shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
             for w in s.workers:
                 info = self.membership.members[w].info
-                backend = backend_of(info)
-                version = (info.get("software") or {}).get(backend if backend == "torch" else "numpy", "")
-                dev = f"{info.get('device', {}).get('kind', '?')}, {backend}{' ' + version if version else ''}"
+                dev = info.describe()
                 self.say(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
         for world in run.worlds:
             self.say(f"  {world.line()}")
