@@ -41,6 +41,7 @@ from .capabilities import backend_of, place
 from .config import Run, WorkerLost
 from .hier_pauses import checkpoint_rounds, resume_round, wait_notified
 from .limits import check_message_sizes
+from .status import stage_rows
 from .training import observe_policy, ratios_of
 
 
@@ -147,10 +148,12 @@ class HierarchicalMixin:
         self.plan_record = {
             "event": "plan", "sync": "hierarchical", "epoch": self.epoch, "rounds": rounds, "fragments": len(hier.fragments),
             "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
-            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": [s.workers for s in g.plan.stages],
+            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": stage_rows(runs[g.index].graph, g.plan),
+                        "schedule": g.plan.schedule, "micro_batches": g.plan.micro_batches,
                         "predicted_step_s": g.plan.meta.get("predicted_step_s")} for g in hier.groups],
             "predicted": {k: v for k, v in hier.meta.items() if k != "candidates"},
-            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "in_plan": w in hier.workers} for w, a in addresses.items()},
+            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "device": infos[w].device.kind, "in_plan": w in hier.workers}
+                        for w, a in addresses.items()},
         }
         self.status.event(self.plan_record)
         base = min(g.inner_steps for g in hier.groups)
@@ -251,7 +254,9 @@ class HierarchicalMixin:
         async with hr.changed:
             hr.changed.notify_all()
         self.say(f"group {g} left the run: {exc}")
-        metrics.write({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+        left = {"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)}
+        metrics.write(left)
+        self.status.event(left)
         if hr.alive:
             with contextlib.suppress(FusionError):
                 await asyncio.gather(*(hr.runs[g].clients[w].call("Abort", {}, timeout=5) for w in hr.runs[g].plan.workers),
@@ -368,9 +373,11 @@ class HierarchicalMixin:
                 applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}))
         if applies:
             await self._step_calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
-        metrics.write({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
-                       "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
-                       "elapsed_s": round(hr.elapsed(), 4)})
+        outer = {"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
+                 "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
+                 "elapsed_s": round(hr.elapsed(), 4)}
+        metrics.write(outer)
+        self.status.event(outer)
 
     async def _decide(self, hr: HierRun, f: int, r: int, asking: int, metrics: JsonlWriter) -> dict[int, float]:
         """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
@@ -391,7 +398,9 @@ class HierarchicalMixin:
                 late = sorted(hr.expected(r) - set(got))
                 if late:
                     self.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
-                    metrics.write({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})
+                    out = {"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)}
+                    metrics.write(out)
+                    self.status.event(out)
             return hr.decided[key]
 
     async def _evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int, metrics: JsonlWriter) -> None:
