@@ -91,7 +91,7 @@ class RunStatus:
             return  # many per round: counted on the page, not listed
         elif isinstance(rec, EventRecord) and rec.kind == "outer_bytes":
             return  # the end's total: the outer syncs already counted it
-        self.events.append({"event": record.get("event"), "text": event_line(rec), "elapsed_s": record.get("elapsed_s")})
+        self.events.append({"event": record.get("event"), "text": event_line(rec), "elapsed_s": record.get("elapsed_s"), "record": dict(record)})
 
     def _outer(self, rec: OuterRecord) -> None:
         nbytes = sum(rec.bytes.values())
