@@ -16,11 +16,12 @@ from fusionllm.models.spec import build_model
 from fusionllm.npexec.executor import supported_kinds
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.schedule.plan import make_plan
+from fusionllm.transport.worker_info import WorkerInfo
 from tests.conftest import Started
 
 BASE = [sys.executable, "-m", "fusionllm"]
-TORCH = {"backend": "torch", "kinds": "all"}
-NUMPY = {"backend": "numpy", "kinds": sorted(supported_kinds())}
+TORCH = WorkerInfo(backend="torch", kinds="all")
+NUMPY = WorkerInfo(backend="numpy", kinds=tuple(sorted(supported_kinds())))
 
 
 def _graph(spec: str) -> OpGraph:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.schedule.plan import make_plan
 from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import Assign, Collective, Hyper
+from fusionllm.transport.worker_info import DeviceInfo, WorkerInfo
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def graph():
     return trace_lm(build_model("gpt-nano", device="meta"), 2, 32)
 
 
-def _infos(n: int, **per: dict) -> dict[int, dict]:
+def _infos(n: int, **per: dict) -> dict[int, WorkerInfo]:
     """``n`` torch workers on one host, each its own process; ``per`` overrides worker ``w<i>``'s fields."""
-    return {w: {"backend": "torch", "hostname": "h", "pid": 100 + w, "device": {"kind": "cpu"}, **per.get(f"w{w}", {})} for w in range(n)}
+    return {w: replace(WorkerInfo(backend="torch", hostname="h", pid=100 + w, device=DeviceInfo("cpu")), **per.get(f"w{w}", {})) for w in range(n)}
 
 
 def _worlds(graph, n: int, infos: dict, replicas: list[int] | None = None, **kw):
@@ -68,11 +70,11 @@ def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
     assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="adatopk", ratios=ratios)] == [(0, 1), (2, 3)]
     # a NumPy worker is in no world; one process (the harness) makes no world
     assert [w.workers for w in _worlds(graph, 4, _infos(4, w3={"backend": "numpy"}), replicas=[2, 2])] == [(0, 1, 2)]
-    assert _worlds(graph, 2, {w: {**i, "pid": 7} for w, i in _infos(2).items()}) == []
+    assert _worlds(graph, 2, {w: replace(i, pid=7) for w, i in _infos(2).items()}) == []
 
 
 def test_nccl_only_when_every_member_is_on_cuda(graph) -> None:
-    cuda = {"device": {"kind": "cuda"}}
+    cuda = {"device": DeviceInfo("cuda")}
     assert _worlds(graph, 2, _infos(2, w0=cuda, w1=cuda))[0].backend == "nccl"
     assert _worlds(graph, 2, _infos(2, w0=cuda))[0].backend == "gloo"
 
@@ -134,6 +136,6 @@ def test_workers_behind_nat_are_in_no_world(graph) -> None:
 def test_workers_of_two_torch_versions_are_in_no_world_together(graph) -> None:
     mixed = _infos(3, w1={"software": {"torch": "2.4.1"}})
     for w in (0, 2):
-        mixed[w]["software"] = {"torch": "2.13.0"}
+        mixed[w] = replace(mixed[w], software={"torch": "2.13.0"})
     # a pipeline 0 -> 1 -> 2 whose middle worker runs another torch: only the tied weight's holders (0, 2) share a world
     assert [(w.workers, w.carries) for w in _worlds(graph, 3, mixed)] == [((0, 2), ())]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -20,12 +21,14 @@ from fusionllm.transport.control import (
     Evaluated,
     Failure,
     Hyper,
+    LiveState,
     Register,
     Step,
     StepDone,
 )
 from fusionllm.transport.messages import pack, unpack
 from fusionllm.transport.shards import read_selected, shard_keys, stage_keep, write_shard
+from fusionllm.transport.worker_info import DeviceInfo, WorkerInfo
 
 
 def test_messages_round_trip_through_msgpack() -> None:
@@ -67,6 +70,26 @@ def test_register_keeps_a_device_map_of_plain_values() -> None:
     raw["device"] = {"kind": {"nested": 1}}
     with pytest.raises(WireError, match="Register.device"):
         Register.from_wire(raw)
+
+
+def test_the_coordinator_keeps_a_typed_worker_info_from_register() -> None:
+    live = LiveState(step=7, stage=1, stages=2, epoch=0, plan="p", graph="g", seed=3)
+    sent = Register(version="1", protocol=1, address="h:1", data_address="h:2", backend="numpy", kinds=["linear", "relu"],
+                    device={"kind": "cuda", "name": "H200", "memory_bytes": 2**30}, software={"numpy": "2.1", "torch": "2.4"},
+                    hostname="box", pid=42, probe={"matmul_flops": 1e12}, live=live, relay="r:9", relay_offer="")
+    info = WorkerInfo.from_register(Register.from_wire(pack_round_trip(sent.to_wire())))
+    assert (info.address, info.data_address, info.hostname, info.pid, info.matmul_flops) == ("h:1", "h:2", "box", 42, 1e12)
+    assert info.device == DeviceInfo("cuda", "H200", 2**30, None) and info.kinds == ("linear", "relu") and not info.runs_all_kinds
+    assert info.live == live and info.relayed and info.torch_version == "2.4" and info.describe() == "cuda, numpy 2.1"
+    moved = info.moved("r2:1", "r2:2", "r2:9")
+    assert (moved.address, moved.relay, info.address) == ("r2:1", "r2:9", "h:1")  # a new record; the old one is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.relay = ""  # type: ignore[misc]
+    assert WorkerInfo.from_register(Register(version="1", protocol=1, address="h:1")).runs_all_kinds  # Register's default "*"
+
+
+def pack_round_trip(raw: dict) -> dict:
+    return unpack(pack(raw))
 
 
 def _shard(tmp: Path, stage: int, tensors: dict[str, torch.Tensor]) -> Path:

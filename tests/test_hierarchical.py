@@ -526,8 +526,10 @@ def test_a_group_far_slower_than_its_plan_makes_every_group_end_the_round_and_th
     end (every group must stop at the same round boundary). ``--replan-factor`` is tiny, so any
     measured step is "far slower" than predicted: the first check asks for the re-plan."""
     metrics = tmp_path / "m.jsonl"
+    hardware = tmp_path / "equal.toml"  # equal devices: every group gets H = 2 (probed speeds vary with the machine's load)
+    hardware.write_text('name = "equal"\n[sites.main]\ndevices = 3\ncpus = 0.5\nbandwidth = "1gbit"\n')
     train = TrainConfig(model="gpt-nano", steps=24, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
-    cluster = cluster_config(3, sync="hierarchical", scheduler="opfence", inner_steps=2, fragments=1, micro_batches=2,
+    cluster = cluster_config(3, sync="hierarchical", scheduler="opfence", hardware=str(hardware), inner_steps=2, fragments=1, micro_batches=2,
                              replan_factor=1e-6, max_replans=1)
     result, _ = run_in_process(train, cluster)
     m = read_metrics(metrics)

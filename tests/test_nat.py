@@ -84,7 +84,7 @@ def test_workers_behind_nat_train_like_one_process(same_nat: bool, data_clients:
 
 async def _after_the_relay_joined(c: InProcessCluster) -> None:
     """Workers behind NAT ask for a relay once a worker offering one has joined (a relay started first)."""
-    while c.coordinator is None or not any(m.info.get("relay_offer") for m in c.coordinator.membership.members.values()):
+    while c.coordinator is None or not any(m.info.relay_offer for m in c.coordinator.membership.members.values()):
         await asyncio.sleep(0.02)
 
 
@@ -165,12 +165,13 @@ def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_
 
 def test_routes_keep_lan_traffic_on_the_lan_and_mark_relayed_peers() -> None:
     from fusionllm.control.reach import routes
+    from fusionllm.transport.worker_info import WorkerInfo
 
     infos = {
-        0: {"address": "pub:1", "data_address": "pub:2"},
-        1: {"address": "relay:11", "data_address": "relay:12", "relay": "relay:9", "seen": "nat-a", "lan_address": "10.0.0.1:1", "lan_data_address": "10.0.0.1:2"},
-        2: {"address": "relay:21", "data_address": "relay:22", "relay": "relay:9", "seen": "nat-a", "lan_address": "10.0.0.2:1", "lan_data_address": "10.0.0.2:2"},
-        3: {"address": "relay:31", "data_address": "relay:32", "relay": "relay:9", "seen": "nat-b", "lan_address": "10.0.0.3:1", "lan_data_address": "10.0.0.3:2"},
+        0: WorkerInfo(address="pub:1", data_address="pub:2"),
+        1: WorkerInfo(address="relay:11", data_address="relay:12", relay="relay:9", seen="nat-a", lan_address="10.0.0.1:1", lan_data_address="10.0.0.1:2"),
+        2: WorkerInfo(address="relay:21", data_address="relay:22", relay="relay:9", seen="nat-a", lan_address="10.0.0.2:1", lan_data_address="10.0.0.2:2"),
+        3: WorkerInfo(address="relay:31", data_address="relay:32", relay="relay:9", seen="nat-b", lan_address="10.0.0.3:1", lan_data_address="10.0.0.3:2"),
     }
     addresses, data, through = routes(infos, 1)
     assert addresses[2] == "10.0.0.2:1" and data[2] == "10.0.0.2:2"  # behind the same NAT: its own address

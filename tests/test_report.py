@@ -33,7 +33,7 @@ def test_report_writes_markdown_and_plots(tmp_path: Path) -> None:
     report = write_report(_metrics(tmp_path / "m.jsonl"), tmp_path / "out")
     text = report.read_text()
     assert "| steps | 30 (step 0 to 29) |" in text and "3.1300 at step 29" in text and "median step 0.200 s" in text
-    assert "| 1 | w1 | h.1, lm_head | 2,000 |" in text and "recovery: lost [2]" in text
+    assert "| 1 | w1 | h.1, lm_head | 2,000 |" in text and "- lost worker 2 (test): recovered with 2 workers from step 10 in 0.1 s" in text
     for name in ("loss.png", "tokens.png", "bytes.png", "ratios.png"):
         assert (tmp_path / "out" / name).stat().st_size > 5000 and f"]({name})" in text
 

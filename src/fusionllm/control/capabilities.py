@@ -18,12 +18,13 @@ from typing import Any
 from fusionllm.core.errors import FusionError
 from fusionllm.graph.ir import OpGraph, op_key
 from fusionllm.schedule.plan import Plan, StagePlan
+from fusionllm.transport.worker_info import WorkerInfo
 
 ALL = "all"
 
 
-def backend_of(info: Mapping[str, Any]) -> str:
-    return str(info.get("backend", "torch"))
+def backend_of(info: WorkerInfo) -> str:
+    return info.backend
 
 
 Refuses = Callable[[str, OpGraph, list[str]], list[str]]  # (backend, graph, node ids) -> op keys it refuses
@@ -33,25 +34,24 @@ def _accepts_all(backend: str, graph: OpGraph, node_ids: list[str]) -> list[str]
     return []
 
 
-def missing_kinds(graph: OpGraph, node_ids: list[str], info: Mapping[str, Any], refuses: Refuses = _accepts_all) -> list[str]:
+def missing_kinds(graph: OpGraph, node_ids: list[str], info: WorkerInfo, refuses: Refuses = _accepts_all) -> list[str]:
     """The op keys among ``node_ids`` that the worker described by ``info`` cannot run."""
-    kinds = info.get("kinds", ALL)
-    if kinds == ALL:
+    if info.runs_all_kinds:
         return []
-    known = set(kinds)
+    known = set(info.kinds)
     missing = {op_key(graph.node(n)) for n in node_ids if graph.node(n).kind != "input"} - known
-    missing |= set(refuses(backend_of(info), graph, node_ids))
+    missing |= set(refuses(info.backend, graph, node_ids))
     return sorted(missing)
 
 
-def place(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], say: Callable[[str], None] = print, refuses: Refuses = _accepts_all) -> Plan:
+def place(graph: OpGraph, plan: Plan, infos: Mapping[int, WorkerInfo], say: Callable[[str], None] = print, refuses: Refuses = _accepts_all) -> Plan:
     """``plan`` with its workers assigned to stages they can run; ``FusionError`` if none can be."""
     workers = plan.workers
     cache: dict[tuple[int, str], list[str]] = {}
 
     def lacks(w: int, s: StagePlan) -> list[str]:
         info = infos[w]
-        key = (s.index, f"{backend_of(info)}:{info.get('kinds', ALL)}")
+        key = (s.index, f"{info.backend}:{info.kinds}")
         if key not in cache:
             cache[key] = missing_kinds(graph, s.nodes, info, refuses)
         return cache[key]
@@ -90,7 +90,7 @@ def _match(workers: list[int], slots: list[Any], ok: Callable[[int, Any], bool],
     return owner if all(o is not None for o in owner) else None  # type: ignore[return-value]
 
 
-def _refusal(graph: OpGraph, plan: Plan, infos: Mapping[int, Mapping[str, Any]], lacks: Callable[[int, StagePlan], list[str]], refuses: Refuses) -> str:
+def _refusal(graph: OpGraph, plan: Plan, infos: Mapping[int, WorkerInfo], lacks: Callable[[int, StagePlan], list[str]], refuses: Refuses) -> str:
     """One line: the op kinds that no worker runs, or else what keeps each limited worker out."""
     every = [n.id for n in graph.compute_nodes]
     nobody = set.intersection(*(set(missing_kinds(graph, every, infos[w], refuses)) for w in plan.workers))

@@ -35,8 +35,7 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, shared_groups
-
-from .capabilities import backend_of
+from fusionllm.transport.worker_info import DeviceInfo, WorkerInfo
 
 FAST_BPS = 1e9  # a link at least this fast (bit/s) is inside a fence
 MODES = ("auto", "off")
@@ -90,37 +89,38 @@ def raw_link(compress: str, roles: str, role: str, ratios: Mapping[tuple[int, in
     return False
 
 
-def fast_link(infos: Mapping[int, Mapping[str, Any]], a: int, b: int, bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> bool:
+def fast_link(infos: Mapping[int, WorkerInfo], a: int, b: int, bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> bool:
     """The same host (with ``hosts``), or ``bps(a, b)``, the cost model's rate when the hardware is
     known, at least ``min_bps`` both ways. ``hosts=False`` where a cluster file describes the links:
     its rates alone decide (the testbed's namespaces share one host name behind shaped links)."""
-    host_a, host_b = infos[a].get("hostname") or "", infos[b].get("hostname") or ""
+    host_a, host_b = infos[a].hostname, infos[b].hostname
     if hosts and host_a and host_a == host_b:
         return True
     return bps is not None and bool(min(bps(a, b), bps(b, a)) >= min_bps)  # NaN (unknown) is not fast
 
 
-def _own_process(infos: Mapping[int, Mapping[str, Any]], a: int, b: int) -> bool:
+def _own_process(infos: Mapping[int, WorkerInfo], a: int, b: int) -> bool:
     """Two workers of one process (the harness): they cannot be ranks of two process groups."""
     ia, ib = infos[a], infos[b]
-    return bool(ia.get("pid")) and ia.get("pid") == ib.get("pid") and ia.get("hostname") == ib.get("hostname")
+    return bool(ia.pid) and ia.pid == ib.pid and ia.hostname == ib.hostname
 
 
-def same_torch(infos: Mapping[int, Mapping[str, Any]], a: int, b: int) -> bool:
+def same_torch(infos: Mapping[int, WorkerInfo], a: int, b: int) -> bool:
     """Two workers of one torch version: gloo's and NCCL's wire between versions is not promised stable,
     so workers of different versions keep the data plane between them."""
-    def version(w: int) -> Any:
-        return (infos.get(w, {}).get("software") or {}).get("torch")
+    def version(w: int) -> str:
+        info = infos.get(w)
+        return info.torch_version if info is not None else ""
 
     return version(a) == version(b)
 
 
-def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, Mapping[str, Any]], *,
+def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, WorkerInfo], *,
                 compress: str = "none", roles: str = "act,grad,reduce", ratios: Mapping[tuple[int, int], float] | None = None,
                 bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
     """The worlds of a placed plan (see the module's docstring), numbered by their lowest worker."""
     # a worker behind NAT is reached only through its relay (reach.py): gloo's full mesh cannot reach it
-    torch_workers = {w for w in plan.workers if backend_of(infos.get(w, {})) == "torch" and not infos.get(w, {}).get("relay")}
+    torch_workers = {w for w in plan.workers if w in infos and infos[w].backend == "torch" and not infos[w].relayed}
 
     def joins(a: int, b: int, role_list: tuple[str, ...]) -> bool:
         return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and same_torch(infos, a, b)
@@ -157,7 +157,7 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
     for members in sorted((tuple(m) for m in components.values() if len(m) >= 2), key=lambda m: m[0]):
         inside = set(members)
         reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b, ("reduce",)) for i, a in enumerate(g) for b in g[i + 1 :]))
-        cuda = all(str(infos[w].get("device", {}).get("kind", "cpu")) == "cuda" for w in members)
+        cuda = all(infos[w].device.kind == "cuda" for w in members)
         carries = tuple(sorted((a, b) for a, b in sends if a in inside and b in inside))
         worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce, carries))
     return worlds
@@ -191,5 +191,5 @@ def planned_worlds(graph: OpGraph, plan: Plan, hw: Any, **kw: Any) -> list[World
     worker in a process of its own, links judged by the file's rates, an accelerator on CUDA."""
     from fusionllm.schedule.validate import validate_plan
 
-    infos = {w: {"backend": "torch", "pid": w + 1, "device": {"kind": "cuda" if hw.devices[w].flops else "cpu"}} for w in range(len(hw))}
+    infos = {w: WorkerInfo(backend="torch", pid=w + 1, device=DeviceInfo("cuda" if hw.devices[w].flops else "cpu")) for w in range(len(hw))}
     return find_worlds(graph, plan, validate_plan(graph, plan), infos, bps=hw.bps, hosts=False, **kw)

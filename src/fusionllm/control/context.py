@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionllm.core.config import TrainConfig
-from fusionllm.core.metrics import JsonlWriter
+from fusionllm.core.metrics import JsonlWriter, StepRecord
 
 from .config import ClusterConfig
 from .membership import Membership
@@ -68,11 +68,12 @@ class RunContext:
         self.metrics.write(record)
         self.status.event(record)
 
-    def step(self, record: dict[str, Any]) -> None:
-        """A step record: in the metrics file, on the dashboard, and to the caller's ``on_step``."""
-        self.metrics.write(record)
+    def step(self, record: StepRecord) -> None:
+        """A step record: in the metrics file, on the dashboard, and to the caller's ``on_step`` (as JSON)."""
+        raw = record.to_json()
+        self.metrics.write(raw)
         self.status.step(record)
-        self.on_step(record)
+        self.on_step(raw)
 
     def eval_count(self) -> int:
         """Validation batches per evaluation (0: no evaluation)."""

@@ -183,7 +183,7 @@ class Pauses:
         if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:
             raise FusionError("--group-batch needs workers that read their own data")
         new = {str(w): addresses[w] for w in workers}
-        data = {str(w): str(members[w].info["data_address"]) for w in workers if members[w].info.get("data_address")}
+        data = {str(w): members[w].info.data_address for w in workers if members[w].info.data_address}
         old = [w for g in live for w in g.workers]
         await asyncio.gather(*(clients[w].call("Regroup", Regroup(text, new, data).to_wire(), timeout=c.step_timeout) for w in old))
         for r in hr.runs.values():

@@ -31,6 +31,7 @@ from .limits import check_message_sizes
 from .rounds import checkpoint_rounds, resume_round
 from .setup import Setup
 from .state import Checkpoints
+from .status import stage_rows
 
 
 @dataclass
@@ -167,10 +168,12 @@ class GroupSetup:
         record = {
             "event": "plan", "sync": "hierarchical", "epoch": self.ctx.clock.epoch, "rounds": rounds, "fragments": len(hier.fragments),
             "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
-            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": [s.workers for s in g.plan.stages],
+            "groups": [{"group": g.index, "workers": g.workers, "inner_steps": g.inner_steps, "stages": stage_rows(runs[g.index].graph, g.plan),
+                        "schedule": g.plan.schedule, "micro_batches": g.plan.micro_batches,
                         "predicted_step_s": g.plan.meta.get("predicted_step_s")} for g in hier.groups],
             "predicted": {k: v for k, v in hier.meta.items() if k != "candidates"},
-            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "in_plan": w in hier.workers} for w, a in addresses.items()},
+            "workers": {str(w): {"address": a, "backend": backend_of(infos[w]), "device": infos[w].device.kind, "in_plan": w in hier.workers}
+                        for w, a in addresses.items()},
         }
         self.ctx.status.event(record)
         self.setup.plan_record = record

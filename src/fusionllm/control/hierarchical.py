@@ -116,7 +116,7 @@ class Groups:
         async with hr.changed:
             hr.changed.notify_all()
         self.ctx.say(f"group {g} left the run: {exc}")
-        self.ctx.metrics.write({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+        self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
         run = hr.runs[g]
         gone = set(run.plan.workers) if gone is None else gone
         others = [w for w in run.plan.workers if w not in gone]
@@ -199,7 +199,8 @@ class Groups:
             return
         hr.result.losses.append(done.loss)
         record = step_record(run, done, step=hr.steps, lr=lr, tokens=hr.result.tokens, elapsed=hr.elapsed(), compress=self.ctx.cluster.compress)
-        record.update(group=g, round=k, inner_step=hr.first + i, steps_total=sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive))
+        record.group, record.round, record.inner_step = g, k, hr.first + i
+        record.steps_total = hr.first + sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive)
         hr.steps += 1
         self.ctx.step(record)
         self.check_plan(hr, g, run)
@@ -248,7 +249,7 @@ class Groups:
                 applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}))
         if applies:
             await self.live.calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
-        self.ctx.metrics.write({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
+        self.ctx.event({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
                        "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
                        "elapsed_s": round(hr.elapsed(), 4)})
 
@@ -271,7 +272,7 @@ class Groups:
                 late = sorted(hr.expected(r) - set(got))
                 if late:
                     self.ctx.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
-                    self.ctx.metrics.write({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})
+                    self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})
             return hr.decided[key]
 
     async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int) -> None:

@@ -17,13 +17,14 @@ from fusionllm.transport.control import (
     Register,
     Registered,
 )
+from fusionllm.transport.worker_info import WorkerInfo
 
 
 @dataclass
 class Member:
     id: int
     address: str
-    info: dict[str, Any]
+    info: WorkerInfo
     last_seen: float = field(default_factory=time.monotonic)
     origin: int = -1  # the id it joined with (its device in a --hardware file); ids change when a re-plan renumbers
 
@@ -52,31 +53,31 @@ class Membership:
                 f"version mismatch: worker runs fusionllm {version} (protocol {protocol}), coordinator runs "
                 f"fusionllm {__version__} (protocol {PROTOCOL_VERSION}); install the same version on both"
             )
-        msg = Register.from_wire(msg).to_wire()  # every field of the right type before it is kept
-        address = msg["address"]
+        info = WorkerInfo.from_register(Register.from_wire(msg))  # every field of the right type before it is kept
+        address = info.address
         if ":" not in address:
             raise FusionError(f"worker address {address!r} is not HOST:PORT")
         again = next((m for m in self.members.values() if m.address == address), None)
         if again is not None:  # a retried Register whose first try got through: the same member
-            again.info, again.last_seen = dict(msg), time.monotonic()
+            again.info, again.last_seen = info, time.monotonic()
             return Registered(again.id, self.incarnation, spare=again.id in self.spares).to_wire()
         if self.state == "running":  # a spare: taken in at the next re-plan
             if len(self.members) >= self.expected + MAX_SPARES:
                 raise FusionError(f"the run already has {len(self.members)} workers and spares")
-            member = Member(max(self.members, default=-1) + 1, address, dict(msg), origin=-2)
+            member = Member(max(self.members, default=-1) + 1, address, info, origin=-2)
             self.members[member.id] = member
             self.spares.add(member.id)
             return Registered(member.id, self.incarnation, spare=True).to_wire()
         if self.state != "joining" or len(self.members) >= self.expected:
             raise FusionError(f"the run already has its {self.expected} workers")
-        rank = msg.get("rank")
-        if msg.get("live") is not None and (rank in self.members or not (isinstance(rank, int) and 0 <= rank < self.expected)):
+        rank = info.rank
+        if info.live is not None and (rank in self.members or not (isinstance(rank, int) and 0 <= rank < self.expected)):
             rank = None  # a worker coming back to a restarted coordinator asks for its old id, and takes any other
         if rank is None:
             rank = min(set(range(self.expected)) - set(self.members))
-        elif not isinstance(rank, int) or not 0 <= rank < self.expected or rank in self.members:
+        elif not 0 <= rank < self.expected or rank in self.members:
             raise FusionError(f"worker rank {rank!r} is taken or outside 0..{self.expected - 1}")
-        member = Member(rank, address, dict(msg))
+        member = Member(rank, address, info)
         self.members[member.id] = member
         if len(self.members) == self.expected:
             self.full.set()
@@ -96,7 +97,7 @@ class Membership:
 
     def _move(self, member: Member, beat: Heartbeat) -> None:
         member.address = beat.address
-        member.info.update(address=beat.address, data_address=beat.data_address, relay=beat.relay)
+        member.info = member.info.moved(beat.address, beat.data_address, beat.relay)
         self.moves += 1
 
     def stale(self, seconds: float) -> list[int]:

@@ -12,6 +12,7 @@ from typing import Any
 from .capabilities import backend_of
 from .collectives import carried_links
 from .config import Run
+from .status import stage_rows
 
 
 def plan_lines(run: Run, addresses: dict[int, str], members: Mapping[int, Any]) -> list[str]:
@@ -21,14 +22,11 @@ def plan_lines(run: Run, addresses: dict[int, str], members: Mapping[int, Any]) 
         lines.append(f"  worker {w} ({addresses[w]}): idle (the plan is faster without it)")
     for s in run.plan.stages:
         nodes = [run.graph.node(n) for n in s.nodes]
-        params = sum(run.graph.params[p].meta.numel for p in {p for n in nodes for p in n.params.values()})
+        params = sum(run.graph.params[p].meta.numel for p in run.plan.stage_params(run.graph, s.index))
         names = [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]
         shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
         for w in s.workers:
-            info = members[w].info
-            backend = backend_of(info)
-            version = (info.get("software") or {}).get(backend if backend == "torch" else "numpy", "")
-            dev = f"{info.get('device', {}).get('kind', '?')}, {backend}{' ' + version if version else ''}"
+            dev = members[w].info.describe()
             lines.append(f"  worker {w} ({dev} @ {addresses[w]}): stage {s.index}, {len(nodes)} ops, {params:,} params [{shown}]")
     for world in run.worlds:
         lines.append(f"  {world.line()}")
@@ -37,20 +35,15 @@ def plan_lines(run: Run, addresses: dict[int, str], members: Mapping[int, Any]) 
 
 def plan_event(run: Run, addresses: dict[int, str], members: Mapping[int, Any], cost: Any, *, epoch: int, scheduler: str | None) -> dict[str, Any]:
     """The plan as a metrics record (and for the dashboard): stages, workers, links."""
-    graph, plan = run.graph, run.plan
-    stages = []
-    for s in plan.stages:
-        nodes = [graph.node(n) for n in s.nodes]
-        names = {p for n in nodes for p in n.params.values()}
-        stages.append({"stage": s.index, "workers": list(s.workers), "ops": len(nodes), "params": sum(graph.params[p].meta.numel for p in names),
-                       "layers": [n.name for n in nodes if not n.kind.startswith(("method", "function", "property"))]})
+    plan = run.plan
+    stages = stage_rows(run.graph, plan)
     hw = getattr(cost, "hw", None)
     workers = {}
     for w, m in members.items():
-        workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.get("device", {}).get("kind", "?"),
-                           "software": m.info.get("software") or {},
+        workers[str(w)] = {"address": addresses.get(w, m.address), "backend": backend_of(m.info), "device": m.info.device.kind,
+                           "software": dict(m.info.software),
                            "site": hw.devices[w].site if hw is not None and w < len(hw) else None, "in_plan": w in plan.workers,
-                           "relay": m.info.get("relay") or None}
+                           "relay": m.info.relay or None}
     bandwidth = {}
     if hw is not None:
         bandwidth = {f"w{a}->w{b}": hw.bps(a, b) for a in range(len(hw)) for b in range(len(hw)) if a != b and math.isfinite(hw.bps(a, b))}

@@ -21,12 +21,11 @@ async def probe_hardware(members: dict[int, Any], clients: dict[int, RpcClient],
     devices = []
     for w in sorted(members):
         info = members[w].info
-        dev = info.get("device", {})
-        flops = float(info.get("probe", {}).get("matmul_flops", ref))
-        if dev.get("kind") == "cuda":
-            devices.append(Device(w, info.get("hostname", "?"), None, flops / 0.4 * 1.0, int(dev.get("memory_bytes", DEFAULT_CPU_MEMORY))))
+        dev, flops, host = info.device, info.matmul_flops or ref, info.hostname or "?"
+        if dev.kind == "cuda":
+            devices.append(Device(w, host, None, flops / 0.4 * 1.0, dev.memory_bytes or DEFAULT_CPU_MEMORY))
         else:
-            devices.append(Device(w, info.get("hostname", "?"), flops / ref, None, int(dev.get("memory_bytes", DEFAULT_CPU_MEMORY))))
+            devices.append(Device(w, host, flops / ref, None, dev.memory_bytes or DEFAULT_CPU_MEMORY))
     n = len(devices)
     bw = [[math.inf] * n for _ in range(n)]
     started = time.perf_counter()

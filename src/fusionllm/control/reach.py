@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 from fusionllm.core.errors import FusionError
@@ -25,6 +26,7 @@ from fusionllm.transport.control import WORKER_SERVICE, Reach, ReachReply
 from fusionllm.transport.relay import Relay
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.stream import DataClient
+from fusionllm.transport.worker_info import WorkerInfo
 
 REACH_S = 1.5  # how long connecting back to a joining worker may take (the worker probes its device meanwhile)
 
@@ -50,26 +52,26 @@ async def connect_back(address: str, data_address: str, nonce: str, token: str, 
     return ""
 
 
-def relayed(info: dict[str, Any]) -> bool:
-    return bool(info.get("relay"))
+def relayed(info: WorkerInfo) -> bool:
+    return info.relayed
 
 
-def same_nat(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same_nat(a: WorkerInfo, b: WorkerInfo) -> bool:
     """Two workers behind one NAT: the relay saw both come from the same public host."""
-    return relayed(a) and relayed(b) and bool(a.get("seen")) and a.get("seen") == b.get("seen") and bool(a.get("lan_address"))
+    return a.relayed and b.relayed and bool(a.seen) and a.seen == b.seen and bool(a.lan_address)
 
 
-def routes(infos: dict[int, dict[str, Any]], w: int) -> tuple[dict[int, str], dict[int, str], list[int]]:
+def routes(infos: Mapping[int, WorkerInfo], w: int) -> tuple[dict[int, str], dict[int, str], list[int]]:
     """The addresses worker ``w`` uses for every member (LAN addresses for a peer behind its own NAT),
     and which of them go through a relay."""
     addresses, data, through = {}, {}, []
-    me = infos.get(w, {})
+    me = infos.get(w, WorkerInfo())
     for p, info in infos.items():
         if p != w and same_nat(me, info):
-            addresses[p], data[p] = str(info["lan_address"]), str(info.get("lan_data_address") or info.get("data_address", ""))
+            addresses[p], data[p] = info.lan_address, info.lan_data_address or info.data_address
         else:
-            addresses[p], data[p] = str(info.get("address", "")), str(info.get("data_address", ""))
-            if relayed(info) and p != w:
+            addresses[p], data[p] = info.address, info.data_address
+            if info.relayed and p != w:
                 through.append(p)
     return addresses, data, through
 
@@ -110,9 +112,9 @@ class Reachability:
         infos = [m.info for m in self.membership.members.values()]
         load: dict[str, int] = {}
         for info in infos:
-            if info.get("relay"):
-                load[str(info["relay"])] = load.get(str(info["relay"]), 0) + 1
-        offers = sorted({str(i["relay_offer"]) for i in infos if i.get("relay_offer") and not relayed(i)} - avoid)
+            if info.relay:
+                load[info.relay] = load.get(info.relay, 0) + 1
+        offers = sorted({i.relay_offer for i in infos if i.relay_offer and not i.relayed} - avoid)
         if offers:
             return min(offers, key=lambda r: (load.get(r, 0), r))
         return self._own_relay()
@@ -121,8 +123,8 @@ class Reachability:
         """Before the first plan: workers behind NAT that the coordinator hosts because they joined before
         any worker offered to relay move to the offered relays (a reachable worker's link, not the
         coordinator's, then carries their traffic)."""
-        hosted = [m for m in self.membership.members.values() if relayed(m.info) and self._is_own(str(m.info["relay"]))]
-        if not hosted or not any(m.info.get("relay_offer") for m in self.membership.members.values()):
+        hosted = [m for m in self.membership.members.values() if m.info.relayed and self._is_own(m.info.relay)]
+        if not hosted or not any(m.info.relay_offer for m in self.membership.members.values()):
             return
         for member in hosted:
             relay = self._choose_relay(set())
@@ -137,15 +139,15 @@ class Reachability:
             finally:
                 await client.close()
             member.address = str(reply["address"])
-            member.info.update(address=member.address, data_address=str(reply["data_address"]), relay=str(reply["relay"]))
+            member.info = member.info.moved(member.address, str(reply["data_address"]), str(reply["relay"]))
 
     def relay_lines(self, addresses: dict[int, str]) -> list[str]:
         """What the plan printout says about workers behind NAT."""
         infos = {w: m.info for w, m in self.membership.members.items() if w in addresses}
         lines = []
         for w in sorted(infos):
-            if relayed(infos[w]):
-                relay = str(infos[w]["relay"])
+            if infos[w].relayed:
+                relay = infos[w].relay
                 lan = sorted(p for p in infos if p != w and same_nat(infos[w], infos[p]))
                 via = "the coordinator" if self._is_own(relay) else relay
                 lines.append(f"  worker {w} is behind NAT: reached through relay {via}" + (f"; direct to {lan} (same NAT)" if lan else ""))

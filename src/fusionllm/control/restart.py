@@ -16,7 +16,6 @@ the newest complete checkpoint. Either way a ``resume`` record in the metrics sa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionllm.core.checkpoints import PREFIX
-from fusionllm.core.errors import FusionError, WireError
+from fusionllm.core.errors import FusionError
 from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import blob_keys
@@ -58,13 +57,7 @@ class Interrupted(Exception):  # noqa: N818 - an internal signal between two ste
 
 def live_states(members: Mapping[int, Any]) -> dict[int, LiveState]:
     """The members (``Member``s) that reported a stage when they registered, by id."""
-    out = {}
-    for w, m in members.items():
-        raw = m.info.get("live")
-        if raw is not None:
-            with contextlib.suppress(WireError):  # checked when it registered; a bad one is no live state
-                out[w] = LiveState.from_wire(raw)
-    return out
+    return {w: m.info.live for w, m in members.items() if m.info.live is not None}
 
 
 def live_group(held: Mapping[int, LiveState]) -> tuple[int, dict[int, int]] | str:

@@ -122,7 +122,7 @@ class Setup:
 
         async def assign(w: int) -> None:
             stage = plan.stage_of_worker(w)
-            names = {p for nid in stage.nodes for p in graph.node(nid).params.values()}
+            names = set(plan.stage_params(graph, stage.index))
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             peers, data, through = routes(infos, w)  # LAN addresses between workers behind one NAT (reach.py)
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in {**addresses, **peers}.items()}, hyper=hyper,

@@ -21,6 +21,7 @@ import numpy as np
 
 from fusionllm.compress.wire import encode_array
 from fusionllm.core.errors import FusionError
+from fusionllm.core.metrics import StepRecord
 from fusionllm.schedule.actions import format_grid
 from fusionllm.schedule.plan import routes
 from fusionllm.transport.control import Step, StepDone
@@ -104,26 +105,24 @@ def ratios_of(policy: Any, worker: int) -> dict[str, float] | None:
     return {str(b): r for (a, b), r in policy.ratios().items() if a == worker} if policy is not None else None
 
 
-def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str) -> dict[str, Any]:
-    """The step record, the same keys for every group (a group's run adds group, round, inner_step).
+def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str) -> StepRecord:
+    """The step record, the same for every group (a group's run sets group, round, inner_step).
     Observes the links on the way: bytes and busy time for a re-plan, and the AdaTopK policy."""
     replies = done.replies
-    record: dict[str, Any] = {
-        "step": step, "loss": done.loss, "tokens": tokens, "elapsed_s": round(elapsed, 4),
-        "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1), "lr": lr,
-        "grad_norm": next(iter(replies.values())).grad_norm,
-        "step_s": round(max(rep.seconds for rep in replies.values()), 4),
-        "bytes": link_bytes(run, replies), "cpu_s": {str(w): rep.cpu_s for w, rep in replies.items()},
-        "rss": {str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
-    }
+    record = StepRecord(
+        step=step, loss=done.loss, tokens=tokens, elapsed_s=round(elapsed, 4), tokens_per_s=round(tokens / max(elapsed, 1e-9), 1), lr=lr,
+        grad_norm=next(iter(replies.values())).grad_norm, step_s=round(max(rep.seconds for rep in replies.values()), 4),
+        bytes=link_bytes(run, replies), cpu_s={str(w): rep.cpu_s for w, rep in replies.items()},
+        rss={str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
+    )
     if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/carrier.py)
-        record["carried_bytes"] = link_bytes(run, replies, carried=True)
+        record.carried_bytes = link_bytes(run, replies, carried=True)
     if "predicted_step_s" in run.plan.meta:
-        record["predicted_step_s"] = round(run.plan.meta["predicted_step_s"], 4)
+        record.predicted_step_s = round(run.plan.meta["predicted_step_s"], 4)
     if compress != "none":
-        record["compress"] = compress
+        record.compress = compress
     observe_links(run, replies, record)
-    run.recent.append(record["step_s"])
+    run.recent.append(record.step_s)
     return record
 
 
@@ -139,7 +138,7 @@ def link_bytes(run: Run, replies: dict[int, StepDone], *, carried: bool = False)
     return out
 
 
-def observe_links(run: Run, replies: dict[int, StepDone], record: dict[str, Any]) -> None:
+def observe_links(run: Run, replies: dict[int, StepDone], record: StepRecord) -> None:
     """Link measurements: kept for a re-plan (``run.links``), and fed to the plan's AdaTopK policy,
     whose ratios in force and fitted links go into the record."""
     for w, rep in replies.items():  # a world's transfers too: a re-plan must see a choked link it carried
@@ -149,14 +148,16 @@ def observe_links(run: Run, replies: dict[int, StepDone], record: dict[str, Any]
     policy = run.policy
     if policy is None:
         return
-    record["ratios"] = {f"w{a}->w{b}": round(r, 5) for (a, b), r in policy.ratios().items()}
+    record.ratios = {f"w{a}->w{b}": round(r, 5) for (a, b), r in policy.ratios().items()}
     if run.observed:  # the first step's sends also open the connections: not learnt from
+        stats: dict[str, list[float]] = {}
         for w, rep in replies.items():
             for dst, (nbytes, busy, *messages) in rep.link_stats.items():
                 policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
-                record.setdefault("link_stats", {})[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
+                stats[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
+        record.link_stats = stats or None
     run.observed = True
-    record["link_fit"] = {f"w{a}->w{b}": [round(policy.bps[(a, b)]), round(policy.fixed_s.get((a, b), 0.0), 5)]
+    record.link_fit = {f"w{a}->w{b}": [round(policy.bps[(a, b)]), round(policy.fixed_s.get((a, b), 0.0), 5)]
                           for (a, b) in policy.loads if (a, b) in policy.bps}
 
 

@@ -59,10 +59,10 @@ class SyncLoop:
             record = step_record(run, done, step=step - 1, lr=lr, tokens=result.tokens, elapsed=time.perf_counter() - started, compress=c.compress)
             if c.eval_every and (step % c.eval_every == 0 or step == end):
                 paused = time.perf_counter()
-                record["val_loss"] = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step))
-                result.val_losses.append((step - 1, record["val_loss"]))
+                record.val_loss = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step))
+                result.val_losses.append((step - 1, record.val_loss))
                 if run.val_metric is not None:
-                    record[f"val_{ctx.task.metric_name}"] = run.val_metric
+                    record.val_metrics[ctx.task.metric_name] = run.val_metric
                     result.val_metrics.append((step - 1, run.val_metric))
                 started += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
             ctx.step(record)

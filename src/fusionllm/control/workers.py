@@ -109,7 +109,7 @@ class Liveness:
                 except FusionError:
                     member = self.membership.members.get(w)
                     # behind NAT, its relay gone: it comes back through another relay within --dead-after
-                    if member is None or not member.info.get("relay") or time.monotonic() - began > dead_after:
+                    if member is None or not member.info.relayed or time.monotonic() - began > dead_after:
                         return False
                     await asyncio.sleep(0.2)
 
