@@ -97,6 +97,7 @@ class WorkerConfig:
     behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
     relay: bool = False  # a reachable worker that relays for workers behind NAT
     relay_port: int = 0
+    reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, benchmarks/reduce_overlap.py)
 
 
 class Worker(CoordinatorLink, NatLink, WorldLink):
@@ -240,7 +241,9 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             raise WireError(f"assignment truncated: {filled} of {msg.nbytes} bytes")
         graph = await asyncio.to_thread(self.backend.parse_graph, msg.graph)
         plan = Plan.from_json(msg.plan)
-        program = [Action.parse(a) for a in msg.program] if msg.program is not None else None
+        if msg.program is None:  # the coordinator ships the program its validator checked; a worker lowers nothing
+            raise WireError("assignment without a program")
+        program = [Action.parse(a) for a in msg.program]
         blob = bytes(buf)
         del buf
         if msg.load is not None:  # resume and recovery: this stage's tensors from the checkpoint's shards
@@ -266,9 +269,10 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program, faults=self.config.faults,
+            reduce_overlap=self.config.reduce_overlap,
         )
         if msg.collective is not None:
-            self.runtime.collective = await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout)
+            self.runtime.use_world(await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout))
         if msg.hier is not None:
             self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime, momentum)
         self.live = None if msg.hier is not None else LiveState(  # what it reports to a restarted coordinator
