@@ -201,3 +201,23 @@ def test_the_reducer_is_chosen_again_when_the_stage_joins_its_world(nano) -> Non
     r.use_world(world)
     assert isinstance(r.reducer, OverlapReduce) and [type(p) for p in r.reducer.parts] == [WorldReduce]
     assert r.sender.world is world and r.receiver.world is world
+
+
+def test_a_worker_refuses_an_assignment_without_a_program(nano) -> None:
+    """The coordinator ships the program its validator checked; a worker lowers no plan of its own."""
+    from fusionllm.core.errors import WireError
+    from fusionllm.runtime.worker import Worker, WorkerConfig
+    from fusionllm.transport.control import Assign
+    from fusionllm.transport.messages import pack
+
+    graph, _, _ = nano
+    head = Assign(worker=0, graph=graph.to_json(), plan=make_plan(graph, 1, micro_batches=2).to_json(), addresses={}, hyper=HYPER, nbytes=0)
+
+    async def assign() -> None:
+        async def frames() -> Any:
+            yield pack(head.to_wire())
+
+        await Worker(WorkerConfig(join="127.0.0.1:1", token="t" * 32, handle_signals=False))._on_assign(frames())
+
+    with pytest.raises(WireError, match="without a program"):
+        asyncio.run(assign())
