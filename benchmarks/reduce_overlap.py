@@ -2,10 +2,10 @@
 """The world's all-reduce overlapped with the backward (runtime/overlap.py) against the plain one
 (every bucket launched at REDUCE), side by side (issue 21).
 
-``fusionllm train --cluster local:4 --replicas 2,2 --collectives auto`` (two stages, two replicas
-each: gloo sums the replicas' gradients and the tied embedding), run with
-``FUSIONLLM_REDUCE_OVERLAP`` unset (overlap) and ``=0`` (plain), alternating, ``--rounds`` times
-each. Reported: the median ``step_s`` (the slowest worker's step) over the steps after the first
+A coordinator (``fusionllm coordinator --workers 4 --replicas 2,2 --collectives auto``: two stages,
+two replicas each: gloo sums the replicas' gradients and the tied embedding) and four workers that
+this script starts itself (``--worker``), each a ``WorkerConfig`` whose ``reduce_overlap`` is the
+mode (``--reduce overlap`` or ``plain``), alternating, ``--rounds`` times each. Reported: the median ``step_s`` (the slowest worker's step) over the steps after the first
 of every run, the losses' largest difference between the two modes (they should agree to ~1e-6),
 and how many buckets the workers started before REDUCE (from their logs).
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +30,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import read_metrics, results_dir, write  # noqa: E402
 
+WORKERS = 4
+
 
 def run(mode: str, model: str, steps: int, batch: int, seq: int, work: Path) -> dict:
     out, run_dir = work / f"{mode}.jsonl", work / f"run-{mode}"
-    env = {**os.environ, "FUSIONLLM_LOGLEVEL": "INFO", "FUSIONLLM_REDUCE_OVERLAP": "1" if mode == "overlap" else "0"}
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", "local:4", "--replicas", "2,2", "--collectives", "auto",
-           "--model", model, "--batch-size", str(batch), "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0",
-           "--seed", "3", "--metrics", str(out), "--run-dir", str(run_dir)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=900)
+    run_dir.mkdir()
+    token_file = run_dir / "token"
+    token_file.write_text(secrets.token_hex(32) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "FUSIONLLM_LOGLEVEL": "INFO"}
+    coordinator = [sys.executable, "-m", "fusionllm", "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file),
+                   "--workers", str(WORKERS), "--replicas", "2,2", "--collectives", "auto", "--model", model, "--batch-size", str(batch),
+                   "--seq-len", str(seq), "--steps", str(steps), "--eval-every", "0", "--seed", "3", "--metrics", str(out)]
+    threads = max(1, (os.cpu_count() or 1) // WORKERS)
+    with open(run_dir / "coordinator.log", "wb") as log:
+        procs = [subprocess.Popen(coordinator, env=env, stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        for i in range(WORKERS):
+            with open(run_dir / f"worker-{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "--worker", f"127.0.0.1:{port}", "--token-file", str(token_file), "--rank", str(i),
+                     "--threads", str(threads), "--reduce", mode], env=env, stdout=log, stderr=subprocess.STDOUT))
+        if procs[0].wait(timeout=900) != 0:
+            raise SystemExit(f"{mode}: the coordinator failed:\n{(run_dir / 'coordinator.log').read_text()[-3000:]}")
+        for p in procs[1:]:
+            p.wait(timeout=30)  # workers hear "finished" within a heartbeat
+    finally:
+        for p in procs:  # only the processes this run started, by handle
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     records = read_metrics(out).records
     steps_ = [r for r in records if "step" in r]
     told = [line.split("backward: ")[1] for p in sorted(run_dir.glob("worker-*.log")) for line in p.read_text().splitlines()
@@ -44,8 +71,23 @@ def run(mode: str, model: str, steps: int, batch: int, seq: int, work: Path) -> 
     return {"step_s": [r["step_s"] for r in steps_], "loss": [r["loss"] for r in steps_], "early": told}
 
 
+def worker(join: str, token_file: Path, rank: int, threads: int, reduce: str) -> int:
+    """One worker of a run, its all-reduce overlapped with the backward or not (``--reduce``)."""
+    from fusionllm.runtime.process_memory import return_freed_memory
+    from fusionllm.runtime.worker import WorkerConfig, run_worker
+    from fusionllm.transport.auth import load_token
+
+    return_freed_memory()  # as `fusionllm worker` does
+    return run_worker(WorkerConfig(join=join, token=load_token(token_file), rank=rank, threads=threads, reduce_overlap=reduce == "overlap"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", metavar="HOST:PORT", help="run one worker that joins this coordinator (the script starts these itself)")
+    ap.add_argument("--token-file", type=Path)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reduce", choices=("overlap", "plain"), default="overlap")
     ap.add_argument("--model", default="gpt-micro")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
@@ -53,6 +95,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--out", type=Path, default=results_dir("reduce_overlap"))
     args = ap.parse_args()
+    if args.worker:
+        raise SystemExit(worker(args.worker, args.token_file, args.rank, args.threads, args.reduce))
     runs: dict[str, list[dict]] = {"overlap": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):

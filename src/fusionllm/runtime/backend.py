@@ -13,6 +13,7 @@ import importlib
 import os
 import platform
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,10 +25,27 @@ BACKENDS = {"torch": "fusionllm.runtime.torch_backend", "numpy": "fusionllm.runt
 ALL_KINDS = "all"  # what a backend that runs every op kind of the registry advertises
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a stage's executor can do beyond running forward and backward, declared by its backend:
+    the stage loop reads this and never probes the executor for attributes.
+
+    ``recompute``: activation checkpointing (``executor.recompute``, ``--recompute``); a backend
+    without it runs the stage keeping its activations. ``bf16``: compute under autocast
+    (``executor.autocast``, ``--precision bf16``); a stage asked for bf16 without it is refused.
+    ``keyed_random``: random ops draw from (run seed, step) (``executor.random_key``), so that any
+    split of the model draws the same dropout masks; a backend without random ops needs none."""
+
+    recompute: bool = False
+    bf16: bool = False
+    keyed_random: bool = False
+
+
 class StageBackend(Protocol):
     """One stage in one framework: ``executor`` has the contract of ``runtime.executor.StageExecutor``."""
 
     executor: Any
+    capabilities: Capabilities
 
     def to_host(self, t: Any) -> np.ndarray:
         """A tensor as a C-ordered NumPy array in host memory (``bfloat16`` as uint16 bit patterns)."""
@@ -37,6 +55,12 @@ class StageBackend(Protocol):
 
     def scalar(self, t: Any) -> float:
         """A one-element tensor (the loss) as a float."""
+
+    def clone(self, t: Any) -> Any:
+        """A copy of one of this framework's tensors (a buffer kept to be put back)."""
+
+    def copy_into(self, t: Any, value: Any) -> None:
+        """Overwrite tensor ``t`` in place with ``value`` (a ``clone`` of it)."""
 
     def loss_grad(self, scale: float) -> Any:
         """The gradient that starts backward at the loss (``scale``: 1 / micro-batches)."""

@@ -2,7 +2,7 @@
 
 The coordinator lists the links a world carries (``Collective.carries``, ``control/collectives.py``):
 SEND links between two of its members whose activations and gradients both cross uncompressed. On
-those links ``StageRuntime`` hands the tensor itself to ``send`` and the receiver takes it from
+those links the stage's ``LinkSender`` hands the tensor itself to ``send`` and its receiver takes it from
 ``recv``, both blocking (run them in a daemon thread): CPU tensors through gloo, device tensors
 through NCCL, no NumPy copy, no framing.
 

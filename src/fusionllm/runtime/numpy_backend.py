@@ -20,12 +20,14 @@ from fusionllm.core.errors import ConfigError, WireError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.npexec.executor import NumpyStageExecutor, supported_kinds
 from fusionllm.npexec.optim import make_adamw
-from fusionllm.runtime.backend import cpu_info
+from fusionllm.runtime.backend import Capabilities, cpu_info
 
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read once, when NumPy loads its BLAS
 
 
 class NumpyStage:
+    capabilities = Capabilities()  # no recompute, no bfloat16, no random ops (npexec runs none)
+
     def __init__(self, graph: OpGraph, node_ids: list[str], tensors: Mapping[str, Any], *, lr: float, weight_decay: float, name: str) -> None:
         self.executor = NumpyStageExecutor(graph, node_ids, tensors, name=name)
         self.optimizer = make_adamw(self.executor.trainable(), lr, weight_decay)
@@ -44,6 +46,12 @@ class NumpyStage:
 
     def loss_grad(self, scale: float) -> np.ndarray:
         return np.float32(scale)
+
+    def clone(self, t: np.ndarray) -> np.ndarray:
+        return np.array(t)
+
+    def copy_into(self, t: np.ndarray, value: np.ndarray) -> None:
+        np.copyto(t, value)
 
     # ---- gradients and the optimizer -------------------------------------------------------------
     def flat_grads(self, names: list[str]) -> np.ndarray:

@@ -27,8 +27,9 @@ import numpy as np
 
 from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
-from fusionllm.core.errors import FusionError
-from fusionllm.schedule.hierarchy import Exchange, HierPlan
+from fusionllm.core.errors import FusionError, WireError
+from fusionllm.graph.ir import OpGraph
+from fusionllm.schedule.hierarchy import Exchange, HierPlan, exchange
 
 Push = Callable[[int, dict, np.ndarray, tuple[str, bytes]], Awaitable[None]]
 Get = Callable[[tuple, float], Awaitable[np.ndarray | None]]
@@ -171,3 +172,21 @@ class OuterState:
 
     def anchor_of(self, names: list[str]) -> dict[str, np.ndarray]:
         return {n: self.anchor[n].copy() for n in names}
+
+
+def hier_exchanges(graph: OpGraph, text: str, worker: int) -> tuple[HierPlan, list[Exchange]]:
+    """The hierarchical plan an assignment (or a Regroup) carries, and ``worker``'s exchange of each fragment."""
+    try:
+        hier = HierPlan.from_json(text)
+        hier.group_of(worker)
+    except (ValueError, KeyError, TypeError, FusionError) as exc:
+        raise WireError(f"malformed hierarchical plan ({type(exc).__name__}: {exc})") from None
+    return hier, [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
+
+
+def outer_state(graph: OpGraph, text: str, worker: int, weights: Callable[[list[str]], dict[str, np.ndarray]],
+                momentum: dict[str, np.ndarray]) -> OuterState:
+    """``worker``'s outer state at assignment: the anchor is its stage's weights as assigned."""
+    hier, exchanges = hier_exchanges(graph, text, worker)
+    mine = sorted({n for e in exchanges for n in e.mine})
+    return OuterState(hier, exchanges, hier.group_of(worker).index, weights(mine), momentum)

@@ -11,8 +11,8 @@ the last micro-batch gave no gradient: an earlier one's, or zeros), then all are
 sums written back into ``.grad``.
 
 The hooks run in autograd's thread (the backward runs in a worker thread): the bucket state is
-guarded by a lock. Only the step's last backward is watched; ``StageRuntime`` takes the plain
-path (``World.all_reduce`` at ``REDUCE``) where overlapping is not shown to be safe.
+guarded by a lock. Only the step's last backward is watched; where overlapping is not shown to be
+safe the stage's reducer takes the plain path (``World.all_reduce`` at ``REDUCE``, ``runtime/reducers.py``).
 """
 
 from __future__ import annotations

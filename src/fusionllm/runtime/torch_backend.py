@@ -11,7 +11,7 @@ import torch
 
 from fusionllm.core.errors import FusionError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.backend import ALL_KINDS, cpu_info
+from fusionllm.runtime.backend import ALL_KINDS, Capabilities, cpu_info
 from fusionllm.runtime.checkpoint import pack_tensors, unpack_tensors
 from fusionllm.runtime.executor import StageExecutor
 from fusionllm.runtime.model_graph import graph_source
@@ -19,6 +19,8 @@ from fusionllm.runtime.optim import make_adamw
 
 
 class TorchStage:
+    capabilities = Capabilities(recompute=True, bf16=True, keyed_random=True)
+
     def __init__(self, graph: OpGraph, node_ids: list[str], tensors: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float, device: str, name: str) -> None:
         self.executor = StageExecutor(graph, node_ids, tensors, device=device, source=graph_source(graph), name=name)
         self.optimizer = make_adamw(sorted(self.executor.trainable().items()), lr, weight_decay)
@@ -39,6 +41,13 @@ class TorchStage:
 
     def loss_grad(self, scale: float) -> torch.Tensor:
         return torch.tensor(scale)
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @torch.no_grad()
+    def copy_into(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        t.copy_(value)
 
     # ---- gradients and the optimizer -------------------------------------------------------------
     def flat_grads(self, names: list[str]) -> np.ndarray:

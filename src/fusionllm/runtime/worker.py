@@ -16,33 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save as st_save
 
 from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.coordinator_link import CoordinatorLink
+from fusionllm.runtime.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.faults import Fault
 from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.outer import OuterState
+from fusionllm.runtime.outer import OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
+from fusionllm.runtime.process_memory import current_rss, peak_rss, return_freed_memory
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
+from fusionllm.runtime.stage_state import outer_blob, read_stage_shards
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.runtime.world_link import WorldLink
 from fusionllm.schedule.actions import Action
-from fusionllm.schedule.hierarchy import HierPlan, exchange
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import probe
 from fusionllm.transport.control import (
@@ -52,7 +51,6 @@ from fusionllm.transport.control import (
     Assigned,
     Empty,
     Evaluate,
-    Evaluated,
     GetState,
     LiveState,
     MeasureTo,
@@ -67,9 +65,11 @@ from fusionllm.transport.control import (
 )
 from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
-from fusionllm.transport.shards import read_selected, stage_keep, write_shard
+from fusionllm.transport.shards import write_shard
 from fusionllm.transport.stream import DataServer
 from fusionllm.transport.tls import TlsFiles
+
+__all__ = ["Worker", "WorkerConfig", "current_rss", "peak_rss", "return_freed_memory", "run_worker"]  # the memory functions: their old home
 
 MAX_WEIGHTS = 1 << 40
 PAGE = 64 << 20  # the largest page of state one GetState answers (well under the transport's message limit)
@@ -97,6 +97,7 @@ class WorkerConfig:
     behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
     relay: bool = False  # a reachable worker that relays for workers behind NAT
     relay_port: int = 0
+    reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, benchmarks/reduce_overlap.py)
 
 
 class Worker(CoordinatorLink, NatLink, WorldLink):
@@ -240,11 +241,13 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             raise WireError(f"assignment truncated: {filled} of {msg.nbytes} bytes")
         graph = await asyncio.to_thread(self.backend.parse_graph, msg.graph)
         plan = Plan.from_json(msg.plan)
-        program = [Action.parse(a) for a in msg.program] if msg.program is not None else None
+        if msg.program is None:  # the coordinator ships the program its validator checked; a worker lowers nothing
+            raise WireError("assignment without a program")
+        program = [Action.parse(a) for a in msg.program]
         blob = bytes(buf)
         del buf
         if msg.load is not None:  # resume and recovery: this stage's tensors from the checkpoint's shards
-            blob = await asyncio.to_thread(self._read_shards, msg.load, graph, plan, msg.worker)
+            blob = await asyncio.to_thread(read_stage_shards, msg.load, graph, plan, msg.worker)
         tensors = await asyncio.to_thread(self.backend.unpack, blob) if blob else {}
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
@@ -266,11 +269,12 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self.runtime = await asyncio.to_thread(
             StageRuntime, graph, plan, msg.worker, params, msg.hyper, self.peers, self.inbox,
             backend=self.backend, device=self.config.device, optimizer_state=adam, program=program, faults=self.config.faults,
+            reduce_overlap=self.config.reduce_overlap,
         )
         if msg.collective is not None:
-            self.runtime.collective = await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout)
+            self.runtime.use_world(await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout))
         if msg.hier is not None:
-            self.outer = await asyncio.to_thread(self._outer_state, graph, msg.hier, msg.worker, self.runtime, momentum)
+            self.outer = await asyncio.to_thread(outer_state, graph, msg.hier, msg.worker, self.runtime.backend.get_params, momentum)
         self.live = None if msg.hier is not None else LiveState(  # what it reports to a restarted coordinator
             msg.step, self.runtime.stage.index, len(plan.stages), msg.epoch, LiveState.digest(msg.plan), LiveState.graph_digest(msg.graph), msg.hyper.seed)
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
@@ -279,40 +283,17 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self._state_blob = None
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
-    @staticmethod
-    def _outer_state(graph: Any, text: str, worker: int, runtime: StageRuntime, momentum: dict[str, Any]) -> OuterState:
-        hier, exchanges = Worker._exchanges(graph, text, worker)
-        mine = sorted({n for e in exchanges for n in e.mine})
-        return OuterState(hier, exchanges, hier.group_of(worker).index, runtime.backend.get_params(mine), momentum)
-
-    @staticmethod
-    def _exchanges(graph: Any, text: str, worker: int) -> tuple[HierPlan, list[Any]]:
-        try:
-            hier = HierPlan.from_json(text)
-            hier.group_of(worker)
-        except (ValueError, KeyError, TypeError, FusionError) as exc:
-            raise WireError(f"malformed hierarchical plan ({type(exc).__name__}: {exc})") from None
-        return hier, [exchange(graph, hier, worker, f) for f in range(len(hier.fragments))]
-
     async def _on_regroup(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Hierarchical mode: a group joined (or dead ones were dropped) between two rounds."""
         runtime = self._runtime("Regroup")
         if self.outer is None or self.peers is None:
             raise FusionError("Regroup: this worker was assigned no hierarchical plan")
         req = Regroup.from_wire(msg)
-        hier, exchanges = await asyncio.to_thread(self._exchanges, runtime.graph, req.hier, self.id or 0)
+        hier, exchanges = await asyncio.to_thread(hier_exchanges, runtime.graph, req.hier, self.id or 0)
         self.outer.regroup(hier, exchanges)
         self.peers.addresses.update({int(k): v for k, v in req.addresses.items()})
         self.peers.data_addresses.update({int(k): v for k, v in req.data_addresses.items()})
         return Empty().to_wire()
-
-    def _read_shards(self, directory: str, graph: Any, plan: Plan, worker: int) -> bytes:
-        paths = sorted(Path(directory).glob("stage-*.safetensors"))
-        if not paths:
-            raise FusionError(f"checkpoint {directory} has no shards this worker can read (a directory shared by every machine is needed)")
-        stage = plan.stage_of_worker(worker)
-        names = set(plan.stage_params(graph, stage.index))
-        return read_selected(paths, stage_keep(names))
 
     def _runtime(self, what: str) -> StageRuntime:
         if self.runtime is None:
@@ -411,68 +392,18 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         return await self._once("Evaluate", (req.at_step, req.batches, req.outer), lambda: self._run_evaluate(runtime, req))
 
     async def _run_evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
-        if req.outer and self.outer is not None:
-            names = sorted(self.outer.anchor)
-            local = await asyncio.to_thread(runtime.backend.get_params, names)
-            await asyncio.to_thread(runtime.backend.set_params, self.outer.anchor_of(names))
-            try:
-                return await self._evaluate(runtime, req)
-            finally:
-                await asyncio.to_thread(runtime.backend.set_params, local)
-        return await self._evaluate(runtime, req)
-
-    async def _evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
-        out = Evaluated()
-        for j in range(req.batches):
+        async def inputs(j: int) -> dict[int, dict[str, Any]]:
             if req.inputs is not None:
-                inputs = self._fed(runtime, req.inputs.get(str(j), {}))
-            elif self.data_source is not None:
-                inputs = await asyncio.to_thread(lambda j=j: runtime.feeds(*self.data_source.eval_batch(j)))
-            else:
-                raise FusionError("evaluation: this worker reads no data and none was sent")
-            try:
-                done = await self._cancellable(runtime.run_eval(-(req.at_step * 1000 + j + 1), inputs, self._metric(runtime, j)))
-            except StepFailure as exc:
-                self.log.error("evaluation: %s", exc)
-                return Evaluated(failed=exc.message()).to_wire()
-            if done is None:
-                return Evaluated().to_wire()
-            losses, metrics = done
-            if losses:
-                out.losses[str(j)] = {str(mb): v for mb, v in losses.items()}
-            if metrics:
-                out.metrics[str(j)] = {str(mb): v for mb, v in metrics.items()}
-        return out.to_wire()
+                return self._fed(runtime, req.inputs.get(str(j), {}))
+            if self.data_source is not None:
+                return await asyncio.to_thread(lambda: runtime.feeds(*self.data_source.eval_batch(j)))
+            raise FusionError("evaluation: this worker reads no data and none was sent")
 
-    def _metric(self, runtime: StageRuntime, j: int) -> Any:
-        """A task's metric on validation batch ``j``, computed by the stage that makes the model's
-        output, with the targets from this worker's own copy of the batch (None: no metric here)."""
-        task = getattr(self.data_source, "task", None)
-        graph = runtime.graph
-        if task is None or task.metric is None or not graph.outputs or self.backend.name != "torch":
-            return None
-        out = graph.outputs[0]
-        if not any(e.id == out for n in runtime.executor.nodes for e in n.outputs):
-            return None
-        targets = self.data_source.eval_batch(j)[task.inputs :]
-        size = targets[0].shape[0] // runtime.plan.micro_batches
+        def metric(j: int) -> Metric | None:
+            return task_metric(runtime, self.data_source, j) if self.backend.name == "torch" else None
 
-        def value(mb: int, tensors: Mapping[str, Any]) -> float | None:
-            if out not in tensors:
-                return None
-            rows = [runtime.backend.from_host(np.ascontiguousarray(a[mb * size : (mb + 1) * size]), a.dtype.name) for a in targets]
-            return float(task.metric(tensors[out], *rows))
-
-        return value
-
-    @staticmethod
-    def _outer_blob(runtime: StageRuntime, outer: OuterState) -> bytes:
-        """The outer weights and momentum, and the stage's tensors no outer step touches (buffers,
-        frozen weights: this group's), as safetensors (NumPy: the same bytes as every backend's)."""
-        tensors = {k: runtime.backend.to_host(v) for k, v in runtime.state_tensors().items()
-                   if k.startswith("param/") and k.removeprefix("param/") not in outer.anchor}
-        tensors.update(outer.outer_tensors())
-        return st_save(tensors)
+        outer = self.outer if req.outer else None
+        return await evaluate(runtime, req, inputs, metric, self._cancellable, outer=outer)
 
     async def _on_save_shard(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write this stage's weights and AdamW state into the checkpoint directory being made."""
@@ -485,7 +416,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         if req.outer and outer is None:
             raise FusionError("SaveShard(outer): this worker was assigned no hierarchical plan")
         if req.outer and outer is not None:
-            data = await asyncio.to_thread(self._outer_blob, runtime, outer)
+            data = await asyncio.to_thread(outer_blob, runtime, outer)
         else:
             data = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
         path, digest = await asyncio.to_thread(write_shard, req.directory, runtime.stage.index, data)
@@ -500,7 +431,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         if req.offset == 0 or self._state_blob is None:
             outer = self.outer
             if req.outer and outer is not None:
-                self._state_blob = await asyncio.to_thread(self._outer_blob, runtime, outer)
+                self._state_blob = await asyncio.to_thread(outer_blob, runtime, outer)
             else:
                 self._state_blob = await asyncio.to_thread(lambda: self.backend.pack(runtime.state_tensors()))
         blob = self._state_blob
@@ -513,38 +444,3 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
 
 def run_worker(config: WorkerConfig) -> int:
     return asyncio.run(Worker(config).run())
-
-
-def current_rss() -> int:
-    """Bytes resident now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def peak_rss() -> int:
-    """The most bytes resident at once since the process began (getrusage; kilobytes on Linux)."""
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def return_freed_memory(threshold: int = 1 << 20) -> bool:
-    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapping, given
-    back to the system when freed. By default the threshold rises to the size of the largest block
-    freed (up to 32 MiB), after which the weights a worker receives, unpacks and copies into its
-    stage stay resident as heap it never returns: a stage's peak then held about 2x its parameter
-    bytes more than it uses (benchmarks/memory.py). False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False

@@ -201,18 +201,6 @@ class HeartbeatReply(Message):
     known: bool = True  # False: this coordinator has no member at the worker's id and address (restarted, or dropped it)
 
 
-@dataclass
-class NormReduce(Message):
-    step: int
-    worker: int
-    sq: float
-
-
-@dataclass
-class NormTotal(Message):
-    total: float
-
-
 # ---- a plan's assignment -------------------------------------------------------------------------
 @dataclass
 class DataSpec(Message):
