@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import fusionllm
-from fusionllm.control.local_cluster import ClusterPids, read_pids
 from fusionllm.core.metrics import Metrics, read_metrics
+from fusionllm.launch.local_cluster import ClusterPids, read_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
-from fusionllm.control.local_cluster import run_local_cluster  # noqa: E402
+from fusionllm.launch.local_cluster import run_local_cluster  # noqa: E402
 from fusionllm.launch.offline import offline  # noqa: E402
 from fusionllm.schedule.plan import Request  # noqa: E402
 from fusionllm.sim.simulator import simulate  # noqa: E402

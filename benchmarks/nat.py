@@ -136,7 +136,7 @@ def reference(args: argparse.Namespace, model: str, micro_batches: int, tmp: Pat
 def run_cluster(name: str, model: str, args: argparse.Namespace, tmp: Path) -> dict:
     from fusionllm.cluster.hardware import relayed
     from fusionllm.cluster.spec import parse_cluster
-    from fusionllm.control.local_cluster import run_local_cluster
+    from fusionllm.launch.local_cluster import run_local_cluster
     from fusionllm.testbed.testbed import Testbed
 
     text = cluster_text(name, args.rate)

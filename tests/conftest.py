@@ -43,7 +43,7 @@ class Started(list):
         lead one), then the processes of every local cluster run under ``root``, the test's own
         directory, as their ``pids.json`` lists them (the ``train`` that ran it, unless that was this
         process, and the coordinator and workers it started). Returns what was running."""
-        from fusionllm.control.local_cluster import PIDS_FILE, read_pids
+        from fusionllm.launch.local_cluster import PIDS_FILE, read_pids
 
         left = []
         for p in self:

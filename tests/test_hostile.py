@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fusionllm.control.local_cluster import read_pids
 from fusionllm.core.metrics import read_metrics
+from fusionllm.launch.local_cluster import read_pids
 from fusionllm.transport.messages import pack
 
 pytestmark = pytest.mark.slow  # real processes

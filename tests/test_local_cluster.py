@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.control.local_cluster import (
+from fusionllm.launch.local_cluster import (
     PIDS_FILE,
     ClusterPids,
     read_pids,
@@ -21,7 +21,7 @@ from fusionllm.control.local_cluster import (
 FAKE = """
 import json, os, sys, time
 from pathlib import Path
-from fusionllm.control.local_cluster import read_pids
+from fusionllm.launch.local_cluster import read_pids
 run_dir, role = Path(os.environ["FAKE_RUN_DIR"]), sys.argv[3]
 deadline = time.monotonic() + 60
 if role == "coordinator":

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.control.local_cluster import read_pids
 from fusionllm.core.metrics import read_metrics
+from fusionllm.launch.local_cluster import read_pids
 from tests.conftest import Started
 
 pytestmark = pytest.mark.slow  # real processes

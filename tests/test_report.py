@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.control.report import write_report
 from fusionllm.core.errors import ConfigError
+from fusionllm.report import write_report
 
 
 def _metrics(path: Path) -> Path:

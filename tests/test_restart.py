@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.control.local_cluster import free_port
 from fusionllm.control.restart import live_group
 from fusionllm.core.checkpoints import latest_checkpoint
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import TransportError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
+from fusionllm.launch.local_cluster import free_port
 from fusionllm.transport.auth import load_token
 from fusionllm.transport.control import Heartbeat, HeartbeatReply, LiveState, Registered
 from tests.conftest import Started, hang_in_checkpoint

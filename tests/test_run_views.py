@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from fusionllm.control.dashboard import Dashboard
-from fusionllm.control.report import write_report
 from fusionllm.control.status import RunStatus
 from fusionllm.core.metrics import (
     EvalRecord,
@@ -35,6 +34,7 @@ from fusionllm.core.metrics import (
     StepRecord,
     parse_record,
 )
+from fusionllm.report import write_report
 from tests.test_dashboard import CHROMIUM, _chromium
 
 LAYERS = (["wte", "wpe", "drop", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"])

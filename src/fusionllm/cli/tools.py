@@ -28,7 +28,7 @@ def report(
     out: Annotated[Path | None, typer.Option(help="Where to write report.md and its PNG plots (default: next to the metrics, in report/).")] = None,
 ) -> None:
     """A finished (or running) training as markdown with plots: loss, tokens/s, bytes and AdaTopK ratio per link, the plan."""
-    from fusionllm.control.report import write_report
+    from fusionllm.report import write_report
 
     target = out or (metrics if metrics.is_dir() else metrics.parent) / "report"
     path = write_report(metrics, target)

@@ -167,8 +167,8 @@ def train(
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
     if cluster:
         from fusionllm.control.config import RunConfig
-        from fusionllm.control.local_cluster import parse_cluster, run_local_cluster
         from fusionllm.launch.config import cluster_config
+        from fusionllm.launch.local_cluster import parse_cluster, run_local_cluster
 
         toml = cluster.endswith(".toml")
         if toml:
@@ -221,7 +221,7 @@ def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]
 
 def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, backends: str | None = None, tls: list[str] | None = None) -> int:
     from fusionllm.cluster.spec import load_cluster
-    from fusionllm.control.local_cluster import run_local_cluster
+    from fusionllm.launch.local_cluster import run_local_cluster
     from fusionllm.testbed.testbed import Testbed
 
     spec = load_cluster(path)
