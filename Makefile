@@ -25,13 +25,18 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
-# The testbed's NAT sites need nftables (`nft`): installed as root where apt-get is, never failing the
-# build (the NAT tests skip, saying what to install).
+# The testbed's NAT sites need nftables (`nft`), the dashboard's browser tests Chromium: installed as root
+# where apt-get is, never failing the build (those tests skip, saying what to install).
 testbed-tools:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v nft >/dev/null 2>&1; then \
 		if apt-get install -y -qq nftables >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nftables >/dev/null 2>&1; }; \
 		then echo "installed nftables (for the testbed's NAT sites)"; \
 		else echo "could not install nftables (apt-get install nftables): the NAT testbed tests will skip"; fi; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then \
+		if apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; \
+		then echo "installed chromium (for the dashboard's browser tests)"; \
+		else echo "could not install chromium (apt-get install chromium): the dashboard's browser tests will skip"; fi; \
 	fi
 
 install: $(VENV)/.installed

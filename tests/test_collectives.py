@@ -57,12 +57,12 @@ def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
     # probed rates (no cluster file): one host is fast whatever the probe measured, and a fast link joins two hosts
     assert [w.workers for w in _worlds(graph, 4, _infos(4), replicas=[2, 2], **rates)] == [(0, 1, 2, 3)]
     assert [w.workers for w in _worlds(graph, 4, _infos(4, w1={"hostname": "g"}), replicas=[2, 2], **rates)] == [(0, 1, 2, 3)]
-    # a compressed reduce: each replica's pipeline (raw) still forms a world, but no group reduces through it
-    pipes = _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16", roles="reduce")
+    # compressed links between replicas (AdaTopK's ratios): each replica's pipeline (raw) still forms a world, but no group reduces through it
+    pipes = _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="adatopk", ratios={(a, b): 0.5 for a, b in ((0, 1), (1, 0), (2, 3), (3, 2), (0, 3), (3, 0), (1, 2), (2, 1))})
     assert [(w.workers, w.reduce) for w in pipes] == [((0, 2), ()), ((1, 3), ())]
     assert [w.carries for w in pipes] == [((0, 2), (2, 0)), ((1, 3), (3, 1))]
-    # compressed activations: the replicas' world all-reduces, but carries no pipeline link
-    acts = _worlds(graph, 4, _infos(4, w2={"hostname": "g"}, w3={"hostname": "g"}), replicas=[2, 2], compress="fp16", roles="act")
+    # compressed pipeline links: the replicas' world all-reduces, but carries no pipeline link
+    acts = _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="adatopk", ratios={(a, b): 0.5 for a in (0, 1) for b in (2, 3)} | {(b, a): 0.5 for a in (0, 1) for b in (2, 3)})
     assert [(w.workers, w.carries) for w in acts] == [((0, 1), ()), ((2, 3), ())]
     assert _worlds(graph, 4, _infos(4), replicas=[2, 2], compress="fp16") == []
     # adatopk: links its policy leaves raw only

@@ -61,7 +61,7 @@ def test_workers_behind_nat_train_like_one_process(same_nat: bool, data_clients:
     async def main() -> list:
         async with InProcessCluster(train, cluster_config(3, micro_batches=2), worker_options=options) as c:
             result = await c.run()
-            coordinator_relay["bytes"] = c.coordinator.relay.bytes_relayed()
+            coordinator_relay["bytes"] = c.coordinator.reach.relay.bytes_relayed()
             coordinator_relay["lines"] = list(c.lines)
         return [result, c.workers]
 
@@ -116,7 +116,7 @@ def test_a_worker_that_offers_to_relay_hosts_the_workers_behind_nat(relay_joins_
         async with InProcessCluster(train, cluster_config(3, micro_batches=2), worker_options=options) as c:
             relay_first["cluster"] = c
             result = await c.run()
-            moved = c.coordinator.relay.bytes_relayed()
+            moved = c.coordinator.reach.relay.bytes_relayed()
         return result, c.workers, moved
 
     result, ws, through_coordinator = asyncio.run(main())
@@ -152,7 +152,7 @@ def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_
             seen["result"] = run.result()
             seen["lines"] = list(c.lines)
             seen["relays"] = [w.tunnel.relay if w.tunnel else "" for w in c.workers]
-            seen["coordinator_relay"] = f"127.0.0.1:{c.coordinator.relay_port}"
+            seen["coordinator_relay"] = f"127.0.0.1:{c.coordinator.reach.relay_port}"
             seen["moves"] = c.coordinator.membership.moves
 
     asyncio.run(main())

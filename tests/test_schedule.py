@@ -109,12 +109,12 @@ def test_failure_grid_marks_the_failing_action() -> None:
 
 def test_coordinator_reports_the_grid() -> None:
     from fusionllm.control.config import Run
-    from fusionllm.control.coordinator import Coordinator
+    from fusionllm.control.steps import check_failures
     from fusionllm.transport.control import Failure, StepDone
 
     run = Run(graph=None, plan=None, clients={}, actions={0: [Action(0, "F", 0), Action(0, "STEP")], 1: [Action(1, "F", 0), Action(1, "STEP")]})  # type: ignore[arg-type]
     replies = {0: StepDone(failed=Failure(0, 1, "0STEP", "TimeoutError: waited")), 1: StepDone(failed=Failure(1, 0, "1F0", "GraphError: boom"))}
     with pytest.raises(FusionError) as info:
-        Coordinator._check_failures(None, run, 7, replies)  # type: ignore[arg-type]
+        check_failures(run, 7, replies)
     msg = str(info.value)
     assert "step 7 failed on worker 1 at 1F0: GraphError: boom" in msg and "!1F0!" in msg

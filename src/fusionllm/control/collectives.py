@@ -78,10 +78,10 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def raw_link(compress: str, roles: str, role: str, ratios: Mapping[tuple[int, int], float] | None, a: int, b: int) -> bool:
-    """Whether ``role`` traffic (act, grad, reduce) between ``a`` and ``b`` crosses uncompressed."""
+def raw_link(compress: str, ratios: Mapping[tuple[int, int], float] | None, a: int, b: int) -> bool:
+    """Whether the traffic between ``a`` and ``b`` crosses uncompressed."""
     codec = parse_codec(compress)
-    if codec.kind == "none" or role not in set(roles.split(",")):
+    if codec.kind == "none":
         return True
     if codec.kind == "adatopk":  # the policy's decision at plan time
         ratios = ratios or {}
@@ -116,28 +116,28 @@ def same_torch(infos: Mapping[int, WorkerInfo], a: int, b: int) -> bool:
 
 
 def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, WorkerInfo], *,
-                compress: str = "none", roles: str = "act,grad,reduce", ratios: Mapping[tuple[int, int], float] | None = None,
+                compress: str = "none", ratios: Mapping[tuple[int, int], float] | None = None,
                 bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
     """The worlds of a placed plan (see the module's docstring), numbered by their lowest worker."""
     # a worker behind NAT is reached only through its relay (reach.py): gloo's full mesh cannot reach it
     torch_workers = {w for w in plan.workers if w in infos and infos[w].backend == "torch" and not infos[w].relayed}
 
-    def joins(a: int, b: int, role_list: tuple[str, ...]) -> bool:
+    def joins(a: int, b: int) -> bool:
         return (a in torch_workers and b in torch_workers and not _own_process(infos, a, b) and same_torch(infos, a, b)
                 and fast_link(infos, a, b, bps, min_bps, hosts)
-                and all(raw_link(compress, roles, r, ratios, a, b) for r in role_list))
+                and raw_link(compress, ratios, a, b))
 
     groups = sorted({g for entries in shared_groups(graph, plan).values() for g, _, _ in entries})
     edges: set[tuple[int, int]] = set()
     sends: set[tuple[int, int]] = set()  # directed links that carry activations or gradients
     for g in groups:
-        edges |= {(a, b) for i, a in enumerate(g) for b in g[i + 1 :] if joins(a, b, ("reduce",))}
+        edges |= {(a, b) for i, a in enumerate(g) for b in g[i + 1 :] if joins(a, b)}
     for w, program in programs.items():
         for action in program:
             if action.kind in ("SEND_F", "SEND_B"):
                 for p in action.peers:
                     a, b = sorted((w, p.worker))
-                    if a != b and joins(a, b, ("act", "grad")):
+                    if a != b and joins(a, b):
                         edges.add((a, b))
                         sends.add((w, p.worker))
     parent = {w: w for w in torch_workers}
@@ -156,7 +156,7 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
     worlds = []
     for members in sorted((tuple(m) for m in components.values() if len(m) >= 2), key=lambda m: m[0]):
         inside = set(members)
-        reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b, ("reduce",)) for i, a in enumerate(g) for b in g[i + 1 :]))
+        reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b) for i, a in enumerate(g) for b in g[i + 1 :]))
         cuda = all(infos[w].device.kind == "cuda" for w in members)
         carries = tuple(sorted((a, b) for a, b in sends if a in inside and b in inside))
         worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce, carries))

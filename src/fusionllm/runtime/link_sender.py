@@ -56,7 +56,6 @@ class LinkSender:
         self.worker, self.peers, self.backend, self.edges = worker, peers, backend, edges
         self.timeout = hyper.recv_timeout
         self.codec = parse_codec(hyper.compress)
-        self.roles = set(hyper.compress_roles.split(","))
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
         self.feedback = ErrorFeedback()
         self.faults = faults
@@ -80,7 +79,7 @@ class LinkSender:
         return None
 
     def compressed(self, x: np.ndarray | None, dtype: str, dst: int, role: str = "act") -> bool:
-        if x is None or dtype != "float32" or self.codec.kind == "none" or role not in self.roles:
+        if x is None or dtype != "float32" or self.codec.kind == "none":
             return False
         r = self.ratio(dst)
         return r is None or r < 1.0
@@ -103,7 +102,9 @@ class LinkSender:
             x = host[edge]
         header = {"kind": kind, "step": st.step, "mb": mb, "edge": edge, "src": self.worker}
         feedback_key = (edge, dst, mb) if kind == "grad" else None
-        return asyncio.create_task(self.push(st, dst, header, x, self.edges[edge].meta.dtype, feedback_key=feedback_key))
+        task = asyncio.create_task(self.push(st, dst, header, x, self.edges[edge].meta.dtype, feedback_key=feedback_key))
+        task.add_done_callback(_seen)  # a failed step cancels its sends unawaited: their errors are the step's, not stray ones
+        return task
 
     async def push(
         self, st: StepState, dst: int, header: dict, x: np.ndarray | None, dtype: str = "float32",
@@ -156,3 +157,9 @@ class LinkSender:
         nbytes = await in_daemon_thread(carrier.send, self.world, dst, tag, t, st.poisoned)
         self.peers.record(dst, started, time.perf_counter(), nbytes)  # measured like the data plane's links
         self.carried_to[dst] = self.carried_to.get(dst, 0) + nbytes
+
+
+def _seen(task: asyncio.Task) -> None:
+    """Marks a send's exception as retrieved (the step that awaits it still raises it)."""
+    if not task.cancelled():
+        task.exception()

@@ -225,7 +225,6 @@ class Hyper(Message):
     grad_clip: float = 1.0
     recv_timeout: float = 600.0
     compress: str = "none"  # codec of activations and their gradients between stages (adatopk: per link)
-    compress_roles: str = "act,grad,reduce"  # which traffic the codec applies to (an experiment knob)
     seed: int = 0  # the run's seed: random ops (dropout) draw from (seed, step, op, micro-batch)
     precision: str = "fp32"  # bf16: each stage computes under autocast (its weights and AdamW state stay fp32)
     recompute: bool = False  # activation checkpointing of the stage's module ops
