@@ -55,7 +55,7 @@ test: $(VENV)/.installed-dev testbed-tools
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest
 
-# In-process tests only (no `slow`: no subprocesses, root or browser): under 2 minutes on 2 cores.
+# In-process tests only (no `slow`: no subprocesses, root, browser or long runs).
 test-fast: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -m "not slow and not soak"

@@ -209,6 +209,7 @@ def test_a_restart_with_a_stage_missing_continues_from_the_newest_checkpoint(clu
     _assert_close(after, reference)
 
 
+@pytest.mark.slow  # about 10 s: the make test tier
 def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_path: Path) -> None:
     """A worker whose link to the coordinator drops past --dead-after is re-planned around; when the
     link comes back, under another address, it registers again as a spare and the next re-plan

@@ -67,6 +67,7 @@ def test_grpc_with_mutual_tls(pki: dict) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow  # about 15 s: the make test tier
 def test_data_plane_with_mutual_tls(pki: dict) -> None:
     async def main() -> None:
         inbox = Inbox(1 << 20)
