@@ -148,6 +148,7 @@ def test_without_emulation_it_warns_and_runs_on_loopback(tmp_path: Path) -> None
     assert "NOT emulated" in proc.stderr and "127.0.0.1" in proc.stderr
 
 
+@pytest.mark.soak  # `make test-soak`: AdaTopK on the testbed stays in make test through the two tests below
 @needs_root
 def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path) -> None:
     out = tmp_path / "ada.jsonl"

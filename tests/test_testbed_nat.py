@@ -233,7 +233,7 @@ def test_nat_slots_reach_out_and_nothing_reaches_in(clean: None) -> None:
             _stop(server)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # `make test-soak`: shaping is covered by test_testbed's probe; the NAT paths by the two tests kept in make test
 @needs_nat
 def test_the_uplink_is_shaped_both_ways(clean: None) -> None:
     """A loose lower bound: 2.5 MB through a 20 Mbit/s uplink take >= 0.7 s (1 s at the rate) where the
@@ -256,7 +256,7 @@ def test_the_uplink_is_shaped_both_ways(clean: None) -> None:
         assert sum(v for (i, _), v in tb.link_bytes().items() if i == h1.index) >= size  # tc counted h1's upload
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # `make test-soak`: test_testbed's down tests cover the state file in make test
 @needs_nat
 def test_down_removes_the_routers_after_a_crash(clean: None) -> None:
     tb = Testbed(_spec())
@@ -273,7 +273,7 @@ def test_down_removes_the_routers_after_a_crash(clean: None) -> None:
     assert state["routes"] == ["10.214.0.0/24"] and "10.214.0.0/24" not in run("ip", "route", "show", "type", "unreachable")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # `make test-soak`: test_testbed's refusal test covers the rule in make test
 @needs_nat
 def test_up_refuses_a_router_name_it_did_not_make(clean: None) -> None:
     try:
