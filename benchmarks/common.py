@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import fusionllm
 from fusionllm.core.metrics import Metrics, read_metrics
-from fusionllm.launch.local_cluster import ClusterPids, read_pids
+from fusionllm.launch.local_cluster import ClusterPids, read_pids, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -113,20 +112,7 @@ def write(out: Path, name: str, results: Any, table: list[str], meta: dict[str, 
 def stop(procs: Iterable[subprocess.Popen | None], grace: float = 5.0, *, resume: bool = False) -> None:
     """Stop the processes this benchmark started, by handle: SIGTERM, ``grace`` seconds, SIGKILL,
     and wait for each. ``resume`` first continues any it had stopped (SIGSTOP), so SIGTERM lands."""
-    procs = [p for p in procs if p is not None]
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                if resume:
-                    p.send_signal(signal.SIGCONT)
-                p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_processes([p for p in procs if p is not None], grace, resume=resume)
 
 
 def cluster_pids(run_dir: Path, timeout: float = 0.0) -> ClusterPids:

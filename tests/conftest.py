@@ -105,3 +105,23 @@ def hang_in_checkpoint(worker: Any) -> list[bool]:
     worker.coordinator.call = call
     worker._save_shard = save_shard
     return hung
+
+
+def assert_group_eviction(m: Any) -> None:
+    """What a hierarchical run with groups 0,1,2 / 3 writes when worker 1 sends a NaN at data step 4
+    and garbage at 10 (group 0 of 2 reads batches 0, 2, 4, ...: its inner steps 2 and 5): the
+    synchronous run's retry, skip and eviction, all in group 0 and naming worker 1; workers 0 and 2
+    form a new group; group 1 trains every step; every group's record has ``rss``."""
+    import math
+
+    bad = m.of("bad_step")
+    assert [(e["step"], e["attempt"], e["action"], e["group"]) for e in bad] == [(4, 0, "retry", 0), (4, 1, "skip", 0), (10, 0, "evict", 0)]
+    assert all(e["suspects"] == [1] for e in bad), bad  # never the workers that only received or forwarded it
+    (evicted,) = m.of("evict")
+    assert evicted["workers"] == [1] and evicted["group"] == 0
+    (joined,) = m.of("group_joined")
+    assert sorted(joined["workers"]) == [0, 2]
+    assert [r["inner_step"] for r in m.steps if r["group"] == 0] == [0, 1, 3, 4]  # inner step 2 skipped; 5 evicted its worker
+    assert len([r for r in m.steps if r["group"] == 1]) == 16  # the other group trained every step
+    assert [r for r in m.steps if r["group"] == joined["group"]]  # the new group trained too
+    assert all(math.isfinite(r["loss"]) and "rss" in r for r in m.steps)

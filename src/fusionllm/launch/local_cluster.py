@@ -199,7 +199,7 @@ def run_local_cluster(
         # a second Ctrl+C (or SIGTERM) must not cut the clean-up short: children would be left behind
         old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            _stop_all(procs)
+            stop_processes(procs)
             pids.stopped()
         finally:
             for sig, handler in old.items():
@@ -208,11 +208,16 @@ def run_local_cluster(
             log.close()
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0, *, resume: bool = False) -> None:
+    """Stop processes the caller started, by handle: SIGTERM, ``grace`` seconds, SIGKILL, and wait for
+    each. ``resume`` first continues any that were stopped (SIGSTOP), so SIGTERM lands."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 5
+            with contextlib.suppress(ProcessLookupError):
+                if resume:
+                    p.send_signal(signal.SIGCONT)
+                p.terminate()
+    deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
