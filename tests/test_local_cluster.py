@@ -16,8 +16,8 @@ from fusionllm.launch.local_cluster import (
     start_ticks,
 )
 
-# Stands in for `python -m fusionllm coordinator|worker` (no torch, no training): the coordinator waits
-# until the PIDs file lists both workers, records what it read, and ends; the workers end after it.
+# Stands in for `python -m fusionllm coordinator|worker` (no torch, no training): the coordinator writes its
+# port file, waits until the PIDs file lists both workers, records what it read, and ends; the workers end after it.
 FAKE = """
 import json, os, sys, time
 from pathlib import Path
@@ -25,6 +25,7 @@ from fusionllm.launch.local_cluster import read_pids
 run_dir, role = Path(os.environ["FAKE_RUN_DIR"]), sys.argv[3]
 deadline = time.monotonic() + 60
 if role == "coordinator":
+    Path(sys.argv[sys.argv.index("--port-file") + 1]).write_text("1")  # as a coordinator that listens (the workers are started then)
     while ((p := read_pids(run_dir)) is None or len(p.workers) < 2) and time.monotonic() < deadline:
         time.sleep(0.02)
     (run_dir / "seen.part").write_text(json.dumps({"me": os.getpid(), "all": p.all(), "running": p.running()}))

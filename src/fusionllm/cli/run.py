@@ -125,6 +125,7 @@ def coordinator(
     init_from: InitFromOpt = None,
     precision: PrecisionOpt = "fp32",
     recompute: RecomputeOpt = False,
+    port_file: Annotated[Path | None, typer.Option("--port-file", help="Write the port it serves on to this file once it listens (for a launcher that asked for port 0).")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
 ) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training."""
@@ -161,7 +162,8 @@ def coordinator(
 
     try:
         with bar:
-            result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step, handle_signals=True)
+            result = run_coordinator(train_cfg, cluster_cfg, run_task(train_cfg), say=say, on_step=on_step, handle_signals=True,
+                                     on_ready=(lambda port: _write_port(port_file, port)) if port_file else (lambda _: None))
     except Stopped as stop:  # Ctrl+C or SIGTERM: the workers wait for a restart
         say(str(stop))
         raise typer.Exit(stop.code) from None
@@ -205,3 +207,10 @@ def worker(
         tls=TlsFiles.load(tls_cert, tls_key, tls_ca), faults=faults, behind_nat=behind_nat, relay=relay, relay_port=relay_port,
     )
     raise typer.Exit(run_worker(config))
+
+
+def _write_port(path: Path, port: int) -> None:
+    """The coordinator's port, whole or absent (a launcher polls for the file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)

@@ -51,6 +51,7 @@ def free_port() -> int:
 
 
 PIDS_FILE = "pids.json"
+PORT_FILE = "coordinator.port"  # the port the coordinator listens on, written by it once it serves
 
 
 def start_ticks(pid: int) -> int | None:
@@ -154,7 +155,9 @@ def run_local_cluster(
     run_dir.mkdir(parents=True, exist_ok=True)
     token_file = run_dir / "token"
     load_token(token_file, create=True)
-    port = free_port() if host == "127.0.0.1" else 7000
+    port = 0 if host == "127.0.0.1" else 7000  # 0: the coordinator takes a free port and writes it to PORT_FILE (no race for it)
+    port_file = run_dir / PORT_FILE
+    port_file.unlink(missing_ok=True)
     base = [sys.executable, "-m", "fusionllm"]
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     procs: list[subprocess.Popen] = []
@@ -162,11 +165,15 @@ def run_local_cluster(
     pids = _PidsWriter(run_dir)
     try:
         coord = subprocess.Popen(
-            [*base, "coordinator", "--listen", f"{host}:{port}", "--token-file", str(token_file), "--workers", str(workers), *coordinator_args],
+            [*base, "coordinator", "--listen", f"{host}:{port}", "--token-file", str(token_file), "--workers", str(workers),
+             "--port-file", str(port_file), *coordinator_args],
             preexec_fn=_die_with_parent, start_new_session=True,
         )
         procs.append(coord)
         pids.started(coord.pid)
+        port = _wait_for_port(port_file, coord)
+        if port is None:  # it ended before listening (a bad option, a taken port): its error is on the terminal
+            return coord.wait()
         for i in range(workers):
             log = open(run_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed in finally
             logs.append(log)
@@ -206,6 +213,16 @@ def run_local_cluster(
                 signal.signal(sig, handler)
         for log in logs:
             log.close()
+
+
+def _wait_for_port(path: Path, coord: subprocess.Popen) -> int | None:
+    """The port the coordinator listens on, once it wrote it; None if it exited first."""
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return int(path.read_text())
+        if coord.poll() is not None:
+            return None
+        time.sleep(0.05)
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0, *, resume: bool = False) -> None:
