@@ -94,7 +94,7 @@ def test_a_round_is_the_hand_computed_diloco_step_on_a_toy_model(overlap: bool) 
             await states[g].sync(0, 0, send=True, apply=[], weights=lambda names, g=g: {n: weights[g][n].copy() for n in names},
                                  set_weights=weights[g].update, push=pusher(g), get=get, worker=g, timeout=1)
         for g in range(2):
-            await states[g].sync(0, 0, send=False, apply=[(0, tokens)], weights=lambda names, g=g: {n: weights[g][n].copy() for n in names},
+            await states[g].sync(0, 0, send=False, apply=[(0, tokens, -1)], weights=lambda names, g=g: {n: weights[g][n].copy() for n in names},
                                  set_weights=weights[g].update, push=pusher(g), get=get, worker=g, timeout=1)
             await states[g].drain()
 
@@ -139,7 +139,7 @@ def test_with_overlap_the_local_progress_of_the_unapplied_round_is_kept() -> Non
             weights[g]["w"] -= 1.0  # round 1's local progress
             weights[g]["b"] -= 1.0
             await sync(g, 1, True, [])
-            await sync(g, 1, False, [(0, {0: 1.0, 1: 1.0})])
+            await sync(g, 1, False, [(0, {0: 1.0, 1: 1.0}, 4)])
 
     asyncio.run(run())
     # outer lr 1, no momentum: the outer weights move by the mean delta of round 0 (-1.5); each group
@@ -147,6 +147,8 @@ def test_with_overlap_the_local_progress_of_the_unapplied_round_is_kept() -> Non
     for g in range(2):
         np.testing.assert_allclose(states[g].anchor["w"], -1.5)
         np.testing.assert_allclose(weights[g]["w"], -2.5)
+        assert states[g].snapshot.step == 4  # what a restarted coordinator reads: the outer weights of step 4
+        np.testing.assert_array_equal(states[g].outer_tensors()["param/w"], states[g].anchor["w"])
 
 
 def test_error_feedback_carries_what_the_codec_dropped_into_the_next_round() -> None:
@@ -309,12 +311,37 @@ def test_a_delayed_apply_keeps_the_steps_made_since_the_send() -> None:
             await sync(g, True, [])
         for g in range(2):
             weights[g]["w"] -= 0.5  # two inner steps between the send and the apply
-            await sync(g, False, [(0, {0: 1.0, 1: 1.0})])
+            await sync(g, False, [(0, {0: 1.0, 1: 1.0}, -1)])
 
     asyncio.run(run())
     for g in range(2):
         np.testing.assert_allclose(states[g].anchor["w"], -3.0)  # the mean delta, 3
         np.testing.assert_allclose(weights[g]["w"], -3.5)  # plus the progress since the send
+
+
+def test_the_outer_snapshot_is_the_newest_step_every_fragment_applied() -> None:
+    """Fragments apply their rounds at different inner steps: the state a restarted coordinator reads
+    is the newest step all of them reached, with the arrays a fragment already a round ahead had
+    then (an outer step replaces arrays and never writes into them)."""
+    from fusionllm.runtime.outer import Snapshot, nesterov_step
+
+    anchor = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+    momentum: dict[str, np.ndarray] = {}
+    snap = Snapshot(2, 0, anchor, momentum)
+    before_a = anchor["a"]
+    anchor["a"], momentum["a"] = nesterov_step(anchor["a"], None, np.ones(2, np.float32), 1.0, 0.5)  # fragment 0: round 0 (step 4)
+    snap.applied(0, 4, anchor, momentum)
+    assert snap.step == 0 and snap.tensors()["param/a"] is before_a and "outer/momentum/a" not in snap.tensors()
+    np.testing.assert_array_equal(before_a, 0.0)  # not written into
+    anchor["b"], momentum["b"] = nesterov_step(anchor["b"], None, np.ones(2, np.float32), 1.0, 0.5)  # fragment 1: round 0 (step 4)
+    snap.applied(1, 4, anchor, momentum)
+    assert snap.step == 4 and snap.tensors()["param/a"] is anchor["a"] and snap.tensors()["outer/momentum/b"] is momentum["b"]
+    kept = snap.tensors()["param/a"]
+    anchor["a"], momentum["a"] = nesterov_step(anchor["a"], momentum["a"], np.ones(2, np.float32), 1.0, 0.5)  # fragment 0: round 1
+    snap.applied(0, 8, anchor, momentum)
+    snap.applied(1, -1, anchor, momentum)  # a step the coordinator did not name changes nothing
+    assert snap.step == 4 and snap.tensors()["param/a"] is kept
+    np.testing.assert_allclose(kept, -1.5)  # lr 1: -(g + mu * g) on the first step
 
 
 def test_groups_by_hand_parse_or_fail_with_one_line() -> None:

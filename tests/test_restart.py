@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,6 +208,51 @@ def test_a_restart_with_a_stage_missing_continues_from_the_newest_checkpoint(clu
     after = _losses(second)
     assert sorted(after) == list(range(at, STEPS))
     _assert_close(after, reference)
+
+
+HIER = ["--sync", "hierarchical", "--groups", "0/1", "--inner-steps", "2", "--fragments", "1", "--micro-batches", "2"]
+
+
+def _group_losses(path: Path) -> dict[tuple[int, int], float]:
+    return {(r["group"], r["inner_step"]): r["loss"] for r in _records(path) if "inner_step" in r and "loss" in r}
+
+
+@pytest.mark.slow
+def test_a_killed_hierarchical_coordinator_restarted_continues_from_one_groups_outer_state(cluster: Cluster) -> None:
+    """Hierarchical mode: the workers report the step of the outer weights and momentum every
+    fragment applied; the restarted coordinator reads one group's and starts every group there, on
+    the batches it would have read. The first loss of each group after the restart is the
+    undisturbed run's at that step (the outer weights are what each group's weights were then)."""
+    c = cluster
+    ref, first, second = c.root / "ref.jsonl", c.root / "m1.jsonl", c.root / "m2.jsonl"
+    coord = c.coordinator(ref, *HIER)
+    c.start_workers()
+    assert coord.wait(timeout=600) == 0, c.log("ref.log")[-3000:]
+    for w in c.workers:
+        assert w.wait(timeout=60) == 0
+    reference = _group_losses(ref)
+    assert sorted(reference) == [(g, i) for g in (0, 1) for i in range(STEPS)]
+    shutil.rmtree(c.root / "ckpt", ignore_errors=True)  # (the reference's last checkpoint)
+    c.workers.clear()
+    coord = c.coordinator(first, *HIER)
+    c.start_workers()
+    _wait_for("an outer round applied", lambda: len(_group_losses(first)) >= 8, [coord, *c.workers])
+    coord.kill()
+    coord.wait()
+    assert all(w.poll() is None for w in c.workers)
+    again = c.coordinator(second, *HIER, "--resume")
+    assert again.wait(timeout=600) == 0, c.log("m2.log")[-3000:]
+    for w in c.workers:
+        assert w.wait(timeout=60) == 0
+    event = _resume_event(second)
+    at = event["resumed_from_step"]
+    assert event["from"] == "live" and event["live_workers"] == 2, event
+    assert at >= 2 and at % 2 == 0, event  # a round boundary
+    after = _group_losses(second)
+    assert sorted(after) == [(g, i) for g in (0, 1) for i in range(at, STEPS)]
+    for g in (0, 1):
+        assert abs(after[(g, at)] - reference[(g, at)]) <= TOL * abs(reference[(g, at)]), (g, at, after[(g, at)], reference[(g, at)])
+    assert latest_checkpoint(c.root / "ckpt") is None  # nothing but the live state to continue from
 
 
 @pytest.mark.slow  # about 10 s: the make test tier

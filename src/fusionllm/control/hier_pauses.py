@@ -131,8 +131,7 @@ class Pauses:
         takes its group out of the run, and the next group's copy is written instead of the run
         waiting for the hung one until the step timeout."""
         while hr.alive:
-            ref = min((g for g in hr.hier.groups if g.index in hr.alive), key=lambda g: g.inner_steps)
-            step = hr.first + sum(hr.lengths[ref.index][:p])
+            step = hr.step_at(p)
             g = min(hr.alive)
             run = hr.runs[g]
             try:

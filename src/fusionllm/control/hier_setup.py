@@ -28,6 +28,7 @@ from .capabilities import backend_of, place
 from .config import Run
 from .context import RunContext
 from .limits import check_message_sizes
+from .restart import resume_live
 from .rounds import checkpoint_rounds, resume_round
 from .setup import Setup
 from .state import Checkpoints
@@ -77,6 +78,12 @@ class HierRun:
         done = sum(ref[: self.end_at]) if self.end_at is not None else sum(ref)
         return self.first + done * (self.last - self.first) // max(1, sum(ref))
 
+    def step_at(self, p: int) -> int:
+        """The run's step once rounds ``0 .. p - 1`` are done: counted in the live group with the
+        fewest inner steps per round (a checkpoint's step, and the step a restart resumes at)."""
+        ref = min((g for g in self.hier.groups if g.index in self.alive), key=lambda g: g.inner_steps, default=None)
+        return self.first + sum(self.lengths[ref.index][:p]) if ref is not None else self.first
+
     def expected(self, r: int) -> set[int]:
         """The live groups that take part in round ``r`` (a group that joined later does not)."""
         return {g for g in self.alive if self.first_round.get(g, 0) <= r}
@@ -92,6 +99,7 @@ class GroupSetup:
     def __init__(self, ctx: RunContext, setup: Setup, checkpoints: Checkpoints) -> None:
         self.ctx, self.setup, self.checkpoints = ctx, setup, checkpoints
         self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
+        self.resumed: tuple[list[bytes], int, OpGraph] | str | None = None  # --resume: what resume_live found (restart.py)
 
     def group_batch(self) -> int:
         """Rows per inner step of every group (``--group-batch``; default ``--batch-size``)."""
@@ -115,7 +123,14 @@ class GroupSetup:
             raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
         graph = await asyncio.to_thread(self.task.trace, batch // c.micro_batches)
         self.ctx.clock.start_at(first)
-        found = self.checkpoints.resume(graph) if c.resume and states is None else None  # the outer weights and momentum of a hierarchical checkpoint
+        resumed = c.resume and states is None
+        if resumed:  # --resume: one group's outer weights and momentum as the workers hold them, else the newest checkpoint's
+            self.resumed = await resume_live(self.ctx, self.checkpoints, lambda: asyncio.sleep(0, graph), outer=True)
+            if not isinstance(self.resumed, str):
+                states, step, _ = self.resumed
+                self.resumed = ([], step, graph)  # (the states are not kept past the assignment)
+                self.say(f"resuming from the workers' live state: one group's outer weights and momentum at step {step}")
+        found = self.checkpoints.resume(graph) if resumed and states is None else None  # the outer weights and momentum of a hierarchical checkpoint
         load = found[0] if found else None
         if found:
             self.ctx.clock.start_at(found[1])
@@ -181,8 +196,8 @@ class GroupSetup:
         lengths = {g.index: round_lengths(g.inner_steps, base, rounds) for g in hier.groups}
         record["round_lengths"] = {str(k): v for k, v in lengths.items()}
         ref = lengths[min(hier.groups, key=lambda g: g.inner_steps).index]  # steps are counted in the slowest group
-        start = resume_round(ref, self.ctx.clock.start_step - first) if load else 0
-        if load:
+        start = resume_round(ref, self.ctx.clock.start_step - first) if resumed else 0
+        if resumed and self.ctx.clock.start_step > first:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
         return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),

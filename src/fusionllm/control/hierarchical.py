@@ -246,7 +246,7 @@ class Groups:
         for j in apply:
             groups = await self.decide(hr, f, j, g)
             if groups:
-                applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}))
+                applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}, step=hr.step_at(j + 1)))
         if applies:
             await self.live.calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
         self.ctx.event({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,

@@ -29,7 +29,7 @@ from .context import RunContext
 from .hier_setup import GroupSetup
 from .hierarchical import Groups
 from .recovery import Recovery
-from .restart import Interrupted, Stopper, final_checkpoint, start_or_resume
+from .restart import Interrupted, Stopper, final_checkpoint, resume_event, start_or_resume
 from .setup import Setup
 from .state import Checkpoints
 from .steps import StepRunner, measured_links
@@ -148,6 +148,8 @@ class Phases:
                                             data_from=data_from)
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
+        if group_setup.resumed is not None:
+            ctx.event(resume_event(ctx, group_setup.resumed, self.began))
         groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans)
         again = None
         try:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fusionllm.core.checkpoints import PREFIX
 from fusionllm.core.errors import FusionError
+from fusionllm.graph.ir import OpGraph
 from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 from fusionllm.transport.shards import blob_keys
@@ -169,41 +170,66 @@ async def start_or_resume(ctx: RunContext, setup: Setup, checkpoints: Checkpoint
         if held:
             ctx.say(f"{len(held)} worker(s) hold a stage from an earlier coordinator; without --resume the run starts from step 0")
         return await setup.setup(), None
-    found = live_group(held) if c.sync == "synchronous" else "hierarchical mode resumes from checkpoints only"
-    why = found if isinstance(found, str) else None
-    graph, states, step = None, [], 0
-    if not isinstance(found, str):
+    got = await resume_live(ctx, checkpoints, lambda: asyncio.to_thread(ctx.task.trace, t.batch_size // c.micro_batches), outer=False)
+    if isinstance(got, str):
+        run = await setup.setup()  # --resume: the newest complete checkpoint
+    else:
+        states, step, graph = got
+        run = await setup.setup(carry=(states, step), graph=graph)
+        ctx.say(f"resuming from the workers' live state at step {step}: every stage present, no step lost")
+    return run, resume_event(ctx, got, began)
+
+
+def resume_event(ctx: RunContext, got: tuple | str, began: float) -> dict[str, Any]:
+    """The ``resume`` record: from the workers' live state or (``got`` says why not) a checkpoint."""
+    event: dict[str, Any] = {"event": "resume", "from": "checkpoint" if isinstance(got, str) else "live",
+                             "resumed_from_step": ctx.clock.start_step,  # (no "step" key: readers of step records skip events)
+                             "seconds": round(time.perf_counter() - began, 3), "live_workers": len(live_states(ctx.membership.members))}
+    if isinstance(got, str):
+        event["why_not_live"] = got
+    return event
+
+
+async def resume_live(ctx: RunContext, checkpoints: Checkpoints, trace: Callable[[], Awaitable[OpGraph]], *,
+                      outer: bool) -> tuple[list[bytes], int, OpGraph] | str:
+    """Every stage's state from the workers that hold one plan's stages at one step (``outer``: one
+    group's outer weights and momentum, hierarchical mode) and that step; the epoch follows theirs.
+    Else why not, in words (said when any worker held a stage)."""
+    every = live_states(ctx.membership.members)
+    held = {w: s for w, s in every.items() if s.outer == outer}
+    found: tuple[int, dict[int, int]] | str = live_group(held)
+    if not held and every:
+        found = "the workers ran " + ("synchronous mode (a group's outer weights are needed)" if outer else "hierarchical mode (--sync hierarchical)")
+    why, states, step, graph = None, [], 0, None
+    if isinstance(found, str):
+        why = found
+    else:
         step, holders = found
-        graph = await asyncio.to_thread(ctx.task.trace, t.batch_size // c.micro_batches)
+        graph = await trace()
         some = held[next(iter(holders.values()))]
         if some.graph != LiveState.graph_digest(graph.to_json()):
             why = "the workers run another model (or micro-batch size) than this run's"
-        elif some.seed != t.seed:
-            why = f"the workers ran --seed {some.seed}, this run has --seed {t.seed}"
+        elif some.seed != ctx.train.seed:
+            why = f"the workers ran --seed {some.seed}, this run has --seed {ctx.train.seed}"
         else:
-            states, why = await gather_live(ctx, checkpoints, holders, graph)
-    if why is None:
-        ctx.clock.follow(max(s.epoch for s in held.values()) + 1)  # no tensor of the old plan is taken for one of the new
-        run = await setup.setup(carry=(states, step), graph=graph)
-        ctx.say(f"resuming from the workers' live state at step {step}: every stage present, no step lost")
-    else:
-        if held:
+            states, why = await gather_live(ctx, checkpoints, holders, graph, outer=outer)
+    if why is not None or graph is None:
+        if every:
             ctx.say(f"not resuming from the workers' live state: {why}")
-        run = await setup.setup()  # --resume: the newest complete checkpoint
-    event: dict[str, Any] = {"event": "resume", "from": "live" if why is None else "checkpoint",
-                             "resumed_from_step": ctx.clock.start_step,  # (no "step" key: readers of step records skip events)
-                             "seconds": round(time.perf_counter() - began, 3), "live_workers": len(held)}
-    if why is not None:
-        event["why_not_live"] = why
-    return run, event
+        return why or "no graph"
+    ctx.clock.follow(max(s.epoch for s in every.values()) + 1)  # no tensor of the old plan is taken for one of the new
+    ctx.clock.start_at(step)
+    return states, step, graph
 
 
-async def gather_live(ctx: RunContext, checkpoints: Checkpoints, holders: dict[int, int], graph: Any) -> tuple[list[bytes], str | None]:
-    """Each stage's weights and AdamW state from its holder; (states, None) or ([], why not)."""
+async def gather_live(ctx: RunContext, checkpoints: Checkpoints, holders: dict[int, int], graph: Any, *,
+                      outer: bool = False) -> tuple[list[bytes], str | None]:
+    """Each stage's weights and AdamW state (``outer``: outer weights and momentum) from its holder;
+    (states, None) or ([], why not)."""
     c, members = ctx.cluster, ctx.membership.members
     clients = {w: RpcClient(members[w].address, WORKER_SERVICE, c.token, tls=c.tls) for w in set(holders.values())}
     try:
-        states = [await checkpoints.read_pages(clients[w], w) for _, w in sorted(holders.items())]
+        states = [await checkpoints.read_pages(clients[w], w, outer=outer) for _, w in sorted(holders.items())]
     except FusionError as exc:
         return [], f"reading a stage's state failed: {exc}"
     finally:

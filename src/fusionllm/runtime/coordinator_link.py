@@ -155,7 +155,8 @@ class CoordinatorLink:
         if self._gone:
             return
         self._gone = True
-        held = f"stage {self.live.stage} (step {self.live.step})" if self.live is not None else "no stage"
+        live = self._held()
+        held = f"stage {live.stage} (step {live.step}{', outer weights' if live.outer else ''})" if live is not None else "no stage"
         self.log.warning("the coordinator at %s %s; keeping %s and waiting up to %.0f s for it to come back",
                          self.config.join, how, held, self.config.coordinator_timeout)
 
@@ -169,7 +170,7 @@ class CoordinatorLink:
         else:
             await self._abort_step()  # dropped from the plan: its step cannot finish
         self._readdress()
-        live = dataclasses.replace(self.live) if self.live is not None and self.runtime is not None and self.outer is None else None
+        live = self._held()
         request = dataclasses.replace(self._request, address=self.address, data_address=self.data_address,
                                       rank=self.id if restarted else None, live=live)
         try:
@@ -191,6 +192,15 @@ class CoordinatorLink:
         self.log.warning("re-joined the coordinator at %s as %s, holding %s", self.config.join,
                          "a spare (taken in at the next re-plan)" if got.spare else f"worker {got.worker}", held)
 
+    def _held(self) -> LiveState | None:
+        """The stage held, at the step it completed (hierarchical mode: the step of the outer weights and
+        momentum every fragment applied, what a restarted coordinator resumes from)."""
+        if self.live is None or self.runtime is None:
+            return None
+        if self.live.outer:
+            return dataclasses.replace(self.live, step=self.outer.snapshot.step) if self.outer is not None else None
+        return dataclasses.replace(self.live)
+
     async def _settle_step(self) -> None:
         """Let the step in flight end (every stage completes it: the coordinator that started it is
         gone, not the peers), or abort it when it takes far longer than a step (a peer gone too)."""
@@ -208,13 +218,14 @@ class CoordinatorLink:
         (set in the same stretch of code as the update: nothing can cancel in between). A Step for
         ``step`` comes once every stage ended the step before, so the steps before it are complete
         (one the numeric guards skipped for good included)."""
-        if self.live is not None:
-            self.live.step = max(self.live.step, step)
+        live = self.live if self.live is not None and not self.live.outer else None  # hierarchical: the outer state's step counts
+        if live is not None:
+            live.step = max(live.step, step)
         started = time.perf_counter()
         done = await work
         self._step_s = time.perf_counter() - started
-        if self.live is not None and not getattr(done, "skipped", False):
-            self.live.step = step + 1
+        if live is not None and self.live is live and not getattr(done, "skipped", False):
+            live.step = step + 1
         return done
 
     def _readdress(self) -> None:

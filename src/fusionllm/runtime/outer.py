@@ -39,7 +39,35 @@ def nesterov_step(anchor: np.ndarray, momentum: np.ndarray | None, grad: np.ndar
     """One step of SGD with Nesterov momentum, as torch computes it (dampening 0, no weight decay):
     ``buf = mu * buf + g`` (``g`` on the first step), ``p -= lr * (g + mu * buf)``."""
     buf = grad.copy() if momentum is None else mu * momentum + grad
-    return anchor - lr * (grad + mu * buf), buf
+    return anchor - lr * (grad + mu * buf), buf  # new arrays, never the old ones changed: a Snapshot keeps those
+
+
+class Snapshot:
+    """The outer weights and momentum at the newest run step that every fragment has applied: what a
+    restarted coordinator reads (``GetState(outer)``), also while fragments are a round apart.
+
+    It holds references, not copies: an outer step replaces a parameter's arrays (``nesterov_step``)
+    and never writes into them, so the arrays of a fragment already a round ahead stay as they were.
+    The memory it costs is those fragments' previous arrays: at most one outer state, none with one
+    fragment."""
+
+    def __init__(self, fragments: int, step: int, anchor: dict[str, np.ndarray], momentum: dict[str, np.ndarray]) -> None:
+        self.at = [step] * fragments  # each fragment's step once its last applied round
+        self.step = step
+        self.anchor, self.momentum = dict(anchor), dict(momentum)
+
+    def applied(self, fragment: int, step: int, anchor: dict[str, np.ndarray], momentum: dict[str, np.ndarray]) -> None:
+        """Fragment ``fragment`` applied the round that ends at run step ``step`` (-1: unknown)."""
+        if step < 0:
+            return
+        self.at[fragment] = max(self.at[fragment], step)
+        if all(s == self.at[fragment] for s in self.at) and self.at[fragment] > self.step:
+            self.step, self.anchor, self.momentum = self.at[fragment], dict(anchor), dict(momentum)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {f"param/{n}": a for n, a in self.anchor.items()}
+        out.update({f"outer/momentum/{n}": m for n, m in self.momentum.items()})
+        return out
 
 
 @dataclass
@@ -55,7 +83,7 @@ class OuterState:
     """A worker's outer weights, momentum and error feedback, per fragment of the hierarchical plan."""
 
     def __init__(self, hier: HierPlan, exchanges: list[Exchange], group: int, initial: dict[str, np.ndarray],
-                 momentum: dict[str, np.ndarray] | None = None) -> None:
+                 momentum: dict[str, np.ndarray] | None = None, step: int = -1) -> None:
         self.hier, self.group = hier, group
         self.fragments = [_Fragment(e) for e in exchanges]
         self.anchor = {n: np.array(a, dtype=np.float32) for n, a in initial.items()}
@@ -66,6 +94,7 @@ class OuterState:
         for frag in self.fragments:
             frag.start = {n: self.anchor[n].copy() for n in frag.exchange.mine}
         self.bytes_sent = 0
+        self.snapshot = Snapshot(len(self.fragments), step, self.anchor, self.momentum)  # ``step``: the run step it starts at
 
     def _encode(self, name: str, delta: np.ndarray) -> tuple[tuple[str, bytes], np.ndarray]:
         out: list[tuple[str, bytes]] = []
@@ -77,10 +106,11 @@ class OuterState:
         seen = self.feedback.apply(name, delta, roundtrip)
         return out[0], seen
 
-    async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[tuple[int, dict[int, float]]],
+    async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[tuple[int, dict[int, float], int]],
                    weights: Callable[[list[str]], dict[str, np.ndarray]], set_weights: Callable[[dict[str, np.ndarray]], None],
                    push: Push, get: Get, worker: int, timeout: float) -> dict[int, int]:
-        """One fragment's sync (see the module's steps). ``apply``: (round, {group: tokens}) in order.
+        """One fragment's sync (see the module's steps). ``apply``: (round, {group: tokens}, the run's
+        step once it is applied) in order.
         Returns the bytes pushed per destination worker."""
         frag = self.fragments[fragment]
         ex = frag.exchange
@@ -98,8 +128,9 @@ class OuterState:
                     frag.pushes.append(asyncio.create_task(push(dst, header, true[n], encoded[n][0])))
                     sent_bytes[dst] = sent_bytes.get(dst, 0) + len(encoded[n][0][1])
             frag.start = {n: a.copy() for n, a in now.items()}
-        for r, groups in apply:
+        for r, groups, step in apply:
             await self._apply(frag, fragment, r, groups, get, timeout)
+            self.snapshot.applied(fragment, step, self.anchor, self.momentum)
         if apply and ex.mine:
             # the outer weights, minus own deltas sent but not applied yet, plus the progress made
             # since the last send (the steps between a send and its apply are kept)
@@ -164,11 +195,10 @@ class OuterState:
             frag.exchange = e
 
     def outer_tensors(self) -> dict[str, np.ndarray]:
-        """The outer weights (``param/<name>``) and momentum (``outer/momentum/<name>``): what a group
-        that joins starts from."""
-        out = {f"param/{n}": a for n, a in self.anchor.items()}
-        out.update({f"outer/momentum/{n}": m for n, m in self.momentum.items()})
-        return out
+        """The outer weights (``param/<name>``) and momentum (``outer/momentum/<name>``) at the newest
+        step every fragment applied (``snapshot.step``): what a group that joins, a checkpoint (every
+        average applied: the current ones) and a restarted coordinator start from."""
+        return self.snapshot.tensors()
 
     def anchor_of(self, names: list[str]) -> dict[str, np.ndarray]:
         return {n: self.anchor[n].copy() for n in names}
@@ -185,8 +215,8 @@ def hier_exchanges(graph: OpGraph, text: str, worker: int) -> tuple[HierPlan, li
 
 
 def outer_state(graph: OpGraph, text: str, worker: int, weights: Callable[[list[str]], dict[str, np.ndarray]],
-                momentum: dict[str, np.ndarray]) -> OuterState:
+                momentum: dict[str, np.ndarray], step: int = -1) -> OuterState:
     """``worker``'s outer state at assignment: the anchor is its stage's weights as assigned."""
     hier, exchanges = hier_exchanges(graph, text, worker)
     mine = sorted({n for e in exchanges for n in e.mine})
-    return OuterState(hier, exchanges, hier.group_of(worker).index, weights(mine), momentum)
+    return OuterState(hier, exchanges, hier.group_of(worker).index, weights(mine), momentum, step)

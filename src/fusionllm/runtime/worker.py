@@ -274,9 +274,10 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         if msg.collective is not None:
             self.runtime.use_world(await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout))
         if msg.hier is not None:
-            self.outer = await asyncio.to_thread(outer_state, graph, msg.hier, msg.worker, self.runtime.backend.get_params, momentum)
-        self.live = None if msg.hier is not None else LiveState(  # what it reports to a restarted coordinator
-            msg.step, self.runtime.stage.index, len(plan.stages), msg.epoch, LiveState.digest(msg.plan), LiveState.graph_digest(msg.graph), msg.hyper.seed)
+            self.outer = await asyncio.to_thread(outer_state, graph, msg.hier, msg.worker, self.runtime.backend.get_params, momentum, msg.step)
+        self.live = LiveState(  # what it reports to a restarted coordinator (hierarchical mode: its outer state's step)
+            msg.step, self.runtime.stage.index, len(plan.stages), msg.epoch, LiveState.digest(msg.plan), LiveState.graph_digest(msg.graph),
+            msg.hyper.seed, outer=msg.hier is not None)
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
@@ -376,7 +377,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
                 self.log.warning("pseudo-gradient to worker %d not delivered: %s", dst, exc)
 
         sent = await outer.sync(
-            req.fragment, req.round, send=req.send, apply=[(a.round, {int(g): t for g, t in a.groups.items()}) for a in req.apply],
+            req.fragment, req.round, send=req.send, apply=[(a.round, {int(g): t for g, t in a.groups.items()}, a.step) for a in req.apply],
             weights=runtime.backend.get_params, set_weights=runtime.backend.set_params, push=push, get=self.inbox.get,
             worker=self.id or 0, timeout=runtime.hyper.recv_timeout,
         )

@@ -145,6 +145,7 @@ class LiveState(Message):
     plan: str  # sha256 of the plan's JSON (workers of one plan report the same)
     graph: str  # sha256 of the graph's JSON (the model, traced at the micro-batch size)
     seed: int  # the run's seed (the data order and dropout)
+    outer: bool = False  # hierarchical mode: ``step`` is that of the outer weights and momentum held (every fragment applied)
 
     @staticmethod
     def digest(text: str) -> str:
@@ -339,6 +340,7 @@ class Evaluate(Message):
 class OuterApply(Message):
     round: int
     groups: dict[str, float]  # the groups whose deltas of this round are averaged -> their weight (tokens)
+    step: int = -1  # the run's step once this round is applied (a restarted coordinator resumes there); -1: unknown
 
 
 @dataclass
