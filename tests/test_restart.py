@@ -210,7 +210,7 @@ def test_a_restart_with_a_stage_missing_continues_from_the_newest_checkpoint(clu
     _assert_close(after, reference)
 
 
-HIER = ["--sync", "hierarchical", "--groups", "0/1", "--inner-steps", "2", "--fragments", "1", "--micro-batches", "2"]
+HIER = ["--sync", "hierarchical", "--groups", "0/1", "--inner-steps", "2", "--fragments", "1", "--micro-batches", "2", "--blocking-sync"]
 
 
 def _group_losses(path: Path) -> dict[tuple[int, int], float]:

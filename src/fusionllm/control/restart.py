@@ -11,6 +11,10 @@ report the stage they hold (``LiveState``). When every stage of one plan is pres
 completed step, for the model and seed of this run, it gathers each stage's weights and AdamW state
 (GetState pages) and hands them out as a re-plan does: no step is lost. Otherwise it continues from
 the newest complete checkpoint. Either way a ``resume`` record in the metrics says which.
+
+A hierarchical run resumes the same way (``resume_live`` with ``outer``): the workers report the
+step of the outer weights and momentum every fragment of theirs applied, one group whose stages are
+all present at one step is read, and every group starts from its outer state (``hier_setup.py``).
 """
 
 from __future__ import annotations
