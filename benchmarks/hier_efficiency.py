@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""What several groups learn per token against one synchronous group: the sweep behind the defaults.
+
+Every run sees the same tokens (``--tokens``, rounded to whole steps) of the same corpus and is
+judged by the validation loss of its weights at the end (the outer weights for groups), on the same
+held-out batches. The synchronous reference trains one group with batch ``B``; a variant of ``M``
+groups trains each with ``b`` rows per inner step (``b = B / M``: the same global batch and the same
+number of sequential steps, as data parallelism over M; ``b = B``: M times the global batch and M
+times fewer steps, what ``--group-batch`` defaulted to), syncing every ``H`` inner steps with the
+outer learning rate and Nesterov momentum given, optionally after ``K`` warm steps as one group.
+
+Runs in one process (``runtime/single_groups.py``, held equal to the distributed hierarchical run
+by ``tests/test_single_groups.py``): what a group learns per token does not depend on the links.
+
+    python benchmarks/hier_efficiency.py [--model gpt-micro] [--seeds 0 1] [--tokens 491520] [--batch 16] [--seq-len 64]
+        [--variants sync M=4,b=4,H=8,lr=0.7,mu=0.9 ...]
+
+A variant is ``sync`` (batch B), ``sync,B=64`` or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=q4]``.
+Writes hier_efficiency.json, .md and .png (validation against tokens) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import pyplot, results_dir, write  # noqa: E402
+
+from fusionllm.core.config import TrainConfig  # noqa: E402
+from fusionllm.runtime.single_groups import Outer, train_groups_single  # noqa: E402
+
+DEFAULT_VARIANTS = [
+    "sync", "sync,B=64",
+    "M=4,b=16,H=8,lr=1.0,mu=0.0", "M=4,b=16,H=30,lr=1.0,mu=0.0",
+    "M=4,b=4,H=8,lr=1.0,mu=0.0", "M=4,b=4,H=8,lr=0.7,mu=0.9", "M=4,b=4,H=30,lr=1.0,mu=0.0", "M=4,b=4,H=30,lr=0.7,mu=0.9",
+    "M=4,b=4,H=120,lr=0.7,mu=0.9", "M=2,b=8,H=30,lr=0.7,mu=0.9", "M=4,b=4,H=30,lr=0.7,mu=0.9,K=120",
+]
+
+
+def parse_variant(text: str, batch: int) -> dict:
+    """``sync[,B=..]`` or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=..]`` as a dict."""
+    parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+    if text.startswith("sync"):
+        return {"name": text, "M": 1, "b": int(parts.get("B", batch)), "H": 1, "lr": 1.0, "mu": 0.0, "K": 0, "codec": "none"}
+    return {"name": text, "M": int(parts["M"]), "b": int(parts.get("b", batch)), "H": int(parts["H"]), "lr": float(parts.get("lr", 0.7)),
+            "mu": float(parts.get("mu", 0.9)), "K": int(parts.get("K", 0)), "codec": parts.get("codec", "none")}
+
+
+def run(v: dict, args: argparse.Namespace, seed: int) -> dict:
+    rows_per_step = v["M"] * v["b"]  # tokens of one step of the run's schedule: every group's inner step
+    steps = max(1, round(args.tokens / (rows_per_step * args.seq_len)))
+    warm = v["K"] * args.batch // rows_per_step if v["K"] else 0  # K counted in steps of batch B: the same tokens
+    every = max(1, steps // args.evals)
+    train = TrainConfig(model=args.model, steps=steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr,  # (B: the validation batches)
+                        seed=seed, warmup=max(1, steps // 20), eval_every=every, eval_batches=args.eval_batches, threads=args.threads)
+    outer = Outer(v["M"], v["H"], outer_lr=v["lr"], outer_momentum=v["mu"], codec=v["codec"], group_batch=v["b"], warm_steps=warm)
+    curve: list[tuple[int, float]] = []
+    began = time.perf_counter()
+    result = train_groups_single(train, outer, on_eval=lambda r: curve.append((r["tokens"], r["val_loss"])))
+    return {"variant": v["name"], "seed": seed, "steps": steps, "warm_steps": warm, "tokens": result.tokens, "final_val": curve[-1][1],
+            "curve": curve, "seconds": round(time.perf_counter() - began, 1), **{k: v[k] for k in ("M", "b", "H", "lr", "mu", "K", "codec")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--tokens", type=int, default=491520, help="tokens every run sees (480 steps of 16 x 64)")
+    ap.add_argument("--batch", type=int, default=16, help="B: the synchronous reference's batch")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--evals", type=int, default=8)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    out = args.out or results_dir("hier_efficiency", args.model)
+    variants = [parse_variant(t, args.batch) for t in args.variants]
+    results = []
+    for seed in args.seeds:
+        for v in variants:
+            r = run(v, args, seed)
+            results.append(r)
+            print(f"{args.model} seed {seed} {r['variant']:<32} steps {r['steps']:>5} val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    ref = {s: next(r["final_val"] for r in results if r["seed"] == s and r["variant"] == variants[0]["name"]) for s in args.seeds}
+    table = [f"{args.model}, {args.tokens} tokens per run, sequence {args.seq_len}, AdamW lr {args.lr}; validation loss at the end on "
+             f"{args.eval_batches} held-out batches; gap against `{variants[0]['name']}` of the same seed. Seeds {', '.join(map(str, args.seeds))}.", "",
+             "| variant | groups | rows per inner step | H | outer lr | momentum | warm steps | final validation (mean) | gap (mean) | gap per seed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        mine = [r for r in results if r["variant"] == v["name"]]
+        gaps = [100 * (r["final_val"] / ref[r["seed"]] - 1) for r in mine]
+        table.append(f"| `{v['name']}` | {v['M']} | {v['b']} | {v['H'] if v['M'] > 1 else '-'} | {v['lr'] if v['M'] > 1 else '-'} | "
+                     f"{v['mu'] if v['M'] > 1 else '-'} | {mine[0]['warm_steps']} | {statistics.mean(r['final_val'] for r in mine):.4f} | "
+                     f"{statistics.mean(gaps):+.1f}% | {', '.join(f'{g:+.1f}%' for g in gaps)} |")
+    write(out, "hier_efficiency", results, table, {"model": args.model, "tokens": args.tokens, "batch": args.batch, "seq_len": args.seq_len,
+                                                   "lr": args.lr, "seeds": args.seeds})
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for v in variants:
+        r = next(r for r in results if r["variant"] == v["name"] and r["seed"] == args.seeds[0])
+        ax.plot([t for t, _ in r["curve"]], [x for _, x in r["curve"]], marker="o", ms=3, label=v["name"])
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{args.model}, seed {args.seeds[0]}: validation against tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "hier_efficiency.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
