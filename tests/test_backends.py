@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -142,10 +143,13 @@ def _imported_torch(log: Path) -> bool:
 @pytest.mark.slow
 def test_numpy_worker_in_a_gpt_pipeline_matches_all_torch(tmp_path: Path) -> None:
     """gpt-micro, 10 steps: the middle stage in NumPy (no torch in its process) gives torch's losses."""
-    mixed, out = _train(tmp_path, "mixed", "--model", "gpt-micro", "--steps", "10", "--backends", "torch,numpy,torch",
-                        env={"PYTHONPROFILEIMPORTTIME": "1"})
+    with ThreadPoolExecutor(1) as pool:  # the one-thread reference beside the cluster run
+        reference = pool.submit(_torch_losses, tmp_path, "--model", "gpt-micro", "--steps", "10")
+        mixed, out = _train(tmp_path, "mixed", "--model", "gpt-micro", "--steps", "10", "--backends", "torch,numpy,torch",
+                            env={"PYTHONPROFILEIMPORTTIME": "1"})
+        torch_losses = reference.result()
     assert mixed.returncode == 0, mixed.stderr[-3000:]
-    _assert_close(_losses(out), _torch_losses(tmp_path, "--model", "gpt-micro", "--steps", "10"))
+    _assert_close(_losses(out), torch_losses)
     assert re.search(r"worker 1 \(cpu, numpy [0-9.]+ @ [^)]*\): stage 1", mixed.stderr)
     assert re.search(r"worker 0 \(cpu, torch [0-9][^ ]* @ [^)]*\): stage 0", mixed.stderr)
     assert "worker 1 numpy (torch not loaded)" in mixed.stderr

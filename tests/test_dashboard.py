@@ -39,6 +39,12 @@ def _chromium(url: str, profile: Path, *what: str) -> str:
     return proc.stdout
 
 
+def _shown_step(dom: str) -> int:
+    m = re.search(r"step (\d+) of 2000", dom)
+    assert m, dom[:2000]
+    return int(m.group(1))
+
+
 @pytest.mark.slow  # real processes and a browser
 @pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian chromium package (apt-get install chromium)")
 def test_the_dashboard_shows_every_worker_and_updates(tmp_path: Path) -> None:
@@ -58,7 +64,12 @@ def test_the_dashboard_shows_every_worker_and_updates(tmp_path: Path) -> None:
             time.sleep(0.3)
         assert len(status["workers"]) == 3 and status["state"] == "running"
         first_dom = _chromium(url, tmp_path / "profile1", "--dump-dom")
-        time.sleep(2)
+        deadline = time.monotonic() + 120
+        while status["records"][-1]["step"] + 1 <= _shown_step(first_dom):  # until a step after the one first shown is done
+            assert time.monotonic() < deadline and proc.poll() is None, "training stopped making steps"
+            time.sleep(0.1)
+            with contextlib.suppress(OSError):
+                status = json.loads(urllib.request.urlopen(url + "api/status", timeout=5).read())
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "dashboard.png"
         _chromium(url, tmp_path / "profile2", f"--screenshot={shot}")
@@ -71,13 +82,7 @@ def test_the_dashboard_shows_every_worker_and_updates(tmp_path: Path) -> None:
         assert f'data-worker="{w}"' in second_dom  # each worker is drawn on the cluster map
         assert status["workers"][w]["address"] in json.dumps(status)
     assert sorted(re.findall(r'<td class="worker">(w\d)</td>', second_dom)) == ["w0", "w1", "w2"]  # each has its stage in the plan table
-
-    def step(dom: str) -> int:
-        m = re.search(r"step (\d+) of 2000", dom)
-        assert m, dom[:2000]
-        return int(m.group(1))
-
-    assert step(second_dom) > step(first_dom)  # the page updates as training goes on
+    assert _shown_step(second_dom) > _shown_step(first_dom)  # the page updates as training goes on
     assert shot.stat().st_size > 20_000  # a real picture, not an empty page
 
 
