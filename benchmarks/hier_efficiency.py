@@ -15,13 +15,15 @@ by ``tests/test_single_groups.py``): what a group learns per token does not depe
     python benchmarks/hier_efficiency.py [--model gpt-micro] [--seeds 0 1] [--tokens 491520] [--batch 16] [--seq-len 64]
         [--variants sync M=4,b=4,H=8,lr=0.7,mu=0.9 ...]
 
-A variant is ``sync`` (batch B), ``sync,B=64`` or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=q4]``.
+A variant is ``sync`` (batch B), ``sync,B=64``, ``sync,x=0.5`` (half the tokens, its own whole schedule) or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=q4]``.
 Writes hier_efficiency.json, .md and .png (validation against tokens) under benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import math
 import statistics
 import sys
 import time
@@ -45,14 +47,15 @@ def parse_variant(text: str, batch: int) -> dict:
     """``sync[,B=..]`` or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=..]`` as a dict."""
     parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
     if text.startswith("sync"):
-        return {"name": text, "M": 1, "b": int(parts.get("B", batch)), "H": 1, "lr": 1.0, "mu": 0.0, "K": 0, "codec": "none"}
+        return {"name": text, "M": 1, "b": int(parts.get("B", batch)), "H": 1, "lr": 1.0, "mu": 0.0, "K": 0, "codec": "none",
+                "x": float(parts.get("x", 1.0))}
     return {"name": text, "M": int(parts["M"]), "b": int(parts.get("b", batch)), "H": int(parts["H"]), "lr": float(parts.get("lr", 0.7)),
-            "mu": float(parts.get("mu", 0.9)), "K": int(parts.get("K", 0)), "codec": parts.get("codec", "none")}
+            "mu": float(parts.get("mu", 0.9)), "K": int(parts.get("K", 0)), "codec": parts.get("codec", "none"), "x": 1.0}
 
 
 def run(v: dict, args: argparse.Namespace, seed: int) -> dict:
     rows_per_step = v["M"] * v["b"]  # tokens of one step of the run's schedule: every group's inner step
-    steps = max(1, round(args.tokens / (rows_per_step * args.seq_len)))
+    steps = max(1, round(v["x"] * args.tokens / (rows_per_step * args.seq_len)))
     warm = v["K"] * args.batch // rows_per_step if v["K"] else 0  # K counted in steps of batch B: the same tokens
     every = max(1, steps // args.evals)
     train = TrainConfig(model=args.model, steps=steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr,  # (B: the validation batches)
@@ -63,6 +66,30 @@ def run(v: dict, args: argparse.Namespace, seed: int) -> dict:
     result = train_groups_single(train, outer, on_eval=lambda r: curve.append((r["tokens"], r["val_loss"])))
     return {"variant": v["name"], "seed": seed, "steps": steps, "warm_steps": warm, "tokens": result.tokens, "final_val": curve[-1][1],
             "curve": curve, "seconds": round(time.perf_counter() - began, 1), **{k: v[k] for k in ("M", "b", "H", "lr", "mu", "K", "codec")}}
+
+
+def reference(results: list[dict], seed: int, name: str) -> list[tuple[int, float]]:
+    """Validation against tokens of one synchronous group for ``seed``: the final losses of the
+    reference ``name`` and of every ``sync,x=..`` run (each a whole schedule over fewer tokens: a loss
+    in the middle of a schedule is higher than at the end of a shorter one), below the shortest of
+    them its own curve."""
+    ends = [r for r in results if r["seed"] == seed and (r["variant"] == name or r["variant"].startswith("sync,x="))]
+    shortest = min(ends, key=lambda r: r["tokens"])
+    return sorted([(t, v) for t, v in shortest["curve"] if t < shortest["tokens"]] + [(r["tokens"], r["final_val"]) for r in ends])
+
+
+def efficiency(reference: list[tuple[int, float]], loss: float, tokens: int) -> float | None:
+    """Per-token efficiency of a run that reached ``loss`` after ``tokens``: the tokens the reference
+    (validation against tokens, one synchronous group) needed for that loss, over ``tokens``, linear
+    between its evaluations; None where the reference never reached it (more efficient than it)."""
+    before = (0, math.inf)
+    for t, v in reference:
+        if v <= loss:
+            t0, v0 = before
+            at = t if not math.isfinite(v0) or v0 == v else t0 + (t - t0) * (v0 - loss) / (v0 - v)
+            return at / tokens
+        before = (t, v)
+    return None
 
 
 def main() -> None:
@@ -77,27 +104,38 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (one core each at --threads 1)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out = args.out or results_dir("hier_efficiency", args.model)
     variants = [parse_variant(t, args.batch) for t in args.variants]
-    results = []
-    for seed in args.seeds:
-        for v in variants:
-            r = run(v, args, seed)
-            results.append(r)
-            print(f"{args.model} seed {seed} {r['variant']:<32} steps {r['steps']:>5} val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    todo = [(v, seed) for seed in args.seeds for v in variants]
+    with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs)) as pool:  # each run is one seed's whole training: no shared state
+        pending = [pool.submit(run, v, args, seed) for v, seed in todo]
+        for future in concurrent.futures.as_completed(pending):
+            r = future.result()
+            print(f"{args.model} seed {r['seed']} {r['variant']:<32} steps {r['steps']:>5} val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
+        results = [f.result() for f in pending]  # in the order asked, whatever order they finished in
     ref = {s: next(r["final_val"] for r in results if r["seed"] == s and r["variant"] == variants[0]["name"]) for s in args.seeds}
     table = [f"{args.model}, {args.tokens} tokens per run, sequence {args.seq_len}, AdamW lr {args.lr}; validation loss at the end on "
              f"{args.eval_batches} held-out batches; gap against `{variants[0]['name']}` of the same seed. Seeds {', '.join(map(str, args.seeds))}.", "",
-             "| variant | groups | rows per inner step | H | outer lr | momentum | warm steps | final validation (mean) | gap (mean) | gap per seed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Efficiency: the tokens the reference needed to reach the run's final validation loss (from the final losses of "
+             "`sync,x=..` runs, each a whole schedule over that fraction of the tokens, where the sweep has them), over the tokens the run used "
+             "(1.00: as much per token as the reference; ≥ 1: the reference never got there).", "",
+             "| variant | groups | rows per inner step | H | outer lr | momentum | warm steps | final validation (mean) | gap (mean) | gap per seed "
+             "| efficiency per seed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    curves = {s: reference(results, s, variants[0]["name"]) for s in args.seeds}
     for v in variants:
         mine = [r for r in results if r["variant"] == v["name"]]
         gaps = [100 * (r["final_val"] / ref[r["seed"]] - 1) for r in mine]
+        effs = [efficiency(curves[r["seed"]], r["final_val"], r["tokens"]) for r in mine]
+        for r, e in zip(mine, effs, strict=True):
+            r["efficiency"] = e
         table.append(f"| `{v['name']}` | {v['M']} | {v['b']} | {v['H'] if v['M'] > 1 else '-'} | {v['lr'] if v['M'] > 1 else '-'} | "
                      f"{v['mu'] if v['M'] > 1 else '-'} | {mine[0]['warm_steps']} | {statistics.mean(r['final_val'] for r in mine):.4f} | "
-                     f"{statistics.mean(gaps):+.1f}% | {', '.join(f'{g:+.1f}%' for g in gaps)} |")
+                     f"{statistics.mean(gaps):+.1f}% | {', '.join(f'{g:+.1f}%' for g in gaps)} | "
+                     f"{', '.join('≥ 1' if e is None else f'{e:.2f}' for e in effs)} |")
     write(out, "hier_efficiency", results, table, {"model": args.model, "tokens": args.tokens, "batch": args.batch, "seq_len": args.seq_len,
                                                    "lr": args.lr, "seeds": args.seeds})
     plt = pyplot()

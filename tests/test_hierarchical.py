@@ -251,7 +251,7 @@ def test_two_groups_share_one_set_of_outer_weights() -> None:
     by_group = {g: [r for r in records if r["group"] == g] for g in (0, 1)}
     assert len(by_group[0]) == len(by_group[1]) == 8  # 4 rounds of 2 inner steps each
     assert by_group[0][0]["loss"] != by_group[1][0]["loss"]  # the same weights on different data shards
-    assert result.tokens == 16 * TRAIN.batch_size * TRAIN.seq_len
+    assert result.tokens == TRAIN.steps * TRAIN.batch_size * TRAIN.seq_len  # the global batch shared: each group's inner step is half of it
     assert len(result.val_losses) >= 2 and all(np.isfinite(v) for _, v in result.val_losses)
     anchors = [w.outer.anchor for w in workers]
     for name, value in anchors[2].items():  # group 1's single worker holds everything
@@ -356,14 +356,14 @@ def test_groups_by_hand_parse_or_fail_with_one_line() -> None:
 def test_a_smaller_group_batch_reads_smaller_batches_and_evaluates_the_same_windows() -> None:
     train = TrainConfig(model="gpt-nano", steps=4, batch_size=4, seq_len=16, eval_every=4, eval_batches=1, warmup=0)
     base = {"sync": "hierarchical", "groups": [[0], [1]], "inner_steps": 2, "micro_batches": 1, "eval_every": 4, "eval_batches": 1}
-    whole, _ = run_in_process(train, cluster_config(2, **base))
-    half, workers = run_in_process(train, cluster_config(2, group_batch=2, **base))
+    whole, _ = run_in_process(train, cluster_config(2, group_batch=4, **base))
+    half, workers = run_in_process(train, cluster_config(2, **base))  # the default: --batch-size shared by the two groups
     assert whole.tokens == 2 * 4 * 4 * 16 and half.tokens == 2 * 4 * 2 * 16
     assert workers[0].data_source is not None and workers[0].data_source.spec.batch_size == 2
     # before any training both evaluate the initial weights on the same 4 validation windows: the same loss
     train0 = TrainConfig(model="gpt-nano", steps=1, batch_size=4, seq_len=16, eval_every=1, eval_batches=1, warmup=0, lr=1e-9)
-    a, _ = run_in_process(train0, cluster_config(2, **{**base, "inner_steps": 1, "eval_every": 1}))
-    b, _ = run_in_process(train0, cluster_config(2, group_batch=2, **{**base, "inner_steps": 1, "eval_every": 1}))
+    a, _ = run_in_process(train0, cluster_config(2, group_batch=4, **{**base, "inner_steps": 1, "eval_every": 1}))
+    b, _ = run_in_process(train0, cluster_config(2, **{**base, "inner_steps": 1, "eval_every": 1}))
     assert a.val_losses[-1][1] == pytest.approx(b.val_losses[-1][1], rel=1e-4)
 
 

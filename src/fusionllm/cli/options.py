@@ -52,7 +52,7 @@ DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.planning.schedulers.DEFAULT_CANDIDATES
 CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]
 BackendOpt = Annotated[str, typer.Option(help="Framework that runs the stage: torch, or numpy (CPU, GPT op kinds, no torch imported).")]
 # hierarchical mode (issue 16): groups that train apart and exchange pseudo-gradients every round
-SyncOpt = Annotated[str, typer.Option("--sync", help="synchronous: one plan over the devices; hierarchical: replica groups (each a synchronous plan over its own devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo).")]
+SyncOpt = Annotated[str, typer.Option("--sync", help="synchronous: one plan over the devices; hierarchical: replica groups (each a synchronous plan over its own devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo); auto: whichever of the two the planner predicts to reach a target loss first (tokens/s times per-token efficiency, docs/scheduler.md).")]
 InnerStepsOpt = Annotated[int | None, typer.Option("--inner-steps", min=1, help="--sync hierarchical: inner steps per round of the slowest group (faster groups do proportionally more); default: the planner's choice.")]
 FragmentsOpt = Annotated[int | None, typer.Option("--fragments", min=1, help="--sync hierarchical: parameter fragments, each synced at its own point of the round; default min(4, parameter tensors).")]
 OuterCodecOpt = Annotated[str | None, typer.Option("--outer-codec", help="--sync hierarchical: codec of the pseudo-gradients between groups (none, fp16, q8 .. q2, topk:RATIO); default: the planner's choice per sending group.")]
@@ -60,9 +60,9 @@ OuterLrOpt = Annotated[float, typer.Option("--outer-lr", min=0.0, help="--sync h
 OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, max=0.999, help="--sync hierarchical: the outer optimiser's momentum.")]
 GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")]
 OverlapStepsOpt = Annotated[int | None, typer.Option("--overlap-steps", min=0, help="--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: the planner's choice.")]
-GroupBatchOpt = Annotated[int | None, typer.Option("--group-batch", min=1, help="--sync hierarchical: rows per inner step of every group (dividing --batch-size; default --batch-size). --batch-size / groups keeps the tokens of a step of all groups those of one synchronous step.")]
+GroupBatchOpt = Annotated[int | None, typer.Option("--group-batch", min=1, help="--sync hierarchical: rows per inner step of every group (dividing --batch-size); default --batch-size / groups (rounded down to a divisor): the tokens of one step of all groups are those of one synchronous step, which the groups learn from far better per token than from --batch-size each (docs/scheduler.md).")]
 RegroupOpt = Annotated[list[str] | None, typer.Option("--regroup", help="STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains synchronously for 200 steps, then as four groups.")]
 BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
-SYNC_MODES = ("synchronous", "hierarchical")
+SYNC_MODES = ("synchronous", "hierarchical", "auto")
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
 DEFAULT_OUTER_MOMENTUM = 0.0

@@ -59,6 +59,17 @@ def _print_hier(info: dict) -> None:
     if sync:
         print(f"  synchronous plan: {sync['tokens_per_s']:.0f} tokens/s, utilization {sync['utilization']:.0%}")
     print("device utilization: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))
+    _print_candidates(info.get("candidates") or [])
+
+
+def _print_candidates(candidates: list[dict]) -> None:
+    """Each grouping the planner weighed: tokens/s, per-token efficiency and the time to a target
+    against the chosen one's (docs/scheduler.md, "Time to target")."""
+    if candidates:
+        print("candidates (time to a target loss against the chosen plan):")
+    for c in sorted(candidates, key=lambda c: c.get("time_to_target", 0.0)):
+        print(f"  {c['grouping']}: {c['groups']} group(s) of {c.get('group_batch', '?')} rows, {c['tokens_per_s']:.0f} tokens/s at "
+              f"{c.get('efficiency', 1.0):.2f} per-token efficiency, H {'/'.join(map(str, c['inner_steps']))}: {c.get('time_to_target', 1.0):.2f}x")
 
 
 @user_errors
@@ -95,22 +106,30 @@ def plan_cmd(
     req = task_request(task, model, batch_size, seq_len, micro_batches, image_size)
     on_task = {"task": task, "image_size": image_size}
     started = time.perf_counter()
-    if sync == "hierarchical":
+    auto: dict | None = None
+    if sync in ("hierarchical", "auto"):
         _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, inner_steps=inner_steps, fragments=fragments,
-                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, **on_task)
-        info = describe_hier(hier, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
-        if as_json:
-            print(json.dumps(info, indent=1))
-        else:
-            _print_hier(info)
-            print(f"planned in {info['planning_seconds']:.2f} s")
-        return
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, several=sync == "hierarchical",
+                                        **on_task)
+        auto = {"chose": hier.meta.get("grouping"), "groups": len(hier.groups), "candidates": hier.meta.get("candidates")}
+        if len(hier.groups) > 1 or sync == "hierarchical":
+            info = describe_hier(hier, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
+            if as_json:
+                print(json.dumps(info | {"auto": auto} if sync == "auto" else info, indent=1))
+            else:
+                _print_hier(info)
+                print(f"planned in {info['planning_seconds']:.2f} s")
+            return
+        if not as_json:
+            _print_candidates(hier.meta.get("candidates", []))
     graph, hw, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
     worlds = planned_worlds(graph, plan, hw) if check_mode(collectives) == "auto" else []
     if carried_links(worlds):  # the prediction prices the links the worlds carry as gloo's (sim.simulator.with_carried)
         plan.meta["carried"] = [list(p) for p in sorted(carried_links(worlds))]
     info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
     info["collectives"] = [w.record() for w in worlds]
+    if auto is not None:
+        info["auto"] = auto
     if as_json:
         print(json.dumps(info, indent=1))
         return
@@ -166,16 +185,22 @@ def simulate(
     model = task_model(task, model)
     req = task_request(task, model, batch_size, seq_len, micro_batches, image_size)
     on_task = {"task": task, "image_size": image_size}
-    if sync == "hierarchical":
+    hier = None
+    if sync in ("hierarchical", "auto"):
         _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, compress=compress, inner_steps=inner_steps, fragments=fragments,
-                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, **on_task)
-        rounds = simulate_rounds(hier, cost, req)
+                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, several=sync == "hierarchical",
+                                        **on_task)
+    if hier is not None and (len(hier.groups) > 1 or sync == "hierarchical"):
+        rounds = simulate_rounds(hier, cost, hier.request(req))
         hout = rounds.to_json() | {"sync": "hierarchical", "scheduler": scheduler, "compress": compress, "groups": [g.workers for g in hier.groups],
-                                   "fragments": len(hier.fragments), "codec": hier.codec, "link_codecs": hier.link_codecs}
+                                   "fragments": len(hier.fragments), "codec": hier.codec, "link_codecs": hier.link_codecs,
+                                   "group_batch": hier.request(req).batch_size, "efficiency": hier.meta.get("efficiency"),
+                                   "goodput": hier.meta.get("goodput"), "candidates": hier.meta.get("candidates")}
         if as_json:
             print(json.dumps(hout, indent=1))
             return
-        print(f"round_s={rounds.round_s:.4f} tokens_per_s={rounds.tokens_per_s:.0f} utilization={rounds.utilization:.0%} "
+        print(f"round_s={rounds.round_s:.4f} tokens_per_s={rounds.tokens_per_s:.0f} efficiency={hier.meta.get('efficiency', 1.0):.2f} "
+              f"utilization={rounds.utilization:.0%} group_batch={hier.request(req).batch_size} "
               f"groups={len(hier.groups)} codec={hier.codec} busiest link {rounds.link_busy:.0%} of the round")
         for g, h, st, wt in zip(hier.groups, rounds.inner_steps, rounds.step_s, rounds.waits_s, strict=True):
             print(f"  group {g.index} on {g.workers}: H={h}, {st:.3f} s/step, waits {wt:.3f} s/round")

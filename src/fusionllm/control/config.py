@@ -51,7 +51,7 @@ class ClusterConfig:
     evict_after: int = 3  # bad tensors blamed on one worker before it is evicted and the run re-planned without it (0: never)
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
     # hierarchical mode (--sync hierarchical): groups that each hold the model, synchronised every few steps
-    sync: str = "synchronous"  # synchronous | hierarchical
+    sync: str = "synchronous"  # synchronous | hierarchical | auto (the planner chooses one group or several)
     groups: list[list[int]] | None = None  # the groups by hand (worker ids); None: the planner forms them (needs --scheduler)
     inner_steps: int | None = None  # H: inner steps per round (of the fastest group); None: the planner's
     fragments: int | None = None  # parameter fragments synced staggered over a round; None: the planner's
@@ -86,8 +86,11 @@ class ClusterConfig:
             raise ConfigError(f"--guard-factor must be > 1, got {self.guard_factor}")
         if self.evict_after < 0:
             raise ConfigError(f"--evict-after must be >= 0, got {self.evict_after}")
-        if self.sync not in ("synchronous", "hierarchical"):
-            raise ConfigError(f"--sync {self.sync!r}: choose synchronous or hierarchical")
+        if self.sync not in ("synchronous", "hierarchical", "auto"):
+            raise ConfigError(f"--sync {self.sync!r}: choose synchronous, hierarchical or auto")
+        if self.sync == "auto" and (not self.scheduler or self.groups or self.replicas or self.regroup):
+            raise ConfigError("--sync auto lets the planner choose one group or several: it needs --scheduler and no --groups, --replicas "
+                              "or --regroup (with those, choose --sync synchronous or hierarchical)")
         for k, (step, groups) in enumerate(self.regroup or []):
             flat = [w for g in groups for w in g]
             if step < 1 or (k and step <= self.regroup[k - 1][0]):  # type: ignore[index]
@@ -100,7 +103,7 @@ class ClusterConfig:
             raise ConfigError("--regroup with --resume is not supported: resume the checkpoint without --regroup")
         if self.regroup and self.replicas:
             raise ConfigError("--regroup plans every grouping itself; leave out --replicas")
-        if self.sync == "hierarchical":
+        if self.sync in ("hierarchical", "auto"):
             if self.replicas:
                 raise ConfigError("--sync hierarchical forms its groups itself (or from --groups); leave out --replicas")
             if not self.scheduler and not self.groups and not self.regroup:

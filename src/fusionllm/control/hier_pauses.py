@@ -36,6 +36,7 @@ A pause costs one blocking sync; a join also the copy of the outer state through
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -162,7 +163,8 @@ class Pauses:
         source = min(hr.alive)
         src = hr.runs[source]
         states = [await self.checkpoints.read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
-        plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=c.micro_batches), workers)
+        micro = math.gcd(self.group_setup.group_batch(), c.micro_batches)  # as setup_groups traced hr.graph
+        plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=micro), workers)
         infos = {w: m.info for w, m in members.items()}
         plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.ctx.task.refused_ops)
         programs = await asyncio.to_thread(validate_plan, hr.graph, plan)

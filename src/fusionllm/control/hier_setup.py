@@ -18,7 +18,7 @@ from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.config import TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan, round_lengths
+from fusionllm.schedule.hierarchy import HierPlan, group_rows, make_hier_plan, round_lengths
 from fusionllm.schedule.plan import Request
 from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE
@@ -93,6 +93,15 @@ class HierRun:
 
 
 
+class OneGroup(Exception):
+    """``--sync auto``: the planner predicts one synchronous group to reach a target loss first
+    (``plan.meta`` says why); the grouping runs as the synchronous step loop."""
+
+    def __init__(self, plan: HierPlan) -> None:
+        super().__init__("one synchronous group")
+        self.plan = plan
+
+
 class GroupSetup:
     """Forms the groups (by the planner, or ``--groups``), plans each, and assigns every worker."""
 
@@ -100,10 +109,13 @@ class GroupSetup:
         self.ctx, self.setup, self.checkpoints = ctx, setup, checkpoints
         self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
         self.resumed: tuple[list[bytes], int, OpGraph] | str | None = None  # --resume: what resume_live found (restart.py)
+        self.rows: int | None = None  # the groups' rows per inner step, once planned
 
     def group_batch(self) -> int:
-        """Rows per inner step of every group (``--group-batch``; default ``--batch-size``)."""
-        return self.cluster.group_batch or self.train.batch_size
+        """Rows per inner step of every group: the plan's once planned (``--group-batch``, else the
+        run's global batch ``--batch-size`` shared by the groups), before it ``--group-batch`` or
+        ``--batch-size`` (the batch the model is traced at)."""
+        return self.rows or self.cluster.group_batch or self.train.batch_size
 
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
                            states: list[Any] | None = None, data_from: int = 0) -> HierRun:
@@ -141,30 +153,45 @@ class GroupSetup:
         infos = {w: m.info for w, m in self.membership.members.items()}
         if c.scheduler and not groups:
             hier = await self.schedule(graph, clients)
+            if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target first
+                for client in clients.values():
+                    await client.close()
+                raise OneGroup(hier)
         else:
             unknown = sorted({w for g in groups or [] for w in g} - set(addresses))
             if unknown:
                 raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
+            rows = c.group_batch or group_rows(t.batch_size, len(groups or []))  # the global batch kept
             hier = make_hier_plan(graph, groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
-                                  micro_batches=c.micro_batches, codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
+                                  micro_batches=math.gcd(rows, c.micro_batches), codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
                                   outer_momentum=c.outer_momentum, overlap=c.overlap,
                                   delay_steps=c.overlap_steps or 0)
+            hier.group_batch = rows
+        traced = batch // c.micro_batches
+        batch = self.rows = hier.group_batch or batch
+        if c.eval_every and (t.batch_size % batch):
+            raise ConfigError(f"--group-batch {batch} must divide --batch-size {t.batch_size} (the validation batches are cut from it)")
         runs: dict[int, Run] = {}
-        graphs = {c.micro_batches: graph}  # a group whose plan has other micro-batches runs the model traced at their size
-        for g in hier.groups:
-            m = g.plan.micro_batches
-            if m not in graphs:
-                if batch % m:
-                    raise FusionError(f"the planner gave group {g.index} {m} micro-batches, which does not divide the group batch {batch}")
-                again = await asyncio.to_thread(self.task.trace, batch // m)
+        graphs = {traced: graph}  # a group whose micro-batches have other rows runs the model traced at their size
+
+        async def traced_at(rows: int) -> OpGraph:
+            if rows not in graphs:
+                again = await asyncio.to_thread(self.task.trace, rows)
                 if [(n.id, n.kind) for n in again.nodes] != [(n.id, n.kind) for n in graph.nodes]:
                     raise FusionError("the model traces differently at another micro-batch size; pass --micro-batches and --groups by hand")
-                graphs[m] = again
-            gg = graphs[m]
+                graphs[rows] = again
+            return graphs[rows]
+
+        for g in hier.groups:
+            m = g.plan.micro_batches
+            if batch % m:
+                raise FusionError(f"group {g.index} has {m} micro-batches, which does not divide the group batch {batch}")
+            gg = await traced_at(batch // m)
             g.plan = await asyncio.to_thread(place, gg, g.plan, infos, self.say, self.task.refused_ops)
             programs = await asyncio.to_thread(validate_plan, gg, g.plan)
             await asyncio.to_thread(check_message_sizes, gg, g.plan)
             runs[g.index] = Run(gg, g.plan, clients, actions=programs)
+        graph = await traced_at(batch // math.gcd(batch, c.micro_batches))  # the model at the group batch's default micro-batches (a joining group's)
         text = hier.to_json()
         for run in runs.values():
             run.hier = text
@@ -173,11 +200,12 @@ class GroupSetup:
         codec = parse_codec(c.compress)
         if codec.kind == "adatopk":  # each group's own link policy, as a synchronous plan's
             await self.policies(graph, hier, runs, clients)
-        if batch != t.batch_size:  # every group reads batches of its own size; validation: the same windows, in smaller batches
+        if self.ctx.data_spec is not None:  # every group reads batches of its own size; validation: the same windows, in smaller batches
             self.ctx.data_spec = replace(self.ctx.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
         await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec) for run in runs.values()))
         if batch != t.batch_size and any(run.fed for run in runs.values()):
-            raise FusionError("--group-batch needs workers that read their own data (some cannot: see above); leave it out")
+            raise FusionError(f"the groups read batches of {batch} rows (--batch-size {t.batch_size} shared by {len(hier.groups)} groups), which "
+                              f"needs workers that read their own data (some cannot: see above); pass --group-batch {t.batch_size}")
         steps_per_round = max(g.inner_steps for g in hier.groups)
         rounds = max(1, math.ceil((last - first) / steps_per_round))
         record = {
@@ -222,11 +250,11 @@ class GroupSetup:
         def placed(p: Any) -> Any:
             return place(graph, p, infos, lambda _: None, self.task.refused_ops)
 
-        req = Request(self.group_batch(), self.task.items_per_row, c.micro_batches, c.schedule)
+        req = Request(self.train.batch_size, self.task.items_per_row, c.micro_batches, c.schedule)  # one step of the run: the global batch
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
-            overlap=c.overlap,
+            overlap=c.overlap, group_batch=c.group_batch, several=c.sync != "auto",
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps

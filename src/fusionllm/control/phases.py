@@ -1,6 +1,8 @@
 """A run as a sequence of groupings: one group (synchronous) or several, switched at a pause.
 
-A run starts as one group (``--sync synchronous``) or several (``--sync hierarchical``) and, with
+A run starts as one group (``--sync synchronous``), several (``--sync hierarchical``) or whichever
+the planner predicts to reach a target loss first (``--sync auto``: the planner's groupings, where
+one synchronous group runs as ``--sync synchronous`` would) and, with
 ``--regroup STEP:GROUPS``, becomes another grouping at each STEP: from one group to several, from
 several to one, or to other groups. A regroup is one operation at a pause, from live weights:
 
@@ -18,7 +20,7 @@ synchronous step loop (``training.py``), with its recovery, re-plans, evictions 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fusionllm.core.config import TrainResult
@@ -26,7 +28,7 @@ from fusionllm.core.metrics import JsonlWriter
 
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
-from .hier_setup import GroupSetup
+from .hier_setup import GroupSetup, OneGroup
 from .hierarchical import Groups
 from .recovery import Recovery
 from .restart import Interrupted, Stopper, final_checkpoint, resume_event, start_or_resume
@@ -92,7 +94,13 @@ class Phases:
                 if grouping.groups is None:
                     part, states, data_from = await self.one(grouping, states, data_from, final=final)
                 else:
-                    part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
+                    try:
+                        part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
+                    except OneGroup as one:  # --sync auto chose one synchronous group for this grouping
+                        auto_event(ctx, one.plan, grouping.first)
+                        plan[k] = Grouping(grouping.first, grouping.last, None, grouping.replanned)
+                        part, states, data_from = await self.one(plan[k], states, data_from, final=final)
+                        again = None
                     if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
                         plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
@@ -105,6 +113,8 @@ class Phases:
     async def one(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
         """A synchronous grouping: the step loop with its recovery, re-plans, evictions and stops."""
         ctx = self.ctx
+        if ctx.data_spec is not None:  # the run's batches again, after groups that read smaller ones
+            ctx.data_spec = replace(ctx.data_spec, batch_size=ctx.train.batch_size, eval_batches=ctx.cluster.eval_batches)
         if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
             run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
         else:
@@ -148,6 +158,8 @@ class Phases:
                                             data_from=data_from)
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
+        if ctx.cluster.sync == "auto":
+            auto_event(ctx, hr.hier, grouping.first)
         if group_setup.resumed is not None:
             ctx.event(resume_event(ctx, group_setup.resumed, self.began))
         groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans)
@@ -169,6 +181,17 @@ class Phases:
         if not final:
             ctx.clock.new_epoch()
         return part, None if final else states, hr.next_data, again
+
+
+def auto_event(ctx: RunContext, hier: Any, at_step: int) -> None:
+    """What ``--sync auto`` chose at ``at_step`` and why (the planner's candidates), said and recorded."""
+    meta = hier.meta
+    ctx.event({"event": "auto", "at_step": at_step, "chose": meta.get("grouping"), "groups": len(hier.groups),
+               "tokens_per_s": meta.get("tokens_per_s", 0.0), "efficiency": meta.get("efficiency", 1.0),
+               "candidates": [{k: c.get(k) for k in ("grouping", "groups", "group_batch", "tokens_per_s", "efficiency", "time_to_target")}
+                              for c in meta.get("candidates", [])]})
+    ctx.say(f"--sync auto: {meta.get('grouping')} ({len(hier.groups)} group{'s' if len(hier.groups) != 1 else ''}) is predicted to reach "
+            f"a target loss first: " + ", ".join(f"{c['grouping']} {c['time_to_target']:.2f}x" for c in meta.get("candidates", [])))
 
 
 def merge(total: TrainResult, part: TrainResult) -> None:

@@ -382,6 +382,8 @@ _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
                          + (f" (was {f['old_predicted_step_s']:.3f})" if f.get("old_predicted_step_s") else "") + f", in {f['seconds']:.1f} s"),
     "resume": lambda f: (f"resumed from {'the workers’ live state' if f['from'] == 'live' else 'a checkpoint'} at step {f['resumed_from_step']}"
                          + (f" ({f['why_not_live']})" if f.get("why_not_live") else "")),
+    "auto": lambda f: (f"--sync auto chose {f['chose']} ({f['groups']} group{'s' if f['groups'] != 1 else ''}, predicted {f['tokens_per_s']:.0f} tokens/s "
+                       f"at {f['efficiency']:.2f} per-token efficiency)"),
     "group_left": lambda f: f"group {f['group']} left the run: {f['why']}",
     "group_joined": lambda f: (f"group {f['group']} joined at outer round {f['round']} with {_workers(f['workers'])}"
                                + (f" (weights from group {f['source_group']})" if f.get("source_group") is not None else "")),

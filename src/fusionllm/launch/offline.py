@@ -77,11 +77,14 @@ def _traced(model: str, cluster_file: str, req: Request, vocab_size: int, task: 
 def offline_hier(model: str, cluster_file: str, scheduler: str, req: Request, *, vocab_size: int = 256, compress: str = "none",
                  inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, overlap: bool = True, task: str = "lm", image_size: int = 32,
-                 say: Callable[[str], None] = lambda _: None) -> tuple[OpGraph, Hardware, CostModel, HierPlan]:
+                 say: Callable[[str], None] = lambda _: None, group_batch: int | None = None,
+                 several: bool = True) -> tuple[OpGraph, Hardware, CostModel, HierPlan]:
     """A hierarchical plan (``planning.hierarchy.choose_hier_plan``) for a cluster file, traced
-    and timed as ``offline`` does; ``req`` is one inner step of one group."""
+    and timed as ``offline`` does; ``req`` is one step of the run (the global batch). ``several``
+    False (``--sync auto``): one synchronous group is a choice too."""
 
     graph, hw, work = _traced(model, cluster_file, req, vocab_size, task, image_size)
     hier, cost = choose_hier_plan(graph, hw, scheduler, req, work=work, say=say, compress=compress, inner_steps=inner_steps,
-                                  fragments=fragments, codec=codec, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+                                  fragments=fragments, codec=codec, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap,
+                                  group_batch=group_batch, several=several)
     return graph, hw, cost, hier

@@ -57,6 +57,7 @@ def describe_hier(hier: HierPlan, cost: CostModel, req: Request) -> dict[str, An
     """What `fusionllm plan --sync hierarchical --json` prints: groups, H, fragments, codecs, the
     predicted round and the utilization of every device."""
     graph = cost.graph
+    req = hier.request(req)  # one inner step of one group
     result = simulate_rounds(hier, cost, req)
     groups = []
     for g, step_s, wait in zip(hier.groups, result.step_s, result.waits_s, strict=True):
@@ -69,7 +70,8 @@ def describe_hier(hier: HierPlan, cost: CostModel, req: Request) -> dict[str, An
     return {
         "sync": "hierarchical", "grouping": hier.meta.get("grouping"), "fences": find_fences(cost.hw), "groups": groups,
         "fragments": len(hier.fragments), "fragment_params": frag_sizes, "codec": hier.codec, "link_codecs": hier.link_codecs,
-        "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
+        "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap, "group_batch": req.batch_size,
+        "efficiency": hier.meta.get("efficiency"), "goodput": hier.meta.get("goodput"),
         "unused_devices": sorted(set(range(len(cost.hw))) - set(hier.workers)),
         "utilization": result.utilization, "device_utilization": {str(k): v for k, v in result.device_busy.items()},
         "predicted": result.to_json(), "traffic_hidden": hier.meta.get("traffic_hidden"),

@@ -1,11 +1,15 @@
 """From a cluster to a hierarchical plan: replica groups, their synchronous plans, H, fragments, codecs.
 
-The planner tries a few groupings of the devices (``candidate groupings`` below), gives every group
-the synchronous planner's plan for its own devices (``choose_plan`` on ``hw.subset``), chooses the
-inner steps and the codecs so that the traffic between groups hides behind the inner steps, runs the
-round simulator (``sim/rounds.py``) on each, and keeps the grouping with the most predicted tokens/s
-(ties within 1% to fewer groups). Everything it predicts goes into ``HierPlan.meta``; docs/scheduler.md,
-"Hierarchical mode", explains the rules.
+The planner tries a few groupings of the devices (``candidate groupings`` below). A grouping of M
+groups keeps the run's global batch: each group trains ``group_rows(batch, M)`` rows an inner step
+(``--group-batch`` by hand). Every group gets the synchronous planner's plan for its own devices at
+that batch (``choose_plan`` on ``hw.subset``); for each H of ``GOODPUT_H`` the codecs are the least
+lossy up to q4 that the traffic between groups hides behind (else q4, and the groups wait), the round
+simulator (``sim/rounds.py``) predicts tokens/s, and ``planning.efficiency`` the per-token efficiency
+of M groups at that H. The planner keeps the grouping and H with the most *goodput* (tokens/s times
+efficiency: the first to reach a target loss; ties within 1% to fewer groups). Everything it
+predicts goes into ``HierPlan.meta``, every candidate's predicted time to a target against the
+chosen one's included; docs/scheduler.md, "Hierarchical mode" and "Time to target", explains the rules.
 
 Candidate groupings (each group must hold the whole model; a group with no plan that fits is
 dropped and its devices stay idle):
@@ -22,8 +26,8 @@ dropped and its devices stay idle):
   the two apart (a merge then costs no throughput and saves traffic and DiLoCo's loss of per-token
   efficiency), tried greedily over the fastest links between them; then regrouped as above.
 
-Not in the objective: DiLoCo's loss per token against synchronous training (it grows with the number
-of groups and with H). The tie rule prefers fewer groups; the planner says how many there are.
+The efficiency model is fitted on small models and short runs, where groups lose the most per token
+(``planning/efficiency.py``): it errs towards one synchronous group.
 """
 
 from __future__ import annotations
@@ -44,9 +48,20 @@ from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.choose import choose_plan
+from fusionllm.planning.efficiency import (
+    group_efficiency,
+    mean_inner_steps,
+)
 from fusionllm.planning.fences import fence_link, find_fences
 from fusionllm.planning.schedulers import device_speed
-from fusionllm.schedule.hierarchy import GroupPlan, HierPlan, param_fragments, remap
+from fusionllm.schedule.hierarchy import (
+    GroupPlan,
+    HierPlan,
+    group_rows,
+    micro_batches_for,
+    param_fragments,
+    remap,
+)
 from fusionllm.schedule.plan import Plan, Request
 from fusionllm.sim.rounds import (
     GroupStep,
@@ -68,6 +83,7 @@ MAX_GROUPS = 64  # groups per plan: the exchange is all-to-all between groups
 MAX_PLANNINGS = 24  # synchronous plannings of distinct device sets per grouping search (cache misses)
 MAX_MERGE_TRIES = 4
 TIE = 0.01  # candidates within 1% of the best tokens/s: the one with fewer groups wins
+GOODPUT_H = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 100, 200, 500)  # the H the goodput search tries per grouping
 H_LADDER = sorted({round(4 * 1.25**k) for k in range(40) if 4 * 1.25**k <= MAX_INNER_STEPS} | {MAX_INNER_STEPS})
 
 
@@ -185,13 +201,14 @@ class _Choice:
 
 def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *, inner_steps: int | None = None,
                        codec: str | None = None, headroom: float = HEADROOM, param_bytes: int | None = None,
-                       traffic_factor: float = TRAFFIC_FACTOR) -> _Choice:
+                       traffic_factor: float = TRAFFIC_FACTOR, max_codec: str | None = None) -> _Choice:
     """H per group and a codec per pair of groups (see docs/scheduler.md): the slowest group does the
     base H, every other group as many steps as fit in the same wall time; the base H is the smallest
     of ``H_LADDER`` (>= ``MIN_INNER_STEPS``) at which, with codecs no lossier than ``PREFERRED_CODEC``,
     every link between groups is busy at most ``headroom`` of the round, and every receiver decodes
     in at most that; each pair of groups then gets the least lossy codec that fits. Lossier codecs
-    (q2, top-k) only when even ``MAX_INNER_STEPS`` does not hide the traffic with q4.
+    (q2, top-k) only when even ``MAX_INNER_STEPS`` does not hide the traffic with q4; none lossier
+    than ``max_codec``.
 
     With ``param_bytes`` (the float32 bytes of the parameters), the base H is also large enough that
     the bytes between groups per token are ``traffic_factor`` times fewer than synchronous data
@@ -199,7 +216,7 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
     ``2 (n-1) / n`` x param_bytes per group and step)."""
     n = len(step_s)
     slow = max(step_s)
-    ladder = [codec] if codec else list(CODEC_LADDER)
+    ladder = [codec] if codec else list(CODEC_LADDER)[: CODEC_LADDER.index(max_codec) + 1 if max_codec else None]
     first = 0 if codec else ladder.index(PREFERRED_CODEC)
     # per unordered pair and codec: the longest busy time of one of its links per round; per receiver: decoding
     link_raw: dict[tuple[int, int], dict[tuple[int, int], list[int]]] = {}
@@ -285,10 +302,15 @@ def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list
 def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, work: dict[str, OpWork],
                      say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
                      inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
-                     outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True) -> tuple[HierPlan, CostModel]:
-    """The hierarchical plan with the most predicted tokens/s among the candidate groupings (module
-    docstring); ``req`` is one inner step of one group. Returns it with the whole cluster's cost model
-    (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule)."""
+                     outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True, group_batch: int | None = None,
+                     several: bool = True) -> tuple[HierPlan, CostModel]:
+    """The plan with the most predicted goodput (tokens/s times per-token efficiency,
+    ``planning.efficiency``) among the candidate groupings (module docstring): the one predicted to
+    reach a target loss first. ``req`` is one step of the whole run (its batch: the global batch);
+    each group of a grouping of M trains ``group_rows(batch, M)`` rows an inner step, or
+    ``group_batch`` where given. ``several`` (``--sync hierarchical``): only groupings of two groups
+    or more, unless none holds the model; without it (``--sync auto``) one synchronous group too. Returns the plan with the whole cluster's cost
+    model (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule)."""
     started = time.perf_counter()
     if inner_steps is not None and inner_steps < 1:
         raise ConfigError(f"--inner-steps must be >= 1, got {inner_steps}")
@@ -323,43 +345,62 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
     if not groupings:
         raise ConfigError("no group of devices can hold the model: use devices with more memory or a smaller model")
 
-    groupings_by_name = dict(groupings)
-    best: tuple[HierPlan, RoundResult, str] | None = None
+    several = several and any(len(gs) > 1 for _, gs in groupings)  # (else one group is all there is)
+    planners = {req.batch_size: planner}
+    best: tuple[HierPlan, RoundResult, str, float, Request, list[_Group]] | None = None
     considered: list[dict[str, Any]] = []
     seen: set[tuple[tuple[int, ...], ...]] = set()
-    for name, groups in groupings:
-        key = tuple(tuple(g.workers) for g in groups)
+    for name, planned in groupings:
+        key = tuple(tuple(g.workers) for g in planned)
         if key in seen:
             continue
         seen.add(key)
-        hier, result, hidden = _evaluate(graph, cost, req, groups, frags, inner_steps=inner_steps, codec=codec,
-                                         outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
-        considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers),
-                           "tokens_per_s": result.tokens_per_s, "utilization": result.utilization, "round_s": result.round_s,
+        rows = req.batch_size if len(planned) == 1 else (group_batch or group_rows(req.batch_size, len(planned)))
+        greq = replace(req, batch_size=rows, micro_batches=micro_batches_for(rows, req.micro_batches))
+        groups = planned
+        if rows != req.batch_size:  # the same devices, planned again for the group's own batch
+            at = planners.setdefault(rows, _Planner(graph, hw, scheduler, greq, work, compress, place))
+            again = [at.plan(g.workers) for g in planned]
+            if any(g is None for g in again):
+                continue
+            groups = [g for g in again if g is not None]
+        factor = len(groups) * rows / req.batch_size
+        hier, result, hidden, eff = _evaluate(graph, cost, greq, groups, frags, inner_steps=inner_steps, codec=codec, outer_lr=outer_lr,
+                                              outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor)
+        goodput = result.tokens_per_s * eff
+        considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
+                           "tokens_per_s": result.tokens_per_s, "efficiency": eff, "goodput": goodput,
+                           "utilization": result.utilization, "round_s": result.round_s,
                            "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden})
-        better = best is None or result.tokens_per_s > best[1].tokens_per_s * (1 + TIE) or (
-            result.tokens_per_s >= best[1].tokens_per_s * (1 - TIE) and len(groups) < len(best[0].groups))
+        if several and len(groups) == 1:
+            continue  # predicted for the record (meta["synchronous"]), not a choice
+        better = best is None or goodput > best[3] * (1 + TIE) or (goodput >= best[3] * (1 - TIE) and len(groups) < len(best[0].groups))
         if better:
-            best = (hier, result, name)
-    assert best is not None
-    hier, result, name = best
+            best = (hier, result, name, goodput, greq, groups)
+    if best is None:
+        raise ConfigError("no grouping of the devices can hold the model at its group batch: pass --group-batch")
+    hier, result, name, goodput, req, chosen = best
+    hier.group_batch = req.batch_size if len(hier.groups) > 1 else None
+    for c in considered:  # time to a target loss against the best candidate's (1: the chosen one)
+        c["time_to_target"] = goodput / c["goodput"] if c["goodput"] > 0 else float("inf")
     if overlap:  # the shortest delay from a fragment's send to its apply that the network keeps up with
         for tau in (2, 4, 8, 16, 32, 64):
             if tau >= min(g.inner_steps for g in hier.groups):
                 break
             trial = replace(hier, delay_steps=tau, meta={})
-            delayed = simulate_rounds(trial, cost, req, steps=[g.step for g in groupings_by_name[name]])
+            delayed = simulate_rounds(trial, cost, req, steps=[g.step for g in chosen])
             if max(delayed.waits_s, default=0.0) <= 0.02 * delayed.round_s:
                 hier.delay_steps, result = tau, delayed
                 break
     sync = next((c for c in considered if c["grouping"] == "synchronous"), None)
     hier.meta.update({
         "grouping": name, "delay_steps": hier.delay_steps, "round_s": result.round_s, "tokens_per_s": result.tokens_per_s, "utilization": result.utilization,
+        "efficiency": next(c["efficiency"] for c in considered if c["grouping"] == name), "goodput": goodput, "group_batch": req.batch_size,
         "device_utilization": {str(k): v for k, v in result.device_busy.items()},
         "bytes_per_round": result.bytes_per_round, "step_s": result.step_s, "waits_s": result.waits_s,
         "link_busy": result.link_busy, "traffic_hidden": next(c["traffic_hidden"] for c in considered if c["grouping"] == name),
         "unused_devices": sorted(set(everyone) - set(hier.workers)), "candidates": considered,
-        "synchronous": {"tokens_per_s": sync["tokens_per_s"], "utilization": sync["utilization"]} if sync else None,
+        "synchronous": {"tokens_per_s": sync["tokens_per_s"], "utilization": sync["utilization"], "goodput": sync["goodput"]} if sync else None,
         "plannings": planner.plannings, "planning_s": time.perf_counter() - started,
     })
     if not hier.meta["traffic_hidden"]:
@@ -369,22 +410,34 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
         f"H {'/'.join(str(g.inner_steps) for g in hier.groups)}, {len(hier.fragments)} fragments, codec {hier.codec}"
         f", applied {hier.delay_steps or 'a round of'} steps after sending"
         f"{' (+' + str(len(hier.link_codecs)) + ' groups otherwise)' if hier.link_codecs else ''}, predicted {result.round_s:.2f} s/round, "
-        f"{result.tokens_per_s:.0f} tokens/s, utilization {result.utilization:.0%}"
-        + (f" (synchronous {sync['tokens_per_s']:.0f} tokens/s, {sync['utilization']:.0%})" if sync and name != "synchronous" else "")
+        f"{result.tokens_per_s:.0f} tokens/s at {hier.meta['efficiency']:.2f} per-token efficiency, utilization {result.utilization:.0%}"
+        + (f" (synchronous {sync['tokens_per_s']:.0f} tokens/s, {sync['utilization']:.0%}: {sync['time_to_target']:.2f}x the time to a target)"
+           if sync and name != "synchronous" else "")
         + f" [{time.perf_counter() - started:.1f} s to plan]")
     return hier, cost
 
 
 def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group], frags: list[list[str]], *,
               inner_steps: int | None, codec: str | None, outer_lr: float, outer_momentum: float,
-              overlap: bool) -> tuple[HierPlan, RoundResult, bool]:
+              overlap: bool, batch_factor: float = 1.0) -> tuple[HierPlan, RoundResult, bool, float]:
+    """A grouping's plan at the H with the most goodput (``--inner-steps``: that H), its simulated
+    rounds, whether the traffic hides behind them, and its per-token efficiency."""
     provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], frags, codec or PREFERRED_CODEC)
     traffic = round_traffic(graph, provisional)
     steps = [g.step for g in groups]
-    param_bytes = 4 * sum(p.meta.numel for p in graph.params.values() if p.trainable)
-    choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=inner_steps, codec=codec, param_bytes=param_bytes)
-    hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
-    return hier, simulate_rounds(hier, cost, req, steps=steps, traffic=traffic), choice.hidden
+    best: tuple[HierPlan, RoundResult, bool, float] | None = None
+    for base in [inner_steps] if inner_steps is not None or len(groups) == 1 else GOODPUT_H:
+        # the least lossy codec up to q4 that the traffic fits behind (else q4, and the groups wait for it)
+        choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=base or MIN_INNER_STEPS, codec=codec,
+                                    max_codec=None if codec else PREFERRED_CODEC)
+        hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+        result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
+        per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
+        eff = group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor)
+        if best is None or result.tokens_per_s * eff > best[1].tokens_per_s * best[3] * (1 + 1e-9):
+            best = (hier, result, choice.hidden, eff)
+    assert best is not None
+    return best
 
 
 def _regroup(planner: _Planner, sets: list[list[int]]) -> list[_Group]:

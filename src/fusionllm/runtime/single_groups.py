@@ -37,6 +37,7 @@ from fusionllm.models.spec import build_lm, lm_tokenizer
 from fusionllm.runtime.optim import make_adamw
 from fusionllm.runtime.outer import nesterov_step
 from fusionllm.runtime.single import autocast, clip_grad_norm, evaluate
+from fusionllm.schedule.hierarchy import group_rows
 
 StepCallback = Callable[[dict], None]
 
@@ -51,7 +52,7 @@ class Outer:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "none"
-    group_batch: int | None = None  # rows per inner step of each group (default: the run's batch size)
+    group_batch: int | None = None  # rows per inner step of each group (default: the run's batch size shared by the groups)
     warm_steps: int = 0  # the first steps as one group of batch_size rows
 
     def check(self, config: TrainConfig) -> None:
@@ -100,7 +101,7 @@ def train_groups_single(config: TrainConfig, outer: Outer, on_step: StepCallback
     if config.threads:
         torch.set_num_threads(config.threads)
     tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
-    batch = outer.group_batch or config.batch_size
+    batch = outer.group_batch or group_rows(config.batch_size, outer.groups)
     warm_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
     group_batches = Batcher(tokens.train, batch, config.seq_len, config.seed)
     val = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)

@@ -14,11 +14,12 @@ to whom); the planner that chooses groups is ``planning/hierarchy.py``, the roun
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from fusionllm.core.errors import ConfigError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.plan import Plan, StagePlan, make_plan
+from fusionllm.schedule.plan import Plan, Request, StagePlan, make_plan
 
 
 @dataclass
@@ -45,6 +46,7 @@ class HierPlan:
     overlap: bool = True  # a fragment's average is applied later than it is sent (the inner loop does not wait for it)
     meta: dict = field(default_factory=dict)  # predictions: round_s, utilization, bytes per round, ...
     delay_steps: int = 0  # with overlap: inner steps between a fragment's send and its apply (0: one round, H)
+    group_batch: int | None = None  # rows of every group's inner step (None: the run's --group-batch or --batch-size)
 
     def delay_of(self, group: GroupPlan) -> int:
         """Inner steps from a fragment's send to its apply in ``group`` (0: blocking, right after the send)."""
@@ -71,6 +73,12 @@ class HierPlan:
     def workers(self) -> list[int]:
         return sorted(w for g in self.groups for w in g.workers)
 
+    def request(self, req: Request) -> Request:
+        """One inner step of one group, for a run whose step is ``req`` (its global batch)."""
+        if self.group_batch is None:
+            return req
+        return replace(req, batch_size=self.group_batch, micro_batches=math.gcd(self.group_batch, req.micro_batches))
+
     def group_of(self, worker: int) -> GroupPlan:
         for g in self.groups:
             if worker in g.workers:
@@ -91,7 +99,7 @@ class HierPlan:
             "groups": [{"index": g.index, "inner_steps": g.inner_steps, "plan": json.loads(g.plan.to_json())} for g in self.groups],
             "fragments": self.fragments, "codec": self.codec, "link_codecs": self.link_codecs,
             "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "overlap": self.overlap, "meta": self.meta,
-            "delay_steps": self.delay_steps,
+            "delay_steps": self.delay_steps, "group_batch": self.group_batch,
         })
 
     @staticmethod
@@ -100,7 +108,7 @@ class HierPlan:
         groups = [GroupPlan(int(g["index"]), Plan.from_json(json.dumps(g["plan"])), int(g["inner_steps"])) for g in obj["groups"]]
         return HierPlan(groups, [[str(p) for p in f] for f in obj["fragments"]], str(obj["codec"]), dict(obj.get("link_codecs", {})),
                         float(obj["outer_lr"]), float(obj["outer_momentum"]), bool(obj["overlap"]), dict(obj.get("meta", {})),
-                        int(obj.get("delay_steps", 0)))
+                        int(obj.get("delay_steps", 0)), None if obj.get("group_batch") is None else int(obj["group_batch"]))
 
 
 def remap(plan: Plan, ids: list[int]) -> Plan:
@@ -138,6 +146,19 @@ def param_fragments(graph: OpGraph, count: int) -> list[list[str]]:
         out[f].append(name)
         done += size
     return [f for f in out if f]
+
+
+def group_rows(batch_size: int, groups: int) -> int:
+    """Rows of one group's inner step that keep the run's global batch: the largest divisor of
+    ``batch_size`` (the validation batches are cut from it) at most ``batch_size / groups``."""
+    if groups <= 1:
+        return batch_size
+    return max(d for d in range(1, batch_size // groups + 1) if batch_size % d == 0) if batch_size >= groups else 1
+
+
+def micro_batches_for(rows: int, micro_batches: int) -> int:
+    """The most micro-batches at most ``micro_batches`` that divide ``rows``."""
+    return max(m for m in range(1, min(rows, micro_batches) + 1) if rows % m == 0)
 
 
 def sync_offsets(inner_steps: int, fragments: int) -> list[int]:

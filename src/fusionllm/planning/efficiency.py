@@ -1,0 +1,54 @@
+"""What several groups learn per token against one synchronous group: the planner's efficiency model.
+
+Time to a target loss is tokens to the target over tokens/s. The round simulator predicts tokens/s;
+this module predicts the other factor, relative to one synchronous group at the same global batch:
+the *per-token efficiency* ``e`` of a plan (1: every token counts as much as in one synchronous group;
+0.5: the plan needs twice the tokens to reach the same loss). The planner ranks candidates by
+*goodput*, tokens/s times ``e``: the one with the most reaches the target first.
+
+The model, fitted to ``benchmarks/hier_efficiency.py`` (docs/scheduler.md, "Time to target", has the
+table and the commands)::
+
+    tokens multiplier  1 / e = (1 + GROUP_PENALTY * (M - 1) * log2(1 + H)) * batch_factor
+
+``M`` groups, each syncing every ``H`` inner steps (the token-weighted mean over groups where faster
+groups do more), with outer learning rate 1 and no momentum (the defaults the sweep chose); the
+global batch is ``M`` times the rows of one group's inner step. Where the global batch is the run's
+``--batch-size`` (the default: each group's inner step is ``batch_size / M`` rows), ``batch_factor``
+is 1; where it is ``k`` times larger (``--group-batch`` by hand), ``batch_factor`` is ``k **
+BATCH_EXPONENT``: early in training a larger batch buys almost no progress per step (measured: four
+times the batch cost more than four times the tokens, ``BATCH_EXPONENT`` > 1), and the planner does
+not choose it.
+
+What the model leaves out, and how it errs: the sweep's models are small (0.8M and 2.8M parameters)
+and its runs short (491,520 tokens); published DiLoCo runs lose far less per token at scale (+2.0%
+at 35M parameters and +0.3% at 2.4B with four replicas at H=30, arXiv 2503.09799), and groups lose
+less after a warm start (the sweep's warm-start rows). The model is therefore pessimistic for large
+models and long runs: it prefers one synchronous group unless several are much faster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+GROUP_PENALTY = 0.25  # fitted: benchmarks/results/hier_efficiency (see the module docstring)
+BATCH_EXPONENT = 1.0  # fitted: ``M=4,b=16`` against ``M=4,b=4`` at the same H
+
+
+def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] | None = None) -> float:
+    """The groups' H, weighted by the tokens each contributes (all equal without ``tokens_per_s``)."""
+    weights = list(tokens_per_s) if tokens_per_s is not None else [1.0] * len(inner_steps)
+    total = sum(weights)
+    if not inner_steps or total <= 0:
+        return 1.0
+    return sum(h * w for h, w in zip(inner_steps, weights, strict=True)) / total
+
+
+def group_efficiency(groups: int, inner_steps: float, *, batch_factor: float = 1.0) -> float:
+    """Per-token efficiency (0, 1] of ``groups`` groups syncing every ``inner_steps`` steps, whose
+    global batch is ``batch_factor`` times the run's ``--batch-size`` (module docstring)."""
+    if groups < 1 or inner_steps < 1 or batch_factor <= 0:
+        raise ValueError(f"groups {groups}, inner steps {inner_steps} and batch factor {batch_factor} must be positive")
+    multiplier = 1.0 if groups == 1 else 1.0 + GROUP_PENALTY * (groups - 1) * math.log2(1.0 + inner_steps)
+    return 1.0 / (multiplier * max(1.0, batch_factor) ** BATCH_EXPONENT)
