@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import math
 import statistics
 import sys
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, results_dir, write  # noqa: E402
+from common import kept_provenance, pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.runtime.single_groups import Outer, train_groups_single  # noqa: E402
@@ -106,7 +107,11 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (one core each at --threads 1)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, help="render the table, fit and plot of this sweep's JSON again (no runs)")
     args = ap.parse_args()
+    if args.report:
+        rerender(args.report, args.out)
+        return
     out = args.out or results_dir("hier_efficiency", args.model)
     variants = [parse_variant(t, args.batch) for t in args.variants]
     todo = [(v, seed) for seed in args.seeds for v in variants]
@@ -116,39 +121,86 @@ def main() -> None:
             r = future.result()
             print(f"{args.model} seed {r['seed']} {r['variant']:<32} steps {r['steps']:>5} val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
         results = [f.result() for f in pending]  # in the order asked, whatever order they finished in
-    ref = {s: next(r["final_val"] for r in results if r["seed"] == s and r["variant"] == variants[0]["name"]) for s in args.seeds}
-    table = [f"{args.model}, {args.tokens} tokens per run, sequence {args.seq_len}, AdamW lr {args.lr}; validation loss at the end on "
-             f"{args.eval_batches} held-out batches; gap against `{variants[0]['name']}` of the same seed. Seeds {', '.join(map(str, args.seeds))}.", "",
-             "Efficiency: the tokens the reference needed to reach the run's final validation loss (from the final losses of "
-             "`sync,x=..` runs, each a whole schedule over that fraction of the tokens, where the sweep has them), over the tokens the run used "
-             "(1.00: as much per token as the reference; ≥ 1: the reference never got there).", "",
+    report(results, {"model": args.model, "tokens": args.tokens, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+                     "seeds": args.seeds, "eval_batches": args.eval_batches, "variants": args.variants}, out)
+
+
+def fit(rows: list[dict], key: str) -> dict[str, float | None]:
+    """``planning/efficiency.py``'s constants from the runs' efficiencies (``key``): GROUP_PENALTY by
+    least squares of ``1/e - 1 = a (M - 1) log2(1 + H)`` over the runs that keep the global batch with
+    outer lr 1, no momentum, no warm start; BATCH_EXPONENT from ``M=4,b=16,H=8`` against ``M=4,b=4,H=8``."""
+    xs, ys = [], []
+    for r in rows:
+        if r["M"] > 1 and r["M"] * r["b"] == r["B"] and r["lr"] == 1.0 and r["mu"] == 0.0 and not r["K"] and r.get(key):
+            xs.append((r["M"] - 1) * math.log2(1 + r["H"]))
+            ys.append(1 / r[key] - 1)
+    penalty = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs) if xs else None
+    big = [r[key] for r in rows if (r["M"], r["b"], r["H"]) == (4, 4 * 4, 8) and r.get(key)]
+    kept = [r[key] for r in rows if (r["M"], r["b"], r["H"], r["lr"], r["mu"], r["K"]) == (4, 4, 8, 1.0, 0.0, 0) and r.get(key)]
+    exponent = math.log(statistics.mean(kept) / statistics.mean(big)) / math.log(4) if big and kept else None
+    return {"group_penalty": penalty, "batch_exponent": exponent, "runs": len(xs)}
+
+
+def report(results: list[dict], meta: dict, out: Path, provenance: dict | None = None) -> None:
+    """The table (gap and per-token efficiency per variant and seed), the fit and the plot."""
+    seeds, first = meta["seeds"], results[0]["variant"]
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    ref = {s: next(r["final_val"] for r in results if r["seed"] == s and r["variant"] == first) for s in seeds}
+    budgets = {s: reference(results, s, first) for s in seeds}
+    curves = {s: next(r["curve"] for r in results if r["seed"] == s and r["variant"] == first) for s in seeds}
+    for r in results:
+        r["B"] = meta["batch"]
+        r["efficiency_curve"] = efficiency([tuple(p) for p in curves[r["seed"]]], r["final_val"], r["tokens"])
+        r["efficiency"] = efficiency(budgets[r["seed"]], r["final_val"], r["tokens"])
+    table = [f"{meta['model']}, {meta['tokens']} tokens per run, sequence {meta['seq_len']}, AdamW lr {meta['lr']}; validation loss at the end on "
+             f"{meta['eval_batches']} held-out batches; gap against `{first}` of the same seed. Seeds {', '.join(map(str, seeds))}.", "",
+             "Per-token efficiency: the tokens one synchronous group needed to reach the run's final validation loss, over the tokens the run "
+             "used (1.00: as much per token; \u2265 1: it never got there). *Curve*: read off the reference's own validation curve (points in the "
+             "middle of its schedule, as a time-to-target run reads its crossing); *budgets*: from the final losses of `sync,x=..` runs, each "
+             "a whole schedule over that fraction of the tokens.", "",
              "| variant | groups | rows per inner step | H | outer lr | momentum | warm steps | final validation (mean) | gap (mean) | gap per seed "
-             "| efficiency per seed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    curves = {s: reference(results, s, variants[0]["name"]) for s in args.seeds}
-    for v in variants:
-        mine = [r for r in results if r["variant"] == v["name"]]
+             "| efficiency, curve | efficiency, budgets |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def show(e: float | None) -> str:
+        return "\u2265 1" if e is None else f"{e:.2f}"
+
+    for name in names:
+        mine = [r for r in results if r["variant"] == name]
+        v = mine[0]
         gaps = [100 * (r["final_val"] / ref[r["seed"]] - 1) for r in mine]
-        effs = [efficiency(curves[r["seed"]], r["final_val"], r["tokens"]) for r in mine]
-        for r, e in zip(mine, effs, strict=True):
-            r["efficiency"] = e
-        table.append(f"| `{v['name']}` | {v['M']} | {v['b']} | {v['H'] if v['M'] > 1 else '-'} | {v['lr'] if v['M'] > 1 else '-'} | "
-                     f"{v['mu'] if v['M'] > 1 else '-'} | {mine[0]['warm_steps']} | {statistics.mean(r['final_val'] for r in mine):.4f} | "
+        table.append(f"| `{name}` | {v['M']} | {v['b']} | {v['H'] if v['M'] > 1 else '-'} | {v['lr'] if v['M'] > 1 else '-'} | "
+                     f"{v['mu'] if v['M'] > 1 else '-'} | {v['warm_steps']} | {statistics.mean(r['final_val'] for r in mine):.4f} | "
                      f"{statistics.mean(gaps):+.1f}% | {', '.join(f'{g:+.1f}%' for g in gaps)} | "
-                     f"{', '.join('≥ 1' if e is None else f'{e:.2f}' for e in effs)} |")
-    write(out, "hier_efficiency", results, table, {"model": args.model, "tokens": args.tokens, "batch": args.batch, "seq_len": args.seq_len,
-                                                   "lr": args.lr, "seeds": args.seeds})
+                     f"{', '.join(show(r['efficiency_curve']) for r in mine)} | {', '.join(show(r['efficiency']) for r in mine)} |")
+    fits = {"curve": fit(results, "efficiency_curve"), "budgets": fit(results, "efficiency")}
+    table += ["", "Fit of `planning/efficiency.py` (1/e - 1 = GROUP_PENALTY (M - 1) log2(1 + H) over the runs that keep the global batch with outer "
+              "lr 1, no momentum, no warm start; BATCH_EXPONENT: four times the global batch at M=4, H=8):", ""]
+    for k, f in fits.items():
+        p, x = f["group_penalty"], f["batch_exponent"]
+        table.append(f"- {k}: GROUP_PENALTY {'-' if p is None else f'{p:.3f}'} ({f['runs']} runs), BATCH_EXPONENT {'-' if x is None else f'{x:.2f}'}")
+    write(out, "hier_efficiency", results, table, {**meta, "fit": fits, **(provenance or {})})
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for v in variants:
-        r = next(r for r in results if r["variant"] == v["name"] and r["seed"] == args.seeds[0])
-        ax.plot([t for t, _ in r["curve"]], [x for _, x in r["curve"]], marker="o", ms=3, label=v["name"])
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name in names:
+        r = next(r for r in results if r["variant"] == name and r["seed"] == seeds[0])
+        if name.startswith("sync,x="):
+            continue
+        ax.plot([t for t, _ in r["curve"]], [x for _, x in r["curve"]], marker="o", ms=3, label=name)
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{args.model}, seed {args.seeds[0]}: validation against tokens")
-    ax.legend(fontsize=7)
+    ax.set_title(f"{meta['model']}, seed {seeds[0]}: validation against tokens")
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "hier_efficiency.png", dpi=110)
+
+
+def rerender(path: Path, out: Path | None) -> None:
+    """``--report``: the table, fit and plot of a sweep measured earlier, with its provenance."""
+    doc = json.loads(path.read_text())
+    meta = {k: doc[k] for k in ("model", "tokens", "batch", "seq_len", "lr", "seeds") if k in doc}
+    meta.setdefault("eval_batches", doc.get("eval_batches", 8))
+    report(doc["results"], meta, out or path.parent, kept_provenance(doc))
 
 
 if __name__ == "__main__":

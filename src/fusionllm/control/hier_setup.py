@@ -152,7 +152,7 @@ class GroupSetup:
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
         if c.scheduler and not groups:
-            hier = await self.schedule(graph, clients)
+            hier = await self.schedule(graph, clients, last - first)
             if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target first
                 for client in clients.values():
                     await client.close()
@@ -239,7 +239,8 @@ class GroupSetup:
         for g in hier.groups:
             runs[g.index].policy = await asyncio.to_thread(self.setup.adatopk, g.plan, cost, self.group_batch(), indent=f"  group {g.index} ")
 
-    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient]) -> HierPlan:
+    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient], steps: int) -> HierPlan:
+        """The planner's groups for ``steps`` steps (no H beyond them)."""
         from fusionllm.planning.hierarchy import choose_hier_plan
 
         c = self.cluster
@@ -254,7 +255,7 @@ class GroupSetup:
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
-            overlap=c.overlap, group_batch=c.group_batch, several=c.sync != "auto",
+            overlap=c.overlap, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps),
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps

@@ -303,14 +303,15 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
                      say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
                      inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
                      outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True, group_batch: int | None = None,
-                     several: bool = True) -> tuple[HierPlan, CostModel]:
+                     several: bool = True, max_inner_steps: int = MAX_INNER_STEPS) -> tuple[HierPlan, CostModel]:
     """The plan with the most predicted goodput (tokens/s times per-token efficiency,
     ``planning.efficiency``) among the candidate groupings (module docstring): the one predicted to
     reach a target loss first. ``req`` is one step of the whole run (its batch: the global batch);
     each group of a grouping of M trains ``group_rows(batch, M)`` rows an inner step, or
     ``group_batch`` where given. ``several`` (``--sync hierarchical``): only groupings of two groups
     or more, unless none holds the model; without it (``--sync auto``) one synchronous group too. Returns the plan with the whole cluster's cost
-    model (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule)."""
+    model (no compression). ``place`` takes a plan on global worker ids (``choose_plan``'s rule).
+    ``max_inner_steps``: no H above it (the run's steps: a longer round would never sync)."""
     started = time.perf_counter()
     if inner_steps is not None and inner_steps < 1:
         raise ConfigError(f"--inner-steps must be >= 1, got {inner_steps}")
@@ -366,7 +367,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
             groups = [g for g in again if g is not None]
         factor = len(groups) * rows / req.batch_size
         hier, result, hidden, eff = _evaluate(graph, cost, greq, groups, frags, inner_steps=inner_steps, codec=codec, outer_lr=outer_lr,
-                                              outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor)
+                                              outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor, max_h=max_inner_steps)
         goodput = result.tokens_per_s * eff
         considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
                            "tokens_per_s": result.tokens_per_s, "efficiency": eff, "goodput": goodput,
@@ -419,14 +420,16 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
 
 def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group], frags: list[list[str]], *,
               inner_steps: int | None, codec: str | None, outer_lr: float, outer_momentum: float,
-              overlap: bool, batch_factor: float = 1.0) -> tuple[HierPlan, RoundResult, bool, float]:
+              overlap: bool, batch_factor: float = 1.0, max_h: int = MAX_INNER_STEPS) -> tuple[HierPlan, RoundResult, bool, float]:
     """A grouping's plan at the H with the most goodput (``--inner-steps``: that H), its simulated
     rounds, whether the traffic hides behind them, and its per-token efficiency."""
     provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], frags, codec or PREFERRED_CODEC)
     traffic = round_traffic(graph, provisional)
     steps = [g.step for g in groups]
     best: tuple[HierPlan, RoundResult, bool, float] | None = None
-    for base in [inner_steps] if inner_steps is not None or len(groups) == 1 else GOODPUT_H:
+    slow = max(s.step_s for s in steps)
+    bases = [h for h in GOODPUT_H if h == 1 or max(round(h * slow / s.step_s) for s in steps) <= max_h] or [1]  # faster groups do more
+    for base in [inner_steps] if inner_steps is not None or len(groups) == 1 else bases:
         # the least lossy codec up to q4 that the traffic fits behind (else q4, and the groups wait for it)
         choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=base or MIN_INNER_STEPS, codec=codec,
                                     max_codec=None if codec else PREFERRED_CODEC)
