@@ -43,7 +43,8 @@ def test_a_worker_of_a_group_that_sends_nan_and_garbage_is_retried_skipped_and_e
     coord = subprocess.Popen([*BASE, "coordinator", "--listen", "127.0.0.1:0", "--token-file", str(token), "--workers", "4",
                               "--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--warmup", "1", "--seed", "0",
                               "--steps", "16", "--eval-every", "0", "--micro-batches", "2", "--sync", "hierarchical", "--groups", "0,1,2/3",
-                              "--inner-steps", "2", "--fragments", "1", "--evict-after", "3", "--metrics", str(out)],
+                              "--inner-steps", "2", "--fragments", "1", "--evict-after", "3", "--metrics", str(out),
+                              "--group-batch", "8"],  # 8 rows a group, as the in-process test: the new group joins long before group 1 ends
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: list[subprocess.Popen] = []
     try:

@@ -21,7 +21,7 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.hierarchy import HierPlan, group_rows, make_hier_plan, round_lengths
 from fusionllm.schedule.plan import Request
 from fusionllm.schedule.validate import validate_plan
-from fusionllm.transport.control import WORKER_SERVICE
+from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
@@ -117,6 +117,20 @@ class GroupSetup:
         ``--batch-size`` (the batch the model is traced at)."""
         return self.rows or self.cluster.group_batch or self.train.batch_size
 
+    async def traced_as(self, digest: str, graph: OpGraph, groups: list[list[int]] | None) -> OpGraph | None:
+        """The model traced as the workers' groups ran it (``digest``: their graph's), or None: at the
+        rows per micro-batch of the groups' batch, for every number of groups the run could have had
+        (the planner's groups share --batch-size as ``group_rows`` does)."""
+        t, c = self.train, self.cluster
+        counts = [len(groups)] if groups else range(1, len(self.membership.members) + 1)
+        rows = [c.group_batch] if c.group_batch else [group_rows(t.batch_size, n) for n in counts]
+        traced = graph.input_nodes[0].outputs[0].meta.shape[0] if graph.input_nodes else None
+        for r in dict.fromkeys([traced, *(r // math.gcd(r, c.micro_batches) for r in rows)]):
+            again = graph if r == traced else await asyncio.to_thread(self.task.trace, r)
+            if r is not None and LiveState.graph_digest(again.to_json()) == digest:
+                return again
+        return None
+
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
                            states: list[Any] | None = None, data_from: int = 0) -> HierRun:
         """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
@@ -137,7 +151,7 @@ class GroupSetup:
         self.ctx.clock.start_at(first)
         resumed = c.resume and states is None
         if resumed:  # --resume: one group's outer weights and momentum as the workers hold them, else the newest checkpoint's
-            self.resumed = await resume_live(self.ctx, self.checkpoints, lambda: asyncio.sleep(0, graph), outer=True)
+            self.resumed = await resume_live(self.ctx, self.checkpoints, lambda digest: self.traced_as(digest, graph, groups), outer=True)
             if not isinstance(self.resumed, str):
                 states, step, _ = self.resumed
                 self.resumed = ([], step, graph)  # (the states are not kept past the assignment)

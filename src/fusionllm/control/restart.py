@@ -174,7 +174,7 @@ async def start_or_resume(ctx: RunContext, setup: Setup, checkpoints: Checkpoint
         if held:
             ctx.say(f"{len(held)} worker(s) hold a stage from an earlier coordinator; without --resume the run starts from step 0")
         return await setup.setup(), None
-    got = await resume_live(ctx, checkpoints, lambda: asyncio.to_thread(ctx.task.trace, t.batch_size // c.micro_batches), outer=False)
+    got = await resume_live(ctx, checkpoints, lambda _: asyncio.to_thread(ctx.task.trace, t.batch_size // c.micro_batches), outer=False)
     if isinstance(got, str):
         run = await setup.setup()  # --resume: the newest complete checkpoint
     else:
@@ -194,11 +194,12 @@ def resume_event(ctx: RunContext, got: tuple | str, began: float) -> dict[str, A
     return event
 
 
-async def resume_live(ctx: RunContext, checkpoints: Checkpoints, trace: Callable[[], Awaitable[OpGraph]], *,
+async def resume_live(ctx: RunContext, checkpoints: Checkpoints, trace: Callable[[str], Awaitable[OpGraph | None]], *,
                       outer: bool) -> tuple[list[bytes], int, OpGraph] | str:
     """Every stage's state from the workers that hold one plan's stages at one step (``outer``: one
     group's outer weights and momentum, hierarchical mode) and that step; the epoch follows theirs.
-    Else why not, in words (said when any worker held a stage)."""
+    Else why not, in words (said when any worker held a stage). ``trace(digest)``: this run's model
+    traced as the workers' graph (``LiveState.graph``) may have been, or None."""
     every = live_states(ctx.membership.members)
     held = {w: s for w, s in every.items() if s.outer == outer}
     found: tuple[int, dict[int, int]] | str = live_group(held)
@@ -209,9 +210,9 @@ async def resume_live(ctx: RunContext, checkpoints: Checkpoints, trace: Callable
         why = found
     else:
         step, holders = found
-        graph = await trace()
         some = held[next(iter(holders.values()))]
-        if some.graph != LiveState.graph_digest(graph.to_json()):
+        graph = await trace(some.graph)
+        if graph is None or some.graph != LiveState.graph_digest(graph.to_json()):
             why = "the workers run another model (or micro-batch size) than this run's"
         elif some.seed != ctx.train.seed:
             why = f"the workers ran --seed {some.seed}, this run has --seed {ctx.train.seed}"
