@@ -427,6 +427,7 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
     traffic = round_traffic(graph, provisional)
     steps = [g.step for g in groups]
     best: tuple[HierPlan, RoundResult, bool, float] | None = None
+    worse = 0
     slow = max(s.step_s for s in steps)
     bases = [h for h in GOODPUT_H if h == 1 or max(round(h * slow / s.step_s) for s in steps) <= max_h] or [1]  # faster groups do more
     for base in [inner_steps] if inner_steps is not None or len(groups) == 1 else bases:
@@ -438,7 +439,11 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
         per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
         eff = group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor)
         if best is None or result.tokens_per_s * eff > best[1].tokens_per_s * best[3] * (1 + 1e-9):
-            best = (hier, result, choice.hidden, eff)
+            best, worse = (hier, result, choice.hidden, eff), 0
+        else:
+            worse += 1
+            if worse == 2:  # goodput rises with H while the link holds the groups back, then falls: past its peak
+                break
     assert best is not None
     return best
 
