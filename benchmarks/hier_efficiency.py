@@ -126,19 +126,28 @@ def main() -> None:
 
 
 def fit(rows: list[dict], key: str) -> dict[str, float | None]:
-    """``planning/efficiency.py``'s constants from the runs' efficiencies (``key``): GROUP_PENALTY by
-    least squares of ``1/e - 1 = a (M - 1) log2(1 + H)`` over the runs that keep the global batch with
-    outer lr 1, no momentum, no warm start; BATCH_EXPONENT from ``M=4,b=16,H=8`` against ``M=4,b=4,H=8``."""
-    xs, ys = [], []
-    for r in rows:
-        if r["M"] > 1 and r["M"] * r["b"] == r["B"] and r["lr"] == 1.0 and r["mu"] == 0.0 and not r["K"] and r.get(key):
-            xs.append((r["M"] - 1) * math.log2(1 + r["H"]))
-            ys.append(1 / r[key] - 1)
-    penalty = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs) if xs else None
+    """``planning/efficiency.py``'s constants from the runs' efficiencies (``key``): ``1/e - 1 =
+    GROUP_PENALTY (M - 1)^GROUPS_EXPONENT H^H_EXPONENT`` by least squares of its logarithm over the
+    runs that keep the global batch with outer lr 1, no momentum and no warm start (those the planner
+    plans); BATCH_EXPONENT from ``M=4,b=16,H=8`` against ``M=4,b=4,H=8``; ``rms_log``: the fit's
+    root-mean-square error of ``log(1/e)``."""
+    import numpy as np
+
+    kept = [r for r in rows if r["M"] > 1 and r["M"] * r["b"] == r["B"] and r["lr"] == 1.0 and r["mu"] == 0.0 and not r["K"]
+            and r.get(key) and r[key] < 1]
+    out: dict[str, float | None] = {"group_penalty": None, "groups_exponent": None, "h_exponent": None, "rms_log": None, "runs": len(kept)}
+    if len({r["M"] for r in kept}) > 1 and len({r["H"] for r in kept}) > 1:
+        m, h = np.array([r["M"] - 1.0 for r in kept]), np.array([float(r["H"]) for r in kept])
+        y = np.array([1 / r[key] - 1 for r in kept])
+        x = np.stack([np.ones(len(kept)), np.log(m), np.log(h)], 1)
+        (c, alpha, beta), *_ = np.linalg.lstsq(x, np.log(y), rcond=None)
+        pred = np.exp(c) * m**alpha * h**beta
+        out.update(group_penalty=float(np.exp(c)), groups_exponent=float(alpha), h_exponent=float(beta),
+                   rms_log=float(np.sqrt(np.mean(np.log((1 + pred) / (1 + y)) ** 2))))
     big = [r[key] for r in rows if (r["M"], r["b"], r["H"]) == (4, 4 * 4, 8) and r.get(key)]
-    kept = [r[key] for r in rows if (r["M"], r["b"], r["H"], r["lr"], r["mu"], r["K"]) == (4, 4, 8, 1.0, 0.0, 0) and r.get(key)]
-    exponent = math.log(statistics.mean(kept) / statistics.mean(big)) / math.log(4) if big and kept else None
-    return {"group_penalty": penalty, "batch_exponent": exponent, "runs": len(xs)}
+    same = [r[key] for r in rows if (r["M"], r["b"], r["H"], r["lr"], r["mu"], r["K"]) == (4, 4, 8, 1.0, 0.0, 0) and r.get(key)]
+    out["batch_exponent"] = math.log(statistics.mean(same) / statistics.mean(big)) / math.log(4) if big and same else None
+    return out
 
 
 def report(results: list[dict], meta: dict, out: Path, provenance: dict | None = None) -> None:
@@ -174,11 +183,16 @@ def report(results: list[dict], meta: dict, out: Path, provenance: dict | None =
                      f"{statistics.mean(gaps):+.1f}% | {', '.join(f'{g:+.1f}%' for g in gaps)} | "
                      f"{', '.join(show(r['efficiency_curve']) for r in mine)} | {', '.join(show(r['efficiency']) for r in mine)} |")
     fits = {"curve": fit(results, "efficiency_curve"), "budgets": fit(results, "efficiency")}
-    table += ["", "Fit of `planning/efficiency.py` (1/e - 1 = GROUP_PENALTY (M - 1) log2(1 + H) over the runs that keep the global batch with outer "
-              "lr 1, no momentum, no warm start; BATCH_EXPONENT: four times the global batch at M=4, H=8):", ""]
+    table += ["", "Fit of `planning/efficiency.py` (1/e - 1 = GROUP_PENALTY (M - 1)^GROUPS_EXPONENT H^H_EXPONENT over the runs that keep the "
+              "global batch with outer lr 1, no momentum, no warm start; BATCH_EXPONENT: four times the global batch at M=4, H=8):", ""]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     for k, f in fits.items():
-        p, x = f["group_penalty"], f["batch_exponent"]
-        table.append(f"- {k}: GROUP_PENALTY {'-' if p is None else f'{p:.3f}'} ({f['runs']} runs), BATCH_EXPONENT {'-' if x is None else f'{x:.2f}'}")
+        table.append(f"- {k}: GROUP_PENALTY {num(f['group_penalty'], '.4f')}, GROUPS_EXPONENT {num(f['groups_exponent'], '.2f')}, "
+                     f"H_EXPONENT {num(f['h_exponent'], '.2f')} ({f['runs']} runs, rms error of log(1/e) {num(f['rms_log'], '.3f')}), "
+                     f"BATCH_EXPONENT {num(f['batch_exponent'], '.2f')}")
     write(out, "hier_efficiency", results, table, {**meta, "fit": fits, **(provenance or {})})
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
