@@ -9,7 +9,7 @@ the *per-token efficiency* ``e`` of a plan (1: every token counts as much as in 
 The model, fitted to ``benchmarks/hier_efficiency.py`` (docs/scheduler.md, "Time to target", has the
 table and the commands)::
 
-    tokens multiplier  1 / e = (1 + GROUP_PENALTY * (M - 1) ** GROUPS_EXPONENT * H ** H_EXPONENT) * batch_factor
+    tokens multiplier  1 / e = (1 + s(N) * GROUP_PENALTY * (M - 1) ** GROUPS_EXPONENT * H ** H_EXPONENT) * batch_factor
 
 ``M`` groups, each syncing every ``H`` inner steps (the token-weighted mean over groups where faster
 groups do more), with outer learning rate 1 and no momentum (the defaults the sweep chose); the
@@ -20,11 +20,17 @@ BATCH_EXPONENT``: early in training a larger batch buys almost no progress per s
 times the batch cost more than four times the tokens, ``BATCH_EXPONENT`` > 1), and the planner does
 not choose it.
 
-What the model leaves out, and how it errs: the sweep's models are small (0.8M and 2.8M parameters)
-and its runs short (491,520 tokens); published DiLoCo runs lose far less per token at scale (+2.0%
-at 35M parameters and +0.3% at 2.4B with four replicas at H=30, arXiv 2503.09799), and groups lose
-less after a warm start (the sweep's warm-start rows). The model is therefore pessimistic for large
-models and long runs: it prefers one synchronous group unless several are much faster.
+``s(N) = (N / FIT_PARAMS) ** SIZE_EXPONENT`` scales the penalty with the model's parameters ``N``:
+the loss of several groups per token falls as models grow. The exponent is the sweep's two models
+(gpt-micro and gpt-mini, 3.3x apart: docs/scheduler.md) read together with the published DiLoCo
+scaling runs (+2.0% at 35M parameters and +0.3% at 2.4B for four replicas at H = 30, arXiv
+2503.09799: the gap falls about as N^-0.5 from gpt-micro's +20% to there); beyond the sweep's sizes
+it is an extrapolation, and so is any H above its 30.
+
+What the model leaves out, and how it errs: the sweep's runs are short (491,520 tokens), where groups
+lose the most; groups lose less after a warm start (the sweep's warm-start rows), which the planner
+does not plan yet; the delay of applying averages (the sweep syncs blocking). The model is therefore
+pessimistic: it prefers one synchronous group unless several are clearly faster.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ GROUP_PENALTY = 0.026
 GROUPS_EXPONENT = 1.34
 H_EXPONENT = 0.94
 BATCH_EXPONENT = 1.04  # M=4, H=8: 16 rows a group against 4
+FIT_PARAMS = 842_496  # gpt-micro's parameters (byte vocabulary): the size the constants above were fitted at
+SIZE_EXPONENT = -0.5  # the penalty against the model's size (see the module docstring)
 
 
 def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] | None = None) -> float:
@@ -48,10 +56,12 @@ def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] |
     return sum(h * w for h, w in zip(inner_steps, weights, strict=True)) / total
 
 
-def group_efficiency(groups: int, inner_steps: float, *, batch_factor: float = 1.0) -> float:
+def group_efficiency(groups: int, inner_steps: float, *, batch_factor: float = 1.0, params: int | None = None) -> float:
     """Per-token efficiency (0, 1] of ``groups`` groups syncing every ``inner_steps`` steps, whose
-    global batch is ``batch_factor`` times the run's ``--batch-size`` (module docstring)."""
+    global batch is ``batch_factor`` times the run's ``--batch-size``, for a model of ``params``
+    parameters (default: the size the constants were fitted at; module docstring)."""
     if groups < 1 or inner_steps < 1 or batch_factor <= 0:
         raise ValueError(f"groups {groups}, inner steps {inner_steps} and batch factor {batch_factor} must be positive")
-    multiplier = 1.0 if groups == 1 else 1.0 + GROUP_PENALTY * (groups - 1) ** GROUPS_EXPONENT * inner_steps**H_EXPONENT
+    size = (max(params, 1) / FIT_PARAMS) ** SIZE_EXPONENT if params else 1.0
+    multiplier = 1.0 if groups == 1 else 1.0 + size * GROUP_PENALTY * (groups - 1) ** GROUPS_EXPONENT * inner_steps**H_EXPONENT
     return 1.0 / (multiplier * max(1.0, batch_factor) ** BATCH_EXPONENT)

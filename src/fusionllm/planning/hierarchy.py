@@ -437,7 +437,8 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
         hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
         result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
         per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
-        eff = group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor)
+        eff = group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor,
+                               params=sum(p.meta.numel for p in graph.params.values() if p.trainable))
         if best is None or result.tokens_per_s * eff > best[1].tokens_per_s * best[3] * (1 + 1e-9):
             best, worse = (hier, result, choice.hidden, eff), 0
         else:
