@@ -15,7 +15,8 @@ from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.models.spec import build_model
 from fusionllm.planning.choose import choose_plan
 from fusionllm.planning.describe import describe_hier, sync_report
-from fusionllm.planning.hierarchy import MIN_INNER_STEPS, choose_hier_plan, choose_inner_steps
+from fusionllm.planning.hierarchy import choose_hier_plan
+from fusionllm.planning.inner_steps import MIN_INNER_STEPS, choose_inner_steps
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.runtime.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan
