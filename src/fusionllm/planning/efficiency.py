@@ -21,11 +21,12 @@ times the batch cost more than four times the tokens, ``BATCH_EXPONENT`` > 1), a
 not choose it.
 
 ``s(N) = (N / FIT_PARAMS) ** SIZE_EXPONENT`` scales the penalty with the model's parameters ``N``:
-the loss of several groups per token falls as models grow. The exponent is the sweep's two models
-(gpt-micro and gpt-mini, 3.3x apart: docs/scheduler.md) read together with the published DiLoCo
-scaling runs (+2.0% at 35M parameters and +0.3% at 2.4B for four replicas at H = 30, arXiv
-2503.09799: the gap falls about as N^-0.5 from gpt-micro's +20% to there); beyond the sweep's sizes
-it is an extrapolation, and so is any H above its 30.
+the loss of several groups per token falls as models grow. The exponent is not measured here: the
+sweep's two models (gpt-micro and gpt-mini, 3.3x apart) do not resolve it (gpt-mini's seeds differ
+by 5%, and at the sweep's learning rate its synchronous run trained worse than at half of it). It
+is read off the published DiLoCo scaling runs (+2.0% at 35M parameters and +0.3% at 2.4B for four
+replicas at H = 30, arXiv 2503.09799) and gpt-micro's +20% there: the gap falls about as N^-0.5.
+Beyond the sweep's sizes, and for any H above its 30, the model extrapolates.
 
 What the model leaves out, and how it errs: the sweep's runs are short (491,520 tokens), where groups
 lose the most; groups lose less after a warm start (the sweep's warm-start rows), which the planner
@@ -44,7 +45,7 @@ GROUPS_EXPONENT = 1.34
 H_EXPONENT = 0.94
 BATCH_EXPONENT = 1.04  # M=4, H=8: 16 rows a group against 4
 FIT_PARAMS = 842_496  # gpt-micro's parameters (byte vocabulary): the size the constants above were fitted at
-SIZE_EXPONENT = -0.5  # the penalty against the model's size (see the module docstring)
+SIZE_EXPONENT = -0.5  # the penalty against the model's size: from published runs, not measured here (module docstring)
 
 
 def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] | None = None) -> float:
