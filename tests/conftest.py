@@ -107,6 +107,14 @@ def hang_in_checkpoint(worker: Any) -> list[bool]:
     return hung
 
 
+def two_site_cluster(path: Path) -> Path:
+    """A cluster file of two sites of two CPUs each (20 and 10 TFLOP/s devices) behind 20 Mbit/s, written to ``path``."""
+    path.write_text('name = "two"\n[sites.a]\ndevices = 2\ncpus = 1\ndevice_flops = "20tflops"\nbandwidth = "10gbit"\n'
+                    '[sites.b]\ndevices = 2\ncpus = 1\ndevice_flops = "10tflops"\nbandwidth = "10gbit"\n'
+                    '[[links]]\nsites = ["a", "b"]\nbandwidth = "20mbit"\n')
+    return path
+
+
 def assert_group_eviction(m: Any) -> None:
     """What a hierarchical run with groups 0,1,2 / 3 writes when worker 1 sends a NaN at data step 4
     and garbage at 10 (group 0 of 2 reads batches 0, 2, 4, ...: its inner steps 2 and 5): the

@@ -211,11 +211,9 @@ def test_cli_plan_hierarchical_json(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from fusionllm.cli.main import app
+    from tests.conftest import two_site_cluster
 
-    cluster = tmp_path / "two.toml"
-    cluster.write_text('name = "two"\n[sites.a]\ndevices = 2\ncpus = 1\ndevice_flops = "20tflops"\nbandwidth = "10gbit"\n'
-                       '[sites.b]\ndevices = 2\ncpus = 1\ndevice_flops = "10tflops"\nbandwidth = "10gbit"\n'
-                       '[[links]]\nsites = ["a", "b"]\nbandwidth = "20mbit"\n')
+    cluster = two_site_cluster(tmp_path / "two.toml")
     runner = CliRunner()
     out = runner.invoke(app, ["plan", "--cluster", str(cluster), "--sync", "hierarchical", "--json"])
     assert out.exit_code == 0, out.output
