@@ -85,8 +85,10 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             }
             last = step == config.steps - 1
             if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                paused = time.perf_counter()
                 record["val_loss"] = evaluate(model, val_batches, config.eval_batches)
                 result.val_losses.append((step, record["val_loss"]))
+                started += time.perf_counter() - paused  # elapsed_s counts training only, as a distributed run's
             metrics.write(record)
             on_step(record)
     result.elapsed_s = time.perf_counter() - started
@@ -152,7 +154,9 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
                 "lr": lr, "grad_norm": grad_norm, "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1),
             }
             if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
+                paused = time.perf_counter()
                 record["val_loss"], metric = evaluate_task(model, task, config.eval_batches)
+                started += time.perf_counter() - paused  # elapsed_s counts training only, as a distributed run's
                 if metric is not None:
                     record[f"val_{task.metric_name}"] = metric
                     result.val_metrics.append((step, metric))
