@@ -12,6 +12,7 @@ from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
+from fusionllm.planning.noise_scale import NoiseScale
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport.rpc import RpcClient
@@ -162,6 +163,7 @@ class Run:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # the last steps' seconds (compared with the prediction)
     graph_json: str = ""  # what the workers were assigned (a checkpoint's graph.json and plan.json)
     plan_json: str = ""
+    noise: NoiseScale = field(default_factory=NoiseScale)  # the gradient noise scale measured so far (planning/noise_scale.py)
     observed: bool = False  # the policy has seen a step (the first one's sends also open the connections: not learnt from)
 
 

@@ -198,7 +198,8 @@ class Groups:
         if done is None:
             return
         hr.result.losses.append(done.loss)
-        record = step_record(run, done, step=hr.steps, lr=lr, tokens=hr.result.tokens, elapsed=hr.elapsed(), compress=self.ctx.cluster.compress)
+        record = step_record(run, done, step=hr.steps, lr=lr, tokens=hr.result.tokens, elapsed=hr.elapsed(), compress=self.ctx.cluster.compress,
+                             rows=self.group_batch)
         record.group, record.round, record.inner_step = g, k, hr.first + i
         record.steps_total = hr.first + sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive)
         hr.steps += 1

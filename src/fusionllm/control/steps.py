@@ -105,7 +105,7 @@ def ratios_of(policy: Any, worker: int) -> dict[str, float] | None:
     return {str(b): r for (a, b), r in policy.ratios().items() if a == worker} if policy is not None else None
 
 
-def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str) -> StepRecord:
+def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str, rows: int = 0) -> StepRecord:
     """The step record, the same for every group (a group's run sets group, round, inner_step).
     Observes the links on the way: bytes and busy time for a re-plan, and the AdaTopK policy."""
     replies = done.replies
@@ -117,6 +117,9 @@ def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: in
     )
     if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/carrier.py)
         record.carried_bytes = link_bytes(run, replies, carried=True)
+    noise = noise_scale(run, replies, rows)
+    if noise is not None:
+        record.noise_scale = float(f"{noise:.4g}")
     if "predicted_step_s" in run.plan.meta:
         record.predicted_step_s = round(run.plan.meta["predicted_step_s"], 4)
     if compress != "none":
@@ -124,6 +127,16 @@ def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: in
     observe_links(run, replies, record)
     run.recent.append(record.step_s)
     return record
+
+
+def noise_scale(run: Run, replies: dict[int, StepDone], rows: int) -> float | None:
+    """The run's gradient noise scale in rows, with this step's accumulated norms taken in, when every
+    worker of the plan measured them (one worker per stage: planning/noise_scale.py); else the estimate so far."""
+    m = run.plan.micro_batches
+    sq = [rep.accum_sq for rep in replies.values()]
+    if m < 2 or not rows or not sq or any(len(s) != m for s in sq):
+        return run.noise.rows(rows // m) if rows and m else None
+    return run.noise.update([sum(col) for col in zip(*sq, strict=True)], rows // m)
 
 
 def link_bytes(run: Run, replies: dict[int, StepDone], *, carried: bool = False) -> dict[str, int]:

@@ -56,7 +56,8 @@ class SyncLoop:
                 continue
             result.losses.append(done.loss)
             result.tokens = (step - start) * t.batch_size * ctx.task.items_per_row
-            record = step_record(run, done, step=step - 1, lr=lr, tokens=result.tokens, elapsed=time.perf_counter() - started, compress=c.compress)
+            record = step_record(run, done, step=step - 1, lr=lr, tokens=result.tokens, elapsed=time.perf_counter() - started, compress=c.compress,
+                                 rows=t.batch_size)
             if c.eval_every and (step % c.eval_every == 0 or step == end):
                 paused = time.perf_counter()
                 record.val_loss = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step))

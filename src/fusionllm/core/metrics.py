@@ -110,7 +110,8 @@ def read_metrics(path: str | Path, *, missing_ok: bool = False) -> Metrics:
 # readable sentence, the same on the dashboard and in ``fusionllm report``.
 
 _STEP_KEYS = ("step", "steps_total", "group", "round", "inner_step", "loss", "tokens", "elapsed_s", "tokens_per_s", "lr", "grad_norm",
-              "step_s", "bytes", "cpu_s", "rss", "carried_bytes", "predicted_step_s", "compress", "ratios", "link_stats", "link_fit", "val_loss")
+              "step_s", "bytes", "cpu_s", "rss", "carried_bytes", "predicted_step_s", "compress", "ratios", "link_stats", "link_fit", "noise_scale",
+              "val_loss")
 
 
 @dataclass
@@ -135,6 +136,7 @@ class StepRecord:
     ratios: dict[str, float] | None = None  # AdaTopK's byte targets per link
     link_stats: dict[str, list[float]] | None = None  # "w0->w1": [bytes, busy s, messages]
     link_fit: dict[str, list[float]] | None = None  # "w0->w1": [fitted bit/s, fixed s]
+    noise_scale: float | None = None  # the gradient noise scale so far, in rows (planning/noise_scale.py)
     val_loss: float | None = None
     val_metrics: dict[str, float] = field(default_factory=dict)  # "accuracy": 0.9 (written as val_accuracy)
     group: int | None = None  # hierarchical runs: the group, its outer round, the inner step in it

@@ -109,6 +109,11 @@ class StageRuntime:
         self._groups: dict[Group, list[str]] = {g: names for g, names, _ in shared_groups(graph, plan).get(worker, [])}
         first_use = dict.fromkeys(name for n in graph.nodes for name in n.params.values())
         self._grad_order = {name: -i for i, name in enumerate(first_use)}  # the backward's order, the same on every worker
+        # the gradient noise scale (planning/noise_scale.py): the norm of the accumulated gradients after each micro-batch,
+        # over the weights this worker alone holds (shared ones are summed with other workers' only at the end of the step)
+        shared = {n for names in self._groups.values() for n in names}
+        self._noise_names = {n for n in self.owned if n not in shared}
+        self._measure_noise = len(self.stage.workers) == 1  # replicas accumulate other rows: no measurement
         self._reduce_overlap = reduce_overlap
         self.world: Any = None
         self.reducer: InOrder = choose_reducer(self._groups, self._ring)
@@ -175,6 +180,7 @@ class StageRuntime:
         return StepDone(
             losses={str(k): v for k, v in st.losses.items()},
             grad_norm=st.grad_norm,
+            accum_sq=st.accum_sq,
             seconds=time.perf_counter() - started,
             bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
             carried_to={str(k): v for k, v in self.sender.carried_to.items()},
@@ -233,6 +239,8 @@ class StageRuntime:
         if a is self._last_backward:
             self.reducer.arm(st)
         st.entering_grads[a.mb] = await asyncio.to_thread(self.executor.backward, a.mb, grads)
+        if self._measure_noise:  # (0 where every weight here is shared: the others measure the rest)
+            st.accum_sq.append(float(self.backend.grad_sq(self._noise_names)))
 
     async def _send_f(self, a: Action, st: StepState) -> None:
         outputs = st.outputs.pop(a.mb)

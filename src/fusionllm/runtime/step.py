@@ -40,6 +40,7 @@ class StepState:
     received_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[asyncio.Task] = field(default_factory=list)
     grad_norm: float = 0.0
+    accum_sq: list[float] = field(default_factory=list)  # after each micro-batch's backward: the squared norm so far (planning/noise_scale.py)
     poisoned: bool = False  # a bad tensor was received (or made here): the update is skipped everywhere
     bad: list[BadTensor] = field(default_factory=list)
     skipped: bool = False

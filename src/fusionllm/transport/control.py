@@ -311,6 +311,7 @@ class BadTensor(Message):
 class StepDone(Message):
     losses: dict[str, float] = field(default_factory=dict)
     grad_norm: float = 0.0
+    accum_sq: list[float] = field(default_factory=list)  # per micro-batch: squared norm of the gradients so far (noise scale)
     seconds: float = 0.0
     bytes_to: dict[str, int] = field(default_factory=dict)
     link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
