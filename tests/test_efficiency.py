@@ -164,3 +164,22 @@ def test_auto_that_chooses_groups_runs_them_on_the_global_batch(tmp_path: Path, 
     assert plan["sync"] == "hierarchical" and len(plan["groups"]) == 2
     assert result.tokens == train.steps * train.batch_size * train.seq_len  # two groups of 2 rows per inner step
     assert all(w.data_source is not None and w.data_source.spec.batch_size == 2 for w in workers)
+
+
+def test_auto_that_chooses_one_group_probes_the_workers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --hardware: the devices and links are probed. --sync auto plans groups first, then the one
+    group it chose: both from one probe (the same members), not two."""
+    from fusionllm.control import probe
+
+    monkeypatch.setattr(efficiency, "GROUP_PENALTY", 1e6)
+    calls = []
+    real = probe.probe_hardware
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "probe_hardware", counted)
+    train = TrainConfig(model="gpt-nano", steps=2, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    run_in_process(train, cluster_config(2, sync="auto", scheduler="opfence", micro_batches=2))
+    assert len(calls) == 1

@@ -40,7 +40,18 @@ class Setup:
         self.ctx, self.checkpoints, self.reach, self.rendezvous = ctx, checkpoints, reach, rendezvous
         self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
         self.plan_record: dict[str, Any] = {}  # the plan in force as a metrics record (a new plan writes it again)
-        self.measured: dict[tuple[int, int], float] = {}  # links measured far slower than planned (a re-plan plans with them)
+        self._measured: dict[tuple[int, int], float] = {}
+        self._probed: tuple[tuple[Any, ...], Any] | None = None  # the members last probed and what was measured
+
+    @property
+    def measured(self) -> dict[tuple[int, int], float]:
+        """Links measured far slower than planned (a re-plan plans with them)."""
+        return self._measured
+
+    @measured.setter
+    def measured(self, links: dict[tuple[int, int], float]) -> None:
+        self._measured = links
+        self._probed = None  # a re-plan measures the links again
 
     async def setup(self, *, recover: bool = False, carry: tuple[list[Any], int] | None = None, graph: OpGraph | None = None) -> Run:
         """The plan of a synchronous run (one group) over every member. Its weights: ``carry``
@@ -180,8 +191,12 @@ class Setup:
         if c.hardware and all(m.origin >= 0 for m in members):  # after a loss: the file's rows of the workers left
             hw = hardware_from_file(c.hardware, c.workers).subset([m.origin for m in members])
             return with_measured_links(hw, self.measured)
+        if self._probed is not None and len(self._probed[0]) == len(members) and all(a is b for a, b in zip(self._probed[0], members, strict=True)):
+            return self._probed[1]  # the same members since the last probe (--sync auto plans groups, then one group): measured once
         ref = await asyncio.to_thread(self.task.reference_flops)
-        return await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say, reference_flops=ref)
+        hw = await probe_hardware(self.membership.members, clients, seconds=c.probe_seconds, say=self.say, reference_flops=ref)
+        self._probed = (tuple(members), hw)
+        return hw
 
     async def cost(self, graph: OpGraph, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.cost.model import CostModel
