@@ -19,6 +19,8 @@ def _metrics(path: Path) -> Path:
     for step in range(30):
         rec = {"step": step, "loss": 5.0 - step * 0.05, "elapsed_s": 0.2 * (step + 1), "tokens_per_s": 5000.0, "step_s": 0.2, "predicted_step_s": 0.19,
                "bytes": {"w0->w1": 100_000, "w1->w0": 90_000}, "ratios": {"w0->w1": 0.1, "w1->w0": 1.0}, "compress": "adatopk"}
+        if step:
+            rec["noise_scale"] = 2.0 * step
         if step % 10 == 9:
             rec["val_loss"] = 4.0 - step * 0.03
         lines.append(rec)
@@ -33,6 +35,7 @@ def test_report_writes_markdown_and_plots(tmp_path: Path) -> None:
     report = write_report(_metrics(tmp_path / "m.jsonl"), tmp_path / "out")
     text = report.read_text()
     assert "| steps | 30 (step 0 to 29) |" in text and "3.1300 at step 29" in text and "median step 0.200 s" in text
+    assert "| gradient noise scale | 58 rows at step 29 (16 at step 8) |" in text
     assert "| 1 | w1 | h.1, lm_head | 2,000 |" in text and "- lost worker 2 (test): recovered with 2 workers from step 10 in 0.1 s" in text
     for name in ("loss.png", "tokens.png", "bytes.png", "ratios.png"):
         assert (tmp_path / "out" / name).stat().st_size > 5000 and f"]({name})" in text

@@ -101,6 +101,10 @@ def write_report(metrics: Path, out: Path) -> Path:
               f"| tokens/s | {final.tokens_per_s:,.0f} overall; median step {statistics.median(times):.3f} s |" if times else "| tokens/s | - |",
               f"| predicted step | {predicted:.3f} s |" if predicted else "| predicted step | - (no scheduler) |",
               f"| compression | {final.compress or 'none'} |"]
+    noise = [r for r in ordered if r.noise_scale is not None]
+    if noise:  # planning/noise_scale.py: where the batch stands against it says whether a larger one (or more groups) pays
+        quarter = noise[len(noise) // 4]
+        lines.append(f"| gradient noise scale | {noise[-1].noise_scale:,.4g} rows at step {noise[-1].step} ({quarter.noise_scale:,.4g} at step {quarter.step}) |")
     if outers or grouped:
         sent = sum(sum(o.bytes.values()) for o in outers)
         lines.append(f"| outer syncs | {sum(o.sent for o in outers)}, {_size(sent)} sent |")
