@@ -60,6 +60,9 @@ def test_a_warm_start_as_one_group_then_two_equals_a_regrouped_run(tmp_path) -> 
     assert sorted(after) == sorted(mine) == [(g, i) for g in (0, 1) for i in range(4, 8)]
     for key, loss in after.items():
         assert abs(mine[key] - loss) <= TOL * abs(loss), (key, mine[key], loss)
+    # the records count the run's tokens and training time on across the regroup (4 steps of 4 rows, then 2 groups x 4 x 2)
+    tokens, seconds = [r["tokens"] for r in dist], [r["elapsed_s"] for r in dist]
+    assert tokens == sorted(tokens) and seconds == sorted(seconds) and tokens[-1] == (4 * 4 + 2 * 4 * 2) * 16
 
 
 def test_a_smaller_group_batch_equals_the_distributed_group_batch(tmp_path) -> None:

@@ -62,6 +62,23 @@ class RunContext:
     clock: StepClock = field(default_factory=StepClock)
     metrics: JsonlWriter = field(default_factory=lambda: JsonlWriter(None))  # the run's file once training starts
     data_spec: Any = None  # the corpus's digest and batching (transport.control.DataSpec); workers check their copy
+    trained_base: tuple[float, int] = (0.0, 0)  # training seconds and tokens of the run's earlier segments
+    trained_last: tuple[float, int] = (0.0, 0)  # ... and up to the last record written
+
+    def segment(self) -> None:
+        """A segment of training starts (a grouping, or the plan a recovery or a re-plan made, with its
+        own clock): its records count on from the last one written, so that a record's ``elapsed_s``
+        and ``tokens`` are the run's (evaluations and time between segments excluded)."""
+        self.trained_base = self.trained_last
+
+    def run_seconds(self, seconds: float) -> float:
+        """The run's training seconds at a segment's ``seconds`` (for events)."""
+        return self.trained_base[0] + seconds
+
+    def trained(self, seconds: float, tokens: int) -> tuple[float, int]:
+        """The run's training seconds and tokens, from the segment's own."""
+        self.trained_last = (self.trained_base[0] + seconds, self.trained_base[1] + tokens)
+        return self.trained_last
 
     def event(self, record: dict[str, Any]) -> None:
         """An event: in the metrics file and on the dashboard."""

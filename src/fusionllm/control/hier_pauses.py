@@ -99,7 +99,7 @@ class Pauses:
                         await self.join(hr, joining, p)
                     except FusionError as exc:
                         self.say(f"worker(s) {joining} could not join as a group: {exc}; they stay idle")
-                        self.ctx.metrics.write({"event": "join_failed", "workers": joining, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+                        self.ctx.metrics.write({"event": "join_failed", "workers": joining, "why": str(exc), "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
                         ignored |= set(joining)
             finally:
                 async with hr.changed:
@@ -123,7 +123,7 @@ class Pauses:
         if g not in hr.alive:  # it left during the pause (a worker of it was lost in the checkpoint)
             raise FusionError(f"group {g} left the run during the pause at outer round {p}")
         self.ctx.metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
-                       "elapsed_s": round(hr.elapsed(), 4)})
+                       "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
     async def checkpoint(self, hr: HierRun, p: int) -> None:
         """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group.
@@ -151,7 +151,7 @@ class Pauses:
         index, source = await self.add_group(hr, workers, k0)
         hr.loops[index] = self.groups.start(hr, index)
         event = {"event": "group_joined", "group": index, "workers": workers, "round": k0, "source_group": source,
-                 "seconds": round(time.perf_counter() - began, 3), "elapsed_s": round(hr.elapsed(), 4)}
+                 "seconds": round(time.perf_counter() - began, 3), "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)}
         self.ctx.event(event)
         self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
                  f"with group {source}'s outer weights and momentum")

@@ -52,6 +52,7 @@ class Groups:
     async def train(self, hr: HierRun) -> TrainResult:
         """Every group's rounds, and the pauser, until the last group ends its last round."""
         hr.result = TrainResult(num_params=hr.graph.num_params())
+        self.ctx.segment()
         hr.started = time.perf_counter()
         hr.loops = {g: self.start(hr, g) for g in hr.runs}
         watcher = asyncio.create_task(self.pauses.pauser(hr))
@@ -116,7 +117,7 @@ class Groups:
         async with hr.changed:
             hr.changed.notify_all()
         self.ctx.say(f"group {g} left the run: {exc}")
-        self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(hr.elapsed(), 4)})
+        self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
         run = hr.runs[g]
         gone = set(run.plan.workers) if gone is None else gone
         others = [w for w in run.plan.workers if w not in gone]
@@ -198,8 +199,8 @@ class Groups:
         if done is None:
             return
         hr.result.losses.append(done.loss)
-        record = step_record(run, done, step=hr.steps, lr=lr, tokens=hr.result.tokens, elapsed=hr.elapsed(), compress=self.ctx.cluster.compress,
-                             rows=self.group_batch)
+        elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
+        record = step_record(run, done, step=hr.steps, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
         record.group, record.round, record.inner_step = g, k, hr.first + i
         record.steps_total = hr.first + sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive)
         hr.steps += 1
@@ -252,7 +253,7 @@ class Groups:
             await self.live.calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
         self.ctx.event({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
                        "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
-                       "elapsed_s": round(hr.elapsed(), 4)})
+                       "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
     async def decide(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
         """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
@@ -273,7 +274,7 @@ class Groups:
                 late = sorted(hr.expected(r) - set(got))
                 if late:
                     self.ctx.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
-                    self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(hr.elapsed(), 4)})
+                    self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
             return hr.decided[key]
 
     async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int) -> None:
@@ -282,7 +283,8 @@ class Groups:
         val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, hr.steps, outer=True))
         hr.paused += time.perf_counter() - paused
         hr.result.val_losses.append((hr.steps, val))
-        record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": hr.result.tokens, "elapsed_s": round(hr.elapsed(), 4)}
+        elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
+        record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
         if run.val_metric is not None:
             record[f"val_{self.ctx.task.metric_name}"] = run.val_metric
             hr.result.val_metrics.append((hr.steps, run.val_metric))

@@ -44,6 +44,7 @@ class SyncLoop:
         if c.eval_every and eval_n == 0:
             raise FusionError(f"the validation split holds no whole batch of {t.batch_size} x {t.seq_len} tokens: use --eval-every 0 or more data")
         result = TrainResult(num_params=run.graph.num_params())
+        ctx.segment()
         started = time.perf_counter()
         step = start
         while step < end:
@@ -56,8 +57,8 @@ class SyncLoop:
                 continue
             result.losses.append(done.loss)
             result.tokens = (step - start) * t.batch_size * ctx.task.items_per_row
-            record = step_record(run, done, step=step - 1, lr=lr, tokens=result.tokens, elapsed=time.perf_counter() - started, compress=c.compress,
-                                 rows=t.batch_size)
+            elapsed, tokens = ctx.trained(time.perf_counter() - started, result.tokens)
+            record = step_record(run, done, step=step - 1, lr=lr, tokens=tokens, elapsed=elapsed, compress=c.compress, rows=t.batch_size)
             if c.eval_every and (step % c.eval_every == 0 or step == end):
                 paused = time.perf_counter()
                 record.val_loss = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step))
