@@ -16,7 +16,9 @@ train the same model on the same data, batch, sequence length, learning-rate sch
    time to target (docs/scheduler.md, "Time to target").
 
 The target is fixed before any other system runs, from the fastest device's own curve: its
-validation loss at ``--target-at`` of the run's steps. Each system then runs with the same
+validation loss at ``--target-at`` of the run's steps, as the mean of its last three evaluations
+(two runs of the same math drift apart by float rounding, and one evaluation can be a lucky dip:
+every system is judged on the same mean of three, ``Smoothed``). Each system then runs with the same
 ``--steps`` (so the same schedule) and is stopped as soon as a validation loss at or below the
 target is recorded (within float32 rounding: ``TOLERANCE``), or runs to its last step. Times are
 the runs' own training clocks (evaluation excluded, as every system records it) from their first
@@ -26,10 +28,9 @@ Predicted time to target: the simulator's step time times the steps the fastest 
 (synchronous systems take the same steps: the same math), and for a plan of several groups the
 target's tokens over the predicted goodput (tokens/s times per-token efficiency).
 
-The clusters' CPU quotas are scaled by ``--cpu-scale`` (0.8): a cluster file's quotas add up to
-this machine's two cores, which leaves nothing for the coordinator and the kernel's network stack
-when every device is busy (the fastest device alone has the machine to itself; four devices would
-not get their quotas: an unfair comparison).
+``--cpu-scale`` multiplies every device's CPU quota (default 1: the cluster as its file says; a
+cluster file's quotas add up to this machine's two cores, so four busy devices share them with the
+coordinator and the kernel's network stack, which the fastest device alone does not).
 
 Writes time_to_target.json, .md, and plots of validation against time and against tokens, and
 time to target per system. Needs root (the testbed).
@@ -74,6 +75,7 @@ FUSION = {  # coordinator flags of the fusionllm systems (with --scheduler opfen
     "auto": ["--schedule", "1f1b", "--compress", "none", "--sync", "auto"],
 }
 TOLERANCE = 1e-4  # relative: a synchronous system's validation loss at the target's step equals the target up to float32 rounding
+SMOOTH = 3  # validation losses averaged (``Smoothed``)
 POLL_S = 0.25
 
 
@@ -108,8 +110,46 @@ class Watch(threading.Thread):
             self.done.wait(POLL_S)
 
 
+class Smoothed:
+    """The mean of the last ``SMOOTH`` validation losses, updated by each record that has one: two runs
+    of the same math drift apart by float rounding and read noisy curves (1-2% between evaluations
+    at gpt-micro's size), so a target is set and reached on this mean, never on one lucky evaluation."""
+
+    def __init__(self) -> None:
+        self.vals: list[float] = []
+
+    def __call__(self, r: dict) -> float | None:
+        if r.get("val_loss") is None:
+            return None
+        self.vals.append(r["val_loss"])
+        return statistics.fmean(self.vals[-SMOOTH:]) if len(self.vals) >= SMOOTH else None
+
+
 def reached(target: float) -> Callable[[dict], bool]:
-    return lambda r: r.get("val_loss") is not None and r["val_loss"] <= target * (1 + TOLERANCE)
+    mean = Smoothed()
+
+    def hit(r: dict) -> bool:
+        m = mean(r)
+        if m is not None and m <= target * (1 + TOLERANCE):
+            r["smoothed_val_loss"] = m
+            return True
+        return False
+
+    return hit
+
+
+def at_budget(step: int) -> Callable[[dict], bool]:
+    """The fastest device's run: its smoothed validation loss at ``step`` is the target."""
+    mean = Smoothed()
+
+    def hit(r: dict) -> bool:
+        m = mean(r)
+        if m is not None and r["step"] + 1 >= step:
+            r["smoothed_val_loss"] = m
+            return True
+        return False
+
+    return hit
 
 
 def common_args(args: argparse.Namespace, seed: int) -> list[str]:
@@ -166,6 +206,8 @@ def run_fusion(tb: Testbed, path: Path, system: str, args: argparse.Namespace, s
         code = run_local_cluster(coord, len(tb.slots), run_dir, host=tb.coordinator_host, worker_args=worker_args, worker_prefixes=prefixes)
     finally:
         watch.done.set()
+    if code == 130 and watch.record is None:  # Ctrl+C: the local cluster stopped its processes and said so
+        raise KeyboardInterrupt
     if code != 0 and watch.record is None:
         raise RuntimeError(f"fusionllm {system} failed (exit {code}); logs in {run_dir}")
 
@@ -256,7 +298,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 metrics = tmp / f"{name}-{seed}-{system}.jsonl"
                 metrics.unlink(missing_ok=True)
                 if system == "fastest":
-                    watch = Watch(metrics, lambda r, at=target_step: r.get("val_loss") is not None and r["step"] + 1 >= at, lambda: None)
+                    watch = Watch(metrics, at_budget(target_step), lambda: None)
                 elif target is None:
                     raise SystemExit("the fastest device runs first: it sets the target (put 'fastest' first in --systems)")
                 else:
@@ -276,7 +318,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                 if system == "fastest":
                     if watch.record is None:
                         raise RuntimeError(f"the fastest device did not reach step {target_step}; its log: {log}")
-                    target = watch.record["val_loss"]
+                    target = watch.record["smoothed_val_loss"]
                     row["fastest_slot"] = {"index": fastest.index, "cpus": fastest.cpus}
                 row["target_val_loss"] = target
                 row["target_tokens"] = target_step * args.batch_size * args.seq_len
@@ -303,8 +345,9 @@ def _t(v: float | None) -> str:
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps "
              f"(lr {args.lr}, {args.lr_warmup} warm-up, cosine), validation every {args.eval_every} steps on {args.eval_batches} batches. "
-             f"Target: the fastest device's validation loss at step {round(args.target_at * args.steps)} of its run, per seed. "
-             "Time: the run's training clock to the first validation at or below the target; wall: from launch (start-up included). "
+             f"Target: the fastest device's validation loss at step {round(args.target_at * args.steps)} of its run, per seed, as the mean of "
+             f"its last {SMOOTH} evaluations. Time: the run's training clock to the first evaluation where the mean of the last {SMOOTH} is at or "
+             f"below the target; wall: from launch (start-up included); CPU quotas x {args.cpu_scale}. "
              "'-': not reached within the run.", "",
              "| cluster | system | seeds | time to target, min / median (s) | wall, median (s) | vs peer | vs fastest | predicted (s) | pred. error | tokens to target (median) | plan (first seed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -385,15 +428,16 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-warmup", type=int, default=20)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--cpu-scale", type=float, default=0.8,
+    ap.add_argument("--cpu-scale", type=float, default=1.0,
                     help="every device's CPU quota times this: the quotas of a cluster file add up to the machine's cores, and the "
                          "coordinator and the kernel's network stack need some (without it, four busy devices cannot all get theirs)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
     args = ap.parse_args()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # kill -INT stops it cleanly even where it started with SIGINT ignored (nohup &)
     out = args.out or results_dir("time_to_target", args.model)
     path = out / "time_to_target.json"
     if args.report:
