@@ -212,6 +212,18 @@ def run_fusion(tb: Testbed, path: Path, system: str, args: argparse.Namespace, s
         raise RuntimeError(f"fusionllm {system} failed (exit {code}); logs in {run_dir}")
 
 
+SPEED_PROBE = ("import time, torch; torch.set_num_threads(1); a = torch.randn(256, 256); t = time.perf_counter(); n = 0\n"
+               "while time.perf_counter() - t < 2.0:\n    a @ a; n += 1\n"
+               "print(n * 2 * 256 ** 3 / (time.perf_counter() - t) / 1e9)")
+
+
+def machine_speed() -> float:
+    """GFLOP/s of one core (a 256x256 matmul for 2 s, no quota) just before a run: the machine's speed
+    drifts (a shared host), and systems measured one after the other are only comparable if it did not."""
+    out = subprocess.run([sys.executable, "-c", SPEED_PROBE], capture_output=True, text=True, check=True)
+    return round(float(out.stdout.strip()), 2)
+
+
 # ---- predictions ----------------------------------------------------------------------------------
 def one_device_cluster(slot_cpus: float, tmp: Path) -> Path:
     path = tmp / f"one-device-{slot_cpus}.toml"
@@ -303,7 +315,8 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                     raise SystemExit("the fastest device runs first: it sets the target (put 'fastest' first in --systems)")
                 else:
                     watch = Watch(metrics, reached(target), lambda: None)
-                print(f"[{name} seed {seed}] {system} ...", flush=True)
+                speed = machine_speed()
+                print(f"[{name} seed {seed}] {system} (machine: {speed} GFLOP/s on one core) ...", flush=True)
                 before, launched = tb.link_bytes(), time.monotonic()
                 log = tmp / f"{name}-{seed}-{system}.log"
                 if system == "fastest":
@@ -321,6 +334,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                     target = watch.record["smoothed_val_loss"]
                     row["fastest_slot"] = {"index": fastest.index, "cpus": fastest.cpus}
                 row["target_val_loss"] = target
+                row["machine_gflops"] = speed
                 row["target_tokens"] = target_step * args.batch_size * args.seq_len
                 row["predicted_s"] = predicted_time(system, lines, target_step, row["target_tokens"], static)
                 rows.append(row)
@@ -370,6 +384,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         reached_s = f"{_t(min(times)) if times else '-'} / {_t(med)}" + ("" if len(times) == len(rs) else f" ({len(times)} of {len(rs)} reached)")
         lines.append(f"| {cluster} | {system} | {len(rs)} | {reached_s} | {_t(statistics.median(walls)) if walls else '-'} | {ratio('peer')} | "
                      f"{ratio('fastest')} | {_t(pred)} | {err} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']} |")
+    speeds = [r["machine_gflops"] for r in rows if r.get("machine_gflops")]
+    if speeds:
+        lines += ["", f"Machine speed before each run (one core, GFLOP/s): {min(speeds):.1f}-{max(speeds):.1f}, median {statistics.median(speeds):.1f}; "
+                  "per cluster and seed: " + "; ".join(f"{c} s{sd}: {min(v):.1f}-{max(v):.1f}" for (c, sd), v in _speeds(rows).items())]
     lines += ["", "Targets: " + "; ".join(f"{r['cluster']} seed {r['seed']}: {r['target_val_loss']:.4f}" for r in rows if r["system"] == "fastest"), ""]
     lines += ["Device busy (process CPU seconds over quota, fusionllm systems, first seed):", ""]
     for (cluster, system), rs in groups.items():
@@ -377,6 +395,14 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             busy = rs[0]["device_busy"]
             lines.append(f"- {cluster} {system}: " + ", ".join(f"w{w} {v:.0%}" for w, v in sorted(busy.items())))
     return lines
+
+
+def _speeds(rows: list[dict]) -> dict[tuple[str, int], list[float]]:
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r.get("machine_gflops"):
+            out.setdefault((r["cluster"], r["seed"]), []).append(r["machine_gflops"])
+    return out
 
 
 def plots(rows: list[dict], out: Path) -> None:
