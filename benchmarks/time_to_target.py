@@ -192,7 +192,8 @@ def run_peer(tb: Testbed, args: argparse.Namespace, seed: int, metrics: Path, lo
 
 
 def run_fusion(tb: Testbed, path: Path, system: str, args: argparse.Namespace, seed: int, metrics: Path, run_dir: Path, watch: Watch) -> None:
-    coord = [*common_args(args, seed), "--scheduler", "opfence", "--hardware", str(path), *FUSION[system], "--metrics", str(metrics)]
+    hardware = [] if args.probe else ["--hardware", str(path)]  # --probe: the coordinator measures devices and links at the start
+    coord = [*common_args(args, seed), "--scheduler", "opfence", *hardware, *FUSION[system], "--metrics", str(metrics)]
 
     def interrupt() -> None:  # the coordinator stops after the step in flight; the launcher then stops the workers
         pids = read_pids(run_dir)
@@ -345,6 +346,15 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 
 # ---- the report -----------------------------------------------------------------------------------
+def calibrated_error(row: dict, rows: list[dict]) -> float | None:
+    """The prediction's error once the machine's speed at the time is taken out: the prediction times
+    the fastest device's measured over predicted time (same cluster and seed), against the measured."""
+    fastest = next((r for r in rows if r["cluster"] == row["cluster"] and r["seed"] == row["seed"] and r["system"] == "fastest"), None)
+    if fastest is None or not fastest.get("predicted_s") or not fastest.get("time_to_target_s") or not row.get("predicted_s") or not row.get("time_to_target_s"):
+        return None
+    return row["predicted_s"] * fastest["time_to_target_s"] / fastest["predicted_s"] / row["time_to_target_s"] - 1
+
+
 def per_system(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     out: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
@@ -362,9 +372,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
              f"Target: the fastest device's validation loss at step {round(args.target_at * args.steps)} of its run, per seed, as the mean of "
              f"its last {SMOOTH} evaluations. Time: the run's training clock to the first evaluation where the mean of the last {SMOOTH} is at or "
              f"below the target; wall: from launch (start-up included); CPU quotas x {args.cpu_scale}. "
-             "'-': not reached within the run.", "",
-             "| cluster | system | seeds | time to target, min / median (s) | wall, median (s) | vs peer | vs fastest | predicted (s) | pred. error | tokens to target (median) | plan (first seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "'-': not reached within the run. Calibrated error: the prediction times the fastest device's measured over predicted time to "
+             "target (the machine's speed then against the cost model's), against the measured.", "",
+             "| cluster | system | seeds | time to target, min / median (s) | wall, median (s) | vs peer | vs fastest | predicted (s) | pred. error | calibrated error | tokens to target (median) | plan (first seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = per_system(rows)
     for (cluster, system), rs in groups.items():
         times = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
@@ -380,10 +391,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         preds = [r["predicted_s"] for r in rs if r["predicted_s"] is not None]
         pred = statistics.median(preds) if preds else None
         err = "-" if pred is None or med is None else f"{pred / med - 1:+.0%}"
+        cal = [c for c in (calibrated_error(r, rows) for r in rs) if c is not None]
+        cal_s = f"{statistics.median(cal):+.0%}" if cal and len(cal) == len(rs) else "-"
         toks = [r["tokens_to_target"] for r in rs if r["tokens_to_target"] is not None]
         reached_s = f"{_t(min(times)) if times else '-'} / {_t(med)}" + ("" if len(times) == len(rs) else f" ({len(times)} of {len(rs)} reached)")
         lines.append(f"| {cluster} | {system} | {len(rs)} | {reached_s} | {_t(statistics.median(walls)) if walls else '-'} | {ratio('peer')} | "
-                     f"{ratio('fastest')} | {_t(pred)} | {err} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']} |")
+                     f"{ratio('fastest')} | {_t(pred)} | {err} | {cal_s} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']} |")
     speeds = [r["machine_gflops"] for r in rows if r.get("machine_gflops")]
     if speeds:
         lines += ["", f"Machine speed before each run (one core, GFLOP/s): {min(speeds):.1f}-{max(speeds):.1f}, median {statistics.median(speeds):.1f}; "
@@ -459,6 +472,9 @@ def main() -> int:
     ap.add_argument("--cpu-scale", type=float, default=1.0,
                     help="every device's CPU quota times this: the quotas of a cluster file add up to the machine's cores, and the "
                          "coordinator and the kernel's network stack need some (without it, four busy devices cannot all get theirs)")
+    ap.add_argument("--probe", action="store_true",
+                    help="fusionllm plans from devices and links it measures at the start (as a user without a cluster file would) "
+                         "instead of the cluster file's nominal speeds")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
