@@ -161,6 +161,8 @@ class Run:
     worlds: list[Any] = field(default_factory=list)  # torch.distributed groups of this plan (control/collectives.py World)
     links: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # bytes and busy seconds per link so far (a re-plan reads them)
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # the last steps' seconds (compared with the prediction)
+    steps_seen: int = 0  # steps this plan has run
+    baseline_s: float | None = None  # its own step time once it settled (steps.BASELINE_AFTER)
     graph_json: str = ""  # what the workers were assigned (a checkpoint's graph.json and plan.json)
     plan_json: str = ""
     noise: NoiseScale = field(default_factory=NoiseScale)  # the gradient noise scale measured so far (planning/noise_scale.py)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 
@@ -33,7 +32,7 @@ from .hier_setup import GroupSetup, HierRun
 from .recovery import evict_event
 from .rounds import wait_notified
 from .state import Checkpoints
-from .steps import StepRunner, step_record
+from .steps import StepRunner, slower_than_planned, step_record
 from .workers import Liveness
 
 
@@ -208,19 +207,16 @@ class Groups:
         self.check_plan(hr, g, run)
 
     def check_plan(self, hr: HierRun, g: int, run: Run) -> None:
-        """A group whose last 8 steps took far longer than its plan predicted (a link slowed down):
+        """A group whose last 8 steps took far longer than they should (``steps.slower_than_planned``):
         every group ends at the next round boundary and the run is planned again (``phases.py``),
         as a synchronous run re-plans."""
         c = self.ctx.cluster
-        predicted = run.plan.meta.get("predicted_step_s")
-        if hr.end_at is not None or not (c.scheduler and c.replan_factor > 0 and predicted and len(run.recent) == run.recent.maxlen):
+        if hr.end_at is not None or not c.scheduler or self.replans() >= c.max_replans:
             return
-        if self.replans() >= c.max_replans:
-            return
-        median = statistics.median(run.recent)
-        if median > c.replan_factor * predicted:
+        why = slower_than_planned(run, c.replan_factor)
+        if why is not None:
             hr.end_at = max(hr.current[x] for x in hr.alive) + 1  # no group has started it yet
-            hr.replan_why = f"group {g}'s steps take {median:.2f} s, its plan predicted {predicted:.2f} s"
+            hr.replan_why = f"group {g}'s {why}"
             self.ctx.say(f"re-planning at outer round {hr.end_at}: {hr.replan_why}")
 
     async def outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,

@@ -14,6 +14,7 @@ for each inner step of each group. Either way:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,10 @@ def check_failures(run: Run, step: int, replies: dict[int, StepDone]) -> None:
     raise FusionError(f"step {step} failed on worker {w} at {info.action}: {info.error}\naction grid (the failing action is marked !):\n{grid}")
 
 
+BASELINE_AFTER = 10  # a plan's settled step time: the median of its steps 3-10 (the first open connections, warm caches)
+MISPREDICTED = 2.0  # slower than the prediction by this times --replan-factor from the start: planned again
+
+
 def inputs_for(run: Run, w: int, *arrays: np.ndarray) -> dict[str, dict[str, bytes]]:
     """The rows of a batch's arrays (tokens and targets for a language model) that worker ``w``'s
     micro-batches read, for a worker fed by the coordinator."""
@@ -126,7 +131,28 @@ def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: in
         record.compress = compress
     observe_links(run, replies, record)
     run.recent.append(record.step_s)
+    run.steps_seen += 1
+    if run.steps_seen == BASELINE_AFTER:
+        run.baseline_s = statistics.median(run.recent)
     return record
+
+
+def slower_than_planned(run: Run, factor: float) -> str | None:
+    """Why the plan in force should be made again, or None: its last 8 steps took ``factor`` times
+    its own settled step time (a link or device slowed down since it started), or ``MISPREDICTED``
+    times ``factor`` the prediction (a plan wrong from the start, such as a link far slower than
+    its file said). A plan that is merely slower than predicted from its start is kept: planned
+    again with the same cost model it would be as wrong, and re-plans cost time (on the testbed
+    they made runs 35% slower to a target: docs/scheduler.md)."""
+    predicted = run.plan.meta.get("predicted_step_s")
+    if not predicted or factor <= 0 or run.baseline_s is None or len(run.recent) < (run.recent.maxlen or 0):
+        return None
+    median = statistics.median(run.recent)
+    if median > factor * run.baseline_s:
+        return f"steps take {median:.2f} s, {run.baseline_s:.2f} s when the plan settled (predicted {predicted:.2f} s)"
+    if median > MISPREDICTED * factor * predicted:
+        return f"steps take {median:.2f} s, the plan predicted {predicted:.2f} s"
+    return None
 
 
 def noise_scale(run: Run, replies: dict[int, StepDone], rows: int) -> float | None:

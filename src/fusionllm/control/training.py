@@ -9,7 +9,6 @@ raises ``Replan`` when the steps take far longer than the plan predicted.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from fusionllm.core.errors import FusionError
 from .config import Replan, Run
 from .context import RunContext
 from .state import Checkpoints
-from .steps import StepRunner, step_record
+from .steps import StepRunner, slower_than_planned, step_record
 from .workers import Liveness
 
 
@@ -80,13 +79,10 @@ class SyncLoop:
             await self.live.guard(run, self.checkpoints.checkpoint(run, done))
 
     def check_plan(self, run: Run, done: int) -> None:
-        """Raise Replan when the last 8 steps took far longer than the plan's prediction."""
+        """Raise Replan when the last 8 steps took far longer than they should (``steps.slower_than_planned``)."""
         c = self.ctx.cluster
-        predicted = run.plan.meta.get("predicted_step_s")
-        if not (c.scheduler and c.replan_factor > 0 and predicted and len(run.recent) == run.recent.maxlen):
+        if not c.scheduler or self.replans() >= c.max_replans:
             return
-        if self.replans() >= c.max_replans:
-            return
-        median = statistics.median(run.recent)
-        if median > c.replan_factor * predicted:
-            raise Replan(f"steps take {median:.2f} s, the plan predicted {predicted:.2f} s", done)
+        why = slower_than_planned(run, c.replan_factor)
+        if why is not None:
+            raise Replan(why, done)
