@@ -284,7 +284,8 @@ def row_of(system: str, cluster: str, seed: int, lines: list[dict], watch: Watch
         "step_at_target": None if hit is None else hit.get("step"), "steps_run": len(steps),
         "tokens_per_s": tps[-1] if tps else None, "val_curve": [(r.get("tokens"), r["elapsed_s"], r["val_loss"]) for r in evals],
         "device_busy": device_busy(steps, spec), "link_mb": round(sum(link_bytes.values()) / 1e6, 2),
-        "plan": plan_summary(lines),
+        "plan": plan_summary(lines), "replans": sum(1 for r in lines if r.get("event") == "replan"),
+        "noise_scale": next((r["noise_scale"] for r in reversed(steps) if r.get("noise_scale") is not None), None),
     }
 
 
@@ -400,7 +401,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         toks = [r["tokens_to_target"] for r in rs if r["tokens_to_target"] is not None]
         reached_s = f"{_t(min(times)) if times else '-'} / {_t(med)}" + ("" if len(times) == len(rs) else f" ({len(times)} of {len(rs)} reached)")
         lines.append(f"| {cluster} | {system} | {len(rs)} | {reached_s} | {_t(statistics.median(walls)) if walls else '-'} | {ratio('peer')} | "
-                     f"{ratio('fastest')} | {_t(pred)} | {err} | {cal_s} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']} |")
+                     f"{ratio('fastest')} | {_t(pred)} | {err} | {cal_s} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']}{_replans(rs)} |")
     speeds = [r["machine_gflops"] for r in rows if r.get("machine_gflops")]
     if speeds:
         lines += ["", f"Machine speed before each run (one core, GFLOP/s): {min(speeds):.1f}-{max(speeds):.1f}, median {statistics.median(speeds):.1f}; "
@@ -412,6 +413,11 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             busy = rs[0]["device_busy"]
             lines.append(f"- {cluster} {system}: " + ", ".join(f"w{w} {v:.0%}" for w, v in sorted(busy.items())))
     return lines
+
+
+def _replans(rs: list[dict]) -> str:
+    n = [r["replans"] for r in rs if r.get("replans") is not None]
+    return f"; re-plans {'/'.join(map(str, n))}" if n and any(n) else ""
 
 
 def _speeds(rows: list[dict]) -> dict[tuple[str, int], list[float]]:
