@@ -285,6 +285,7 @@ def row_of(system: str, cluster: str, seed: int, lines: list[dict], watch: Watch
         "tokens_per_s": tps[-1] if tps else None, "val_curve": [(r.get("tokens"), r["elapsed_s"], r["val_loss"]) for r in evals],
         "device_busy": device_busy(steps, spec), "link_mb": round(sum(link_bytes.values()) / 1e6, 2),
         "plan": plan_summary(lines), "replans": sum(1 for r in lines if r.get("event") == "replan"),
+        "predicted_efficiency": next((r.get("predicted", {}).get("efficiency") for r in lines if r.get("event") == "plan" and r.get("sync") == "hierarchical"), None),
         "noise_scale": next((r["noise_scale"] for r in reversed(steps) if r.get("noise_scale") is not None), None),
     }
 
