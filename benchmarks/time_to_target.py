@@ -487,7 +487,7 @@ def main() -> int:
                     help="fusionllm plans from devices and links it measures at the start (as a user without a cluster file would) "
                          "instead of the cluster file's nominal speeds")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters not run this time")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters and seeds not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
     args = ap.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # kill -INT stops it cleanly even where it started with SIGINT ignored (nohup &)
@@ -500,7 +500,7 @@ def main() -> int:
         return 0
     rows = []
     if args.merge and path.exists():
-        rows = [r for r in json.loads(path.read_text())["results"] if r["cluster"] not in args.clusters]
+        rows = [r for r in json.loads(path.read_text())["results"] if r["cluster"] not in args.clusters or r["seed"] not in args.seeds]
     seeds = args.seeds
     with tempfile.TemporaryDirectory(prefix="fusion-ttt-") as tmpdir:
         for seed in seeds:  # every cluster at the first seed before any at the next; written after each
