@@ -498,9 +498,12 @@ def main() -> int:
         write(out, "time_to_target", saved["results"], table(saved["results"], args), {**kept_provenance(saved), "args": saved.get("args", {})})
         plots(saved["results"], out)
         return 0
-    rows = []
-    if args.merge and path.exists():
-        rows = [r for r in json.loads(path.read_text())["results"] if r["cluster"] not in args.clusters or r["seed"] not in args.seeds]
+    rows: list[dict] = []
+    meta: dict = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
+    if args.merge and path.exists():  # rows kept from an earlier run carry its provenance
+        old = json.loads(path.read_text())
+        rows = [{**r, "measured": r.get("measured") or kept_provenance(old)} for r in old["results"]
+                if r["cluster"] not in args.clusters or r["seed"] not in args.seeds]
     seeds = args.seeds
     with tempfile.TemporaryDirectory(prefix="fusion-ttt-") as tmpdir:
         for seed in seeds:  # every cluster at the first seed before any at the next; written after each
@@ -508,7 +511,7 @@ def main() -> int:
                 args.seeds = [seed]
                 rows += bench_cluster(name, args, Path(tmpdir))
                 args.seeds = seeds
-                write(out, "time_to_target", rows, table(rows, args), {"args": {k: v for k, v in vars(args).items() if k != "out"}})
+                write(out, "time_to_target", rows, table(rows, args), meta)
                 plots(rows, out)
     return 0
 
