@@ -403,6 +403,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         reached_s = f"{_t(min(times)) if times else '-'} / {_t(med)}" + ("" if len(times) == len(rs) else f" ({len(times)} of {len(rs)} reached)")
         lines.append(f"| {cluster} | {system} | {len(rs)} | {reached_s} | {_t(statistics.median(walls)) if walls else '-'} | {ratio('peer')} | "
                      f"{ratio('fastest')} | {_t(pred)} | {err} | {cal_s} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']}{_replans(rs)} |")
+    kept = {(r["cluster"], r["seed"]): r["measured"] for r in rows if r.get("measured")}
+    if kept:
+        lines += ["", "Rows kept from earlier runs (`--merge`): " + "; ".join(f"{c} seed {sd}: commit {m['commit'][:12]}, {m['date']}"
+                                                                        for (c, sd), m in kept.items())]
     speeds = [r["machine_gflops"] for r in rows if r.get("machine_gflops")]
     if speeds:
         lines += ["", f"Machine speed before each run (one core, GFLOP/s): {min(speeds):.1f}-{max(speeds):.1f}, median {statistics.median(speeds):.1f}; "
