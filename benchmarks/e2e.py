@@ -94,17 +94,20 @@ def common_args(args: argparse.Namespace) -> list[str]:
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
 
 
-def run_peer(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) -> None:
+def peer_launch(tb: Testbed, metrics: Path, training: list[str]) -> tuple[list[list[str]], dict[str, str]]:
+    """The peer's command per device (in its namespace and CPU cgroup) and their environment."""
     n = len(tb.slots)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0" if tb.emulated else "lo"}
     port = str(29500 + int(time.time()) % 400)
-    procs = []
+    cmds = [[*s.command_prefix(), sys.executable, str(PEER), "--rank", str(s.index), "--world", str(n), "--master-addr", tb.slots[0].address,
+             "--master-port", port, "--threads", str(s.threads()), "--timeout", "120", "--metrics", str(metrics), *training] for s in tb.slots]
+    return cmds, env
+
+
+def run_peer(tb: Testbed, args: argparse.Namespace, metrics: Path, log: Path) -> None:
+    cmds, env = peer_launch(tb, metrics, common_args(args))
     with log.open("w") as out:
-        for s in tb.slots:
-            cmd = [*s.command_prefix(), sys.executable, str(PEER), "--rank", str(s.index), "--world", str(n),
-                   "--master-addr", tb.slots[0].address, "--master-port", port, "--threads", str(s.threads()),
-                   "--timeout", "120", "--metrics", str(metrics), *common_args(args)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        procs = [subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT) for cmd in cmds]
         try:
             codes = [p.wait(timeout=args.timeout) for p in procs]
         finally:

@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
-from e2e import PEER, ROOT, device_busy  # noqa: E402
+from e2e import ROOT, device_busy, peer_launch  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
@@ -184,12 +184,7 @@ def run_fastest(tb: Testbed, slot: Slot, args: argparse.Namespace, seed: int, me
 
 
 def run_peer(tb: Testbed, args: argparse.Namespace, seed: int, metrics: Path, log: Path, watch: Watch) -> None:
-    n = len(tb.slots)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0" if tb.emulated else "lo"}
-    port = str(29500 + int(time.time()) % 400)
-    cmds = [[*s.command_prefix(), sys.executable, str(PEER), "--rank", str(s.index), "--world", str(n), "--master-addr", tb.slots[0].address,
-             "--master-port", port, "--threads", str(s.threads()), "--timeout", "120", "--metrics", str(metrics), *common_args(args, seed)]
-            for s in tb.slots]
+    cmds, env = peer_launch(tb, metrics, common_args(args, seed))
     codes = run_procs(cmds, log, watch, args.timeout, env)
     if any(codes) and watch.record is None:
         raise RuntimeError(f"the peer failed (exit codes {codes}); its log: {log}\n{log.read_text()[-2000:]}")

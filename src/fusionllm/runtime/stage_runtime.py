@@ -113,7 +113,8 @@ class StageRuntime:
         # over the weights this worker alone holds (shared ones are summed with other workers' only at the end of the step)
         shared = {n for names in self._groups.values() for n in names}
         self._noise_names = {n for n in self.owned if n not in shared}
-        self._measure_noise = len(self.stage.workers) == 1  # replicas accumulate other rows: no measurement
+        # replicas accumulate other rows, and one micro-batch gives no fit: nothing measured (and no extra pass over the gradients)
+        self._measure_noise = len(self.stage.workers) == 1 and plan.micro_batches > 1
         self._reduce_overlap = reduce_overlap
         self.world: Any = None
         self.reducer: InOrder = choose_reducer(self._groups, self._ring)
