@@ -123,7 +123,7 @@ def unit(args: argparse.Namespace) -> str:
 
 def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     metrics = tmp / f"{name}-{codec.replace(':', '_')}-{seed}.jsonl"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(path), *CLUSTERS[name].layout,
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(path), "--sync", "synchronous", *CLUSTERS[name].layout,
            *task_args(args), "--compress", codec, "--model", args.model, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", str(args.warmup),
            "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics),

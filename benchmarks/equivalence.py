@@ -81,7 +81,7 @@ def distributed(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[di
 
     slug = name.replace(":", "-")
     metrics, ck = tmp / f"{slug}.jsonl", tmp / f"ck-{slug}"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", cluster_arg(name, tmp), *common_args(args), "--compress", "none",
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", cluster_arg(name, tmp), "--sync", "synchronous", *common_args(args), "--compress", "none",
            "--metrics", str(metrics), "--checkpoint-dir", str(ck), "--checkpoint-every", str(args.steps), "--run-dir", str(tmp / f"run-{slug}")]
     print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)

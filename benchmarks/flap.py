@@ -82,7 +82,7 @@ def _records(path: Path) -> list[dict]:
 
 def _testbed_run(tmp: Path, tag: str, outage: float, steps: int, at: int) -> dict[str, Any]:
     out = tmp / f"{tag}.jsonl"
-    proc = subprocess.Popen([*BASE, "train", "--cluster", str(ROOT / "examples" / "clusters" / "uniform.toml"), "--model", "gpt-nano",
+    proc = subprocess.Popen([*BASE, "train", "--cluster", str(ROOT / "examples" / "clusters" / "uniform.toml"), "--sync", "synchronous", "--model", "gpt-nano",
                              "--scheduler", "params", "--replan-factor", "0", "--steps", str(steps), "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--seed", "2",
                              "--metrics", str(out), "--run-dir", str(tmp / f"run-{tag}")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -42,7 +42,7 @@ def _cpu(pid: int) -> float:
 
 def measure(args: argparse.Namespace, m: int, tmp: Path) -> dict:
     metrics, run_dir = tmp / f"m{m}.jsonl", tmp / f"run-m{m}"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(args.cluster), "--scheduler", "uniform", "--model", args.model,
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(args.cluster), "--scheduler", "uniform", "--sync", "synchronous", "--model", args.model,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(m),
            "--eval-every", "0", "--run-dir", str(run_dir), "--metrics", str(metrics)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -169,7 +169,7 @@ def measure(cluster: Path, row: Row, args: argparse.Namespace, tmp: Path, load: 
     """The coordinator's prediction for the plan it ran, the measured median step, the steps,
     its plan line, and the other processes' load while the steps ran."""
     metrics = tmp / f"{cluster.stem}-{row.scheduler}-{row.micro_batches}.jsonl"
-    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--scheduler", row.scheduler, *task_args(args), "--model", args.model,
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(cluster), "--scheduler", row.scheduler, "--sync", "synchronous", *task_args(args), "--model", args.model,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
            "--micro-batches", str(row.micro_batches), "--eval-every", "0", "--replan-factor", "0", "--metrics", str(metrics), "--run-dir", str(tmp / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

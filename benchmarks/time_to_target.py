@@ -69,8 +69,8 @@ from fusionllm.testbed.testbed import Slot, Testbed  # noqa: E402
 
 SYSTEMS = ("fastest", "peer", "opfence", "opfence+adatopk", "hierarchical", "auto", "hierarchical-exact")
 FUSION = {  # coordinator flags of the fusionllm systems (with --scheduler opfence --hardware CLUSTER)
-    "opfence": ["--schedule", "1f1b", "--compress", "none"],
-    "opfence+adatopk": ["--schedule", "1f1b", "--compress", "adatopk"],
+    "opfence": ["--schedule", "1f1b", "--compress", "none", "--sync", "synchronous"],
+    "opfence+adatopk": ["--schedule", "1f1b", "--compress", "adatopk", "--sync", "synchronous"],
     "hierarchical": ["--schedule", "1f1b", "--compress", "none", "--sync", "hierarchical"],
     "auto": ["--schedule", "1f1b", "--compress", "none", "--sync", "auto"],
     # a diagnostic: the planner's groups synced as the efficiency sweep's one-process groups are (each average applied at

@@ -92,7 +92,7 @@ def runs(tmp: Path) -> Runs:
     todo = {
         "gpipe": ("gpt-nano", "--schedule", "gpipe"),
         "1f1b": ("gpt-nano", "--schedule", "1f1b", "--checkpoint-dir", str(tmp / "ckpt-1f1b"), "--checkpoint-every", "3"),
-        "opfence": ("gpt-nano", "--scheduler", "opfence", "--probe-seconds", "0.3"),
+        "opfence": ("gpt-nano", "--scheduler", "opfence", "--sync", "synchronous", "--probe-seconds", "0.3"),
         "skip_tied": ("tests.zoo:skip_tied", "--replicas", "1,2", "--schedule", "1f1b", "--collectives", "off"),  # the data plane's ring
     }
     with ThreadPoolExecutor(2) as pool:

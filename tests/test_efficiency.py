@@ -123,6 +123,17 @@ def test_auto_needs_a_scheduler_and_no_groups_by_hand() -> None:
         cluster_config(2, sync="auto", scheduler="opfence", groups=[[0], [1]])
 
 
+def test_train_defaults_to_auto_when_a_planner_forms_the_plan() -> None:
+    from fusionllm.launch.config import default_sync
+
+    plain = {"groups": None, "replicas": None, "regroup": None, "resume": False}
+    assert default_sync(None, scheduler="opfence", **plain) == "auto"
+    assert default_sync(None, scheduler=None, **plain) == "synchronous"  # local:N split by hand
+    assert default_sync("synchronous", scheduler="opfence", **plain) == "synchronous"
+    for by_hand in ({"replicas": "2"}, {"regroup": ["3:0/1"]}, {"resume": True}, {"groups": "0/1"}):
+        assert default_sync(None, scheduler="opfence", **(plain | by_hand)) == "synchronous", by_hand
+
+
 # ---- runs ---------------------------------------------------------------------------------------
 def _hardware(tmp_path: Path, link: str) -> Path:
     path = tmp_path / "two-sites.toml"  # two equal devices, one per site
@@ -183,3 +194,21 @@ def test_auto_that_chooses_one_group_probes_the_workers_once(tmp_path: Path, mon
     train = TrainConfig(model="gpt-nano", steps=2, batch_size=4, seq_len=16, eval_every=0, warmup=0)
     run_in_process(train, cluster_config(2, sync="auto", scheduler="opfence", micro_batches=2))
     assert len(calls) == 1
+
+
+def test_train_cluster_without_sync_runs_auto(tmp_path: Path) -> None:
+    """Why it can fail: `train --cluster` that still defaults to one synchronous plan (no planner's
+    choice recorded), or writes a run.json that says one mode while the coordinator runs another."""
+    import subprocess
+    import sys
+
+    hardware = _hardware(tmp_path, "1gbit")
+    metrics, run_dir = tmp_path / "m.jsonl", tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "fusionllm", "train", "--cluster", "local:2", "--hardware", str(hardware), "--scheduler", "opfence",
+                           "--model", "gpt-nano", "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
+                           "--metrics", str(metrics), "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert json.loads((run_dir / "run.json").read_text())["cluster"]["sync"] == "auto"
+    m = read_metrics(metrics)
+    (chose,) = m.of("auto")
+    assert chose["candidates"] and len(m.losses()) == 2

@@ -214,7 +214,7 @@ def _testbed_train(tmp_path: Path, tag: str, *cluster: str) -> tuple[subprocess.
     """A run on the emulated uniform cluster; or, given ``cluster`` flags, the same plan elsewhere."""
     out = tmp_path / f"{tag}.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "fusionllm", "train", *(cluster or ["--cluster", str(UNIFORM)]),
-                             "--scheduler", "params", "--replan-factor", "0",  # a pipeline through all 4 workers, kept as planned
+                             "--scheduler", "params", "--sync", "synchronous", "--replan-factor", "0",  # a pipeline through all 4 workers, kept as planned
                              "--model", "gpt-nano", "--steps", str(TESTBED_STEPS), "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--seed", "2",
                              "--metrics", str(out), "--run-dir", str(tmp_path / f"run-{tag}")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, out

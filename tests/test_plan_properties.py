@@ -108,7 +108,7 @@ def test_random_cluster_trains_like_one_process(tmp_path: Path, seed: int, sched
     if "," in scheduler:
         n, plan_args = sum(map(int, scheduler.split(","))), ["--replicas", scheduler]
     else:
-        n, plan_args = random_cluster(seed, shape).num_devices, ["--hardware", str(hardware), "--scheduler", scheduler]
+        n, plan_args = random_cluster(seed, shape).num_devices, ["--hardware", str(hardware), "--scheduler", scheduler, "--sync", "synchronous"]
     single, dist = tmp_path / "single.jsonl", tmp_path / "dist.jsonl"
     # the one-process reference beside the cluster run (one run alone leaves a core idle as its processes start)
     reference = subprocess.Popen([*BASE, "train", "--single-process", *COMMON, "--metrics", str(single)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -73,7 +73,7 @@ def test_probe_reports_each_link_within_ten_percent() -> None:
 def test_train_inside_the_testbed_matches_single_process(tmp_path: Path) -> None:
     a, b = tmp_path / "tb.jsonl", tmp_path / "single.jsonl"
     # a pipeline through every device (params): OP-Fence would keep this small model on one site
-    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "params", *COMMON, "--metrics", str(a), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "params", "--sync", "synchronous", *COMMON, "--metrics", str(a), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "links shaped with tc" in proc.stderr and "10.213." in proc.stderr
     subprocess.run([*BASE, "train", "--single-process", *COMMON, "--eval-every", "0", "--metrics", str(b)], check=True, capture_output=True, timeout=300)
@@ -143,7 +143,7 @@ def test_up_refuses_a_name_it_did_not_make() -> None:
 
 def test_without_emulation_it_warns_and_runs_on_loopback(tmp_path: Path) -> None:
     env = {**os.environ, "FUSIONLLM_TESTBED": "off"}
-    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "uniform.toml"), *COMMON, "--steps", "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([*BASE, "train", "--cluster", str(CLUSTERS / "uniform.toml"), "--sync", "synchronous", *COMMON, "--steps", "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "NOT emulated" in proc.stderr and "127.0.0.1" in proc.stderr
 
@@ -153,7 +153,7 @@ def test_without_emulation_it_warns_and_runs_on_loopback(tmp_path: Path) -> None
 def test_adatopk_compresses_only_the_slow_link_and_the_loss_falls(tmp_path: Path) -> None:
     out = tmp_path / "ada.jsonl"
     proc = subprocess.run(
-        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--compress", "adatopk",
+        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--sync", "synchronous", "--compress", "adatopk",
          "--model", "gpt-micro", "--steps", "24", "--batch-size", "8", "--seq-len", "64", "--lr", "1e-2", "--warmup", "3",
          "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600,
@@ -175,7 +175,7 @@ def test_adatopk_compresses_harder_when_a_link_slows_down_mid_run(tmp_path: Path
 
     out = tmp_path / "slow.jsonl"
     proc = subprocess.Popen(
-        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--compress", "adatopk",
+        [*BASE, "train", "--cluster", str(CLUSTERS / "two-sites.toml"), "--scheduler", "params", "--sync", "synchronous", "--compress", "adatopk",
          "--model", "gpt-micro", "--steps", "44", "--batch-size", "8", "--seq-len", "64", "--warmup", "3",
          "--eval-every", "0", "--replan-factor", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -214,7 +214,7 @@ def test_a_plan_far_slower_than_predicted_is_made_again_with_the_measured_links(
 
     out = tmp_path / "replan.jsonl"
     proc = subprocess.Popen(
-        [*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "opfence", "--replan-factor", "6", "--model", "gpt-micro", "--steps", "30",
+        [*BASE, "train", "--cluster", str(CLUSTERS / "three-sites.toml"), "--scheduler", "opfence", "--sync", "synchronous", "--replan-factor", "6", "--model", "gpt-micro", "--steps", "30",
          "--batch-size", "16", "--seq-len", "128", "--eval-every", "0", "--metrics", str(out), "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

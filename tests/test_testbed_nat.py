@@ -327,7 +327,7 @@ def test_workers_behind_two_nats_train_like_one_process(clean: None, tmp_path) -
     # the one-process reference beside the testbed run: its workers have half a core each
     single = subprocess.Popen([*base, "train", "--single-process", *common, "--eval-every", "0", "--metrics", str(b)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run([*base, "train", "--cluster", str(cluster), "--scheduler", "params", *common, "--metrics", str(a),
+        proc = subprocess.run([*base, "train", "--cluster", str(cluster), "--scheduler", "params", "--sync", "synchronous", *common, "--metrics", str(a),
                                "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
         _, err = single.communicate(timeout=300)
     finally:

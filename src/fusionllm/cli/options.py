@@ -64,5 +64,6 @@ GroupBatchOpt = Annotated[int | None, typer.Option("--group-batch", min=1, help=
 RegroupOpt = Annotated[list[str] | None, typer.Option("--regroup", help="STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains synchronously for 200 steps, then as four groups.")]
 BlockingOpt = Annotated[bool, typer.Option("--blocking-sync", help="--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")]
 SYNC_MODES = ("synchronous", "hierarchical", "auto")
+TrainSyncOpt = Annotated[str | None, typer.Option("--sync", help="synchronous, hierarchical or auto (as for `plan`). Default: auto when a planner forms the plan (a cluster file, or --scheduler) and nothing is given by hand (--groups, --replicas, --regroup, --resume); synchronous otherwise.")]
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
 DEFAULT_OUTER_MOMENTUM = 0.0

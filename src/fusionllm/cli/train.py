@@ -54,13 +54,13 @@ from fusionllm.cli.options import (
     SeqOpt,
     StepsOpt,
     StopTimeoutOpt,
-    SyncOpt,
     TaskOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
     TokenizerOpt,
+    TrainSyncOpt,
     WarmupOpt,
 )
 from fusionllm.core.errors import FusionError
@@ -136,7 +136,7 @@ def train(
     max_recoveries: MaxRecoveriesOpt = 3,
     replan_factor: ReplanOpt = 2.0,
     dashboard: DashboardOpt = None,
-    sync: SyncOpt = "synchronous",
+    sync: TrainSyncOpt = None,
     groups: GroupsOpt = None,
     regroup: RegroupOpt = None,
     inner_steps: InnerStepsOpt = None,
@@ -167,7 +167,7 @@ def train(
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")
     if cluster:
         from fusionllm.control.config import RunConfig
-        from fusionllm.launch.config import cluster_config
+        from fusionllm.launch.config import cluster_config, default_sync
         from fusionllm.launch.local_cluster import parse_cluster, run_local_cluster
 
         toml = cluster.endswith(".toml")
@@ -176,6 +176,7 @@ def train(
             plan_hardware = None if probe_links else cluster
         else:
             plan_scheduler, plan_hardware = scheduler, hardware
+        sync = default_sync(sync, scheduler=plan_scheduler, groups=groups, replicas=replicas, regroup=regroup, resume=resume)
         # listen, token and workers are the spawned coordinator's command line (run.json leaves them out)
         run = RunConfig(config, cluster_config(
             config, listen="127.0.0.1:0", token="-", workers=1, schedule=schedule, micro_batches=micro_batches, replicas=replicas,
@@ -200,7 +201,7 @@ def train(
             ["--device", device, "--threads", str(threads or max(1, (os.cpu_count() or 1) // n)), "--backend", b, *tls] for b in _backends(backends, n)
         ]
         raise typer.Exit(run_local_cluster(args, n, run_dir, worker_args=worker_args, stop_timeout=stop_timeout, worker_pythons=pythons))
-    if sync != "synchronous":
+    if sync not in (None, "synchronous"):
         raise FusionError("--sync hierarchical needs --cluster (the --single-process reference is one synchronous process)")
     if backends:
         raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")

@@ -70,6 +70,16 @@ def train_config(*, model: str, task: str, metrics: Path | str | None, **fields:
     return TrainConfig(model=task_model(task, model), task=task, metrics=str(metrics) if metrics else None, **fields)
 
 
+def default_sync(sync: str | None, *, scheduler: str | None, groups: str | None, replicas: str | None,
+                 regroup: list[str] | None, resume: bool) -> str:
+    """``train --cluster``'s ``--sync`` when none is given: ``auto`` (the planner picks one group or several
+    by predicted time to a target loss) when a planner forms the plan and nothing is given by hand;
+    ``synchronous`` otherwise (a resumed run keeps the mode it is given)."""
+    if sync is not None:
+        return sync
+    return "auto" if scheduler and not (groups or replicas or regroup or resume) else "synchronous"
+
+
 def cluster_config(train: TrainConfig, *, listen: str, token: str, workers: int, replicas: str | None,
                    checkpoint_dir: Path | str | None, compress: str, tls: tuple[Path | None, Path | None, Path | None],
                    dead_after: float, numeric_guard: str, hardware: Path | str | None, sync: str, groups: str | None,
