@@ -88,6 +88,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
 from fusionllm.models.loss import lm_loss
-from fusionllm.models.spec import build_model
+from fusionllm.models.spec import build_lm
 from fusionllm.runtime.optim import lr_at, make_adamw
 
 TiedGroup = tuple[tuple[str, ...], torch.Size]
@@ -128,6 +129,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, help="--task lm: start from this Hugging Face checkpoint directory (fusionllm export --hf; bytes, no tokenizer)")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
@@ -238,7 +240,9 @@ def run(a: argparse.Namespace) -> None:
     val_batches = Batcher(val_tokens, a.batch_size, a.seq_len, a.seed)
     if a.eval_every and (len(val_tokens) - 1) // a.seq_len < a.eval_batches * a.batch_size:
         raise PeerError("validation split too small for --eval-batches full batches; lower it")
-    model = build_model(a.model, tokenizer.vocab_size, seed=a.seed)
+    if a.init_from and (Path(a.init_from) / "tokenizer.json").is_file():
+        raise PeerError(f"--init-from {a.init_from}: the peer baseline reads bytes; this checkpoint has its own tokenizer")
+    model = build_lm(a.model, tokenizer.vocab_size, seed=a.seed, init_from=a.init_from)  # --init-from: a warm start
     block = getattr(getattr(model, "config", None), "block_size", None)
     if isinstance(block, int) and a.seq_len > block:
         raise PeerError(f"--seq-len {a.seq_len} exceeds the model's block size {block}")

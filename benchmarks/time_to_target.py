@@ -157,7 +157,8 @@ def at_budget(step: int) -> Callable[[dict], bool]:
 
 
 def common_args(args: argparse.Namespace, seed: int) -> list[str]:
-    return ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+    warm = ["--init-from", str(args.warm_dir[seed])] if args.warm_start else []
+    return [*warm, "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--seed", str(seed), "--warmup", str(args.lr_warmup),
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
 
@@ -222,6 +223,26 @@ def machine_speed() -> float:
     drifts (a shared host), and systems measured one after the other are only comparable if it did not."""
     out = subprocess.run([sys.executable, "-c", SPEED_PROBE], capture_output=True, text=True, check=True)
     return round(float(out.stdout.strip()), 2)
+
+
+def warm_checkpoint(args: argparse.Namespace, seed: int, tmp: Path) -> Path:
+    """A checkpoint part-way trained, every system's starting point with ``--warm-start K``: K steps of
+    one synchronous worker on loopback (outside the testbed: not timed), at another data seed than the
+    runs' (they do not see its batches again), written as a Hugging Face directory (``fusionllm export``)."""
+    out = tmp / f"warm-{seed}"
+    if (out / "config.json").is_file():
+        return out
+    ck, run_dir = tmp / f"warm-{seed}-ck", tmp / f"warm-{seed}-run"
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", "local:1", "--sync", "synchronous", "--model", args.model,
+           "--steps", str(args.warm_start), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", "1",
+           "--lr", str(args.lr), "--warmup", str(args.lr_warmup), "--seed", str(seed + 1000), "--eval-every", "0",
+           "--checkpoint-dir", str(ck), "--checkpoint-every", str(args.warm_start), "--run-dir", str(run_dir), "--metrics", str(tmp / f"warm-{seed}.jsonl")]
+    print(f"[warm start seed {seed}] {args.warm_start} steps on one worker ...", flush=True)
+    for c in (cmd, [sys.executable, "-m", "fusionllm", "export", str(ck), "--hf", str(out)]):
+        proc = subprocess.run(c, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the warm start failed: {' '.join(c[2:4])}\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return out
 
 
 # ---- predictions ----------------------------------------------------------------------------------
@@ -306,6 +327,8 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
         static = {"fastest": predicted_step(args, one_device_cluster(fastest.cpus or 1.0, tmp), "opfence", "1f1b"),
                   "peer": predicted_step(args, path, "uniform", "gpipe")}
         for seed in args.seeds:
+            if args.warm_start:
+                args.warm_dir[seed] = warm_checkpoint(args, seed, tmp)
             target_step = max(args.eval_every, round(args.target_at * args.steps / args.eval_every) * args.eval_every)
             target: float | None = None
             for system in args.systems:
@@ -336,6 +359,7 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
                     target = watch.record["smoothed_val_loss"]
                     row["fastest_slot"] = {"index": fastest.index, "cpus": fastest.cpus}
                 row["target_val_loss"] = target
+                row["warm_start"] = args.warm_start
                 row["machine_gflops"] = speed
                 row["target_tokens"] = target_step * args.batch_size * args.seq_len
                 row["predicted_s"] = predicted_time(system, lines, target_step, row["target_tokens"], static)
@@ -368,7 +392,9 @@ def _t(v: float | None) -> str:
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps "
+    warm = getattr(args, "warm_start", 0) or 0
+    lines = [(f"Warm start: every system starts from {warm} steps of one worker (another data seed), its learning-rate warm-up and cosine "
+              "schedule again. " if warm else "") + f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.micro_batches} micro-batches, {args.steps} steps "
              f"(lr {args.lr}, {args.lr_warmup} warm-up, cosine), validation every {args.eval_every} steps on {args.eval_batches} batches. "
              f"Target: the fastest device's validation loss at step {round(args.target_at * args.steps)} of its run, per seed, as the mean of "
              f"its last {SMOOTH} evaluations. Time: the run's training clock to the first evaluation where the mean of the last {SMOOTH} is at or "
@@ -485,12 +511,15 @@ def main() -> int:
     ap.add_argument("--probe", action="store_true",
                     help="fusionllm plans from devices and links it measures at the start (as a user without a cluster file would) "
                          "instead of the cluster file's nominal speeds")
+    ap.add_argument("--warm-start", type=int, default=0, metavar="K",
+                    help="every system starts from a checkpoint of K steps of one worker (another data seed); results in MODEL-warmK")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters and seeds not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
     args = ap.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # kill -INT stops it cleanly even where it started with SIGINT ignored (nohup &)
-    out = args.out or results_dir("time_to_target", args.model)
+    args.warm_dir = {}
+    out = args.out or results_dir("time_to_target", args.model + (f"-warm{args.warm_start}" if args.warm_start else ""))
     path = out / "time_to_target.json"
     if args.report:
         saved = json.loads(path.read_text())
@@ -498,7 +527,7 @@ def main() -> int:
         plots(saved["results"], out)
         return 0
     rows: list[dict] = []
-    meta: dict = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
+    meta: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "warm_dir")}}
     if args.merge and path.exists():  # rows kept from an earlier run carry its provenance
         old = json.loads(path.read_text())
         rows = [{**r, "measured": r.get("measured") or kept_provenance(old)} for r in old["results"]
