@@ -3,6 +3,8 @@
 ``none`` sends raw float32; ``fp16`` / ``bf16`` cast; ``q8`` .. ``q2`` quantise each token's vector
 to that many bits with its own scale; ``topk:R`` keeps the fraction R of entries with
 the largest magnitude (values in fp16, indices in the most compact form, see ``sparse.py``);
+``hq4`` / ``hq3`` / ``hq2`` quantise tiles of 256 values to that many bits after a randomized Hadamard
+rotation, with per-tile scales (``rotated.py``; ``-sr``: stochastic rounding, unbiased, for gradients);
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
 quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
 (``entropy.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
@@ -26,6 +28,7 @@ from fusionllm.compress.entropy import (
     step_for_bits,
 )
 from fusionllm.compress.quant import decode_quant, encode_quant
+from fusionllm.compress.rotated import BITS, decode_rotated, encode_rotated, rotated_byte_ratio
 from fusionllm.compress.sparse import (
     F16,
     decode_sparse,
@@ -35,13 +38,14 @@ from fusionllm.compress.sparse import (
 )
 from fusionllm.core.errors import ConfigError, WireError
 
+ROTATED = tuple(f"hq{b}{sr}" for b in BITS for sr in ("", "-sr"))
 EXACT_BELOW = 1 << 20  # exact top-k (argpartition) below this many elements; a sampled threshold above
 SAMPLE = 1 << 16
 
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | q8 .. q2 | eq | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | topk | topk-token | adatopk
     ratio: float = 1.0
     step: float = 0.0  # eq: the quantisation step in units of each row's RMS
 
@@ -49,6 +53,11 @@ class CodecSpec:
         if self.kind == "eq":
             return f"eq:{self.step:g}"
         return f"{self.kind}:{self.ratio:g}" if self.kind in ("topk", "topk-token") else self.kind
+
+    @property
+    def rotated_bits(self) -> int | None:
+        """hqN / hqN-sr: N; other codecs: None."""
+        return int(self.kind[2]) if self.kind.startswith("hq") else None
 
     @property
     def sparse(self) -> bool:
@@ -60,7 +69,7 @@ def parse_codec(text: str) -> CodecSpec:
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
-    if kind in ("q8", "q6", "q5", "q4", "q3", "q2") and not arg:
+    if kind in ("q8", "q6", "q5", "q4", "q3", "q2", *ROTATED) and not arg:
         return CodecSpec(kind)
     if kind == "eq":
         try:
@@ -78,7 +87,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -127,6 +136,8 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None) -> tuple[
     if spec.kind == "eq":
         payload = encode_eq(x, spec.step)  # outliers cost 12 bytes each: never send more than raw
         return ("eq", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
+    if spec.rotated_bits:
+        return "hq", encode_rotated(x, spec.rotated_bits, stochastic=spec.kind.endswith("-sr"))
     if spec.kind.startswith("q"):
         return "quant", encode_quant(x, int(spec.kind[1:]))
     flat = x.reshape(-1)
@@ -152,6 +163,11 @@ def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, 
         if out.shape != shape:
             raise WireError(f"quantised payload has shape {list(out.shape)}, the header says {list(shape)}")
         return out
+    if tag == "hq":
+        out = decode_rotated(payload, max_elements=max(n, 1))
+        if out.shape != shape:
+            raise WireError(f"rotated-quantised payload has shape {list(out.shape)}, the header says {list(shape)}")
+        return out
     if tag == "eq":
         out = decode_eq(payload, max_elements=max(n, 1))
         if out.shape != shape:
@@ -174,6 +190,8 @@ def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
         return 0.5
     if spec.kind == "eq":
         return min(1.0, (bits_for_step(spec.step) + 0.125) / 32)
+    if spec.rotated_bits:
+        return rotated_byte_ratio(spec.rotated_bits)
     if spec.kind.startswith("q"):
         return int(spec.kind[1:]) / 32
     # fp16 values (2 bytes) plus the smaller of 16-bit deltas (2 bytes) and a bitmap (n/8 bytes)

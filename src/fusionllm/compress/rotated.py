@@ -1,0 +1,163 @@
+"""Tile-wise low-bit quantisation after a randomized Hadamard rotation (``hq4``, ``hq3``, ``hq2``).
+
+A tensor is flattened and cut into tiles of ``T`` values (256, or the power of two that holds a
+smaller tensor). Each tile is multiplied by a fixed pattern of random signs (seeded: both ends
+make the same one) and by the orthonormal Hadamard matrix of order ``T``: the rotation spreads an
+outlier over the whole tile, so the rotated values are close to Gaussian and a uniform grid of
+``2**bits`` levels per tile fits them (TAH-Quant, arXiv 2506.01352). Each tile keeps its own scale
+``s`` (float16); the levels are ``-s + k * 2s / (2**bits - 1)``.
+
+Two roundings:
+- nearest (``hqN``, activations): ``s`` = min(absmax, ``CLIP[bits]`` x RMS), the clipping that
+  minimises the squared error of a uniform quantiser on Gaussian values (Max, 1960);
+- stochastic (``hqN-sr``, gradients): ``s`` = absmax and each value rounds up with the probability
+  of its distance to the level below, so the decoded tensor is unbiased: E[decode] = x.
+
+The decoder rotates back (the Hadamard matrix is its own inverse, the signs too).
+
+Layout (little-endian)::
+
+    b"HQ" + bits (u8, 2 to 4) + log2 tile (u8) + u8 rank | rank x u64 shape
+    | tiles x float16 scale | tiles x T codes of ``bits`` bits, packed (2 and 4 bits: most significant
+      first within a byte; 3 bits: eight codes in three bytes, the first in the top bits)
+
+Vectorised throughout (the rotation is one matrix product per tensor); the decoder checks every size
+against the payload before it allocates.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from functools import lru_cache
+
+import numpy as np
+
+from fusionllm.core.errors import WireError
+
+TILE = 256
+BITS = (2, 3, 4)
+CLIP = {2: 1.4935, 3: 2.0509, 4: 2.5139}  # the MSE-optimal uniform quantiser's half-range on N(0, 1), over RMS
+SIGN_SEED = 0x5EED
+_HEAD = struct.Struct("<2sBBB")
+
+
+@lru_cache(maxsize=16)
+def _rotation(log2_tile: int) -> np.ndarray:
+    """diag(signs) @ H / sqrt(T): orthonormal, float32, T x T (T = 2**log2_tile)."""
+    t = 1 << log2_tile
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < t:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(SIGN_SEED + log2_tile).choice(np.array([-1.0, 1.0], dtype=np.float32), size=t)
+    out = (signs[:, None] * h / math.sqrt(t)).astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
+def tile_for(n: int) -> int:
+    """log2 of the tile: TILE, or the smallest power of two that holds ``n`` values (at least 8: whole
+    bytes of codes at every width)."""
+    return max(3, min(int(math.log2(TILE)), math.ceil(math.log2(max(n, 2)))))
+
+
+def _pack(codes: np.ndarray, bits: int) -> bytes:
+    c = codes.astype(np.uint8)
+    if bits == 4:
+        c = c.reshape(-1, 2)
+        return ((c[:, 0] << 4) | c[:, 1]).tobytes()
+    if bits == 2:
+        c = c.reshape(-1, 4)
+        return ((c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]).tobytes()
+    v = c.reshape(-1, 8).astype(np.uint32)  # 3 bits: eight codes in 24 bits
+    word = np.zeros(v.shape[0], dtype=np.uint32)
+    for i in range(8):
+        word |= v[:, i] << np.uint32(21 - 3 * i)
+    return np.stack([(word >> 16) & 0xFF, (word >> 8) & 0xFF, word & 0xFF], axis=1).astype(np.uint8).tobytes()
+
+
+def _unpack(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
+    if bits == 4:
+        return np.stack([raw >> 4, raw & 0x0F], axis=1).reshape(-1)[:n]
+    if bits == 2:
+        return np.stack([raw >> 6, (raw >> 4) & 3, (raw >> 2) & 3, raw & 3], axis=1).reshape(-1)[:n]
+    b = raw.reshape(-1, 3).astype(np.uint32)
+    word = (b[:, 0] << 16) | (b[:, 1] << 8) | b[:, 2]
+    return np.stack([(word >> np.uint32(21 - 3 * i)) & 7 for i in range(8)], axis=1).astype(np.uint8).reshape(-1)[:n]
+
+
+def _packed_bytes(values: int, bits: int) -> int:
+    """Bytes of ``values`` codes (a multiple of 8: every tile is)."""
+    return values * bits // 8
+
+
+def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: np.random.Generator | None = None) -> bytes:
+    """``x`` (float32, any shape) in ``bits`` bits a value, plus one float16 scale per tile."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}")
+    shape = tuple(x.shape)
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    n = flat.size
+    lt = tile_for(n)
+    t = 1 << lt
+    tiles = -(-n // t)
+    padded = np.zeros(tiles * t, dtype=np.float32)
+    padded[:n] = flat
+    y = padded.reshape(tiles, t) @ _rotation(lt)
+    top = np.abs(y).max(axis=1)
+    if not stochastic:
+        rms = np.sqrt(np.mean(np.square(y, dtype=np.float64), axis=1)).astype(np.float32)
+        top = np.minimum(top, CLIP[bits] * rms)
+    scale16 = top.astype(np.float16)
+    scale16 = np.where(np.isfinite(scale16), scale16, np.float16(np.finfo(np.float16).max))
+    s = scale16.astype(np.float32)
+    if stochastic:  # the float16 scale must still cover every value: round it up where it fell short
+        short = s < top
+        s[short] = np.nextafter(scale16[short], np.float16(np.inf)).astype(np.float32)
+        scale16 = s.astype(np.float16)
+    levels = (1 << bits) - 1
+    safe = np.where(s > 0, s, 1.0)
+    u = (y / safe[:, None] + 1.0) * (levels / 2.0)  # in [0, levels] where |y| <= s
+    if stochastic:
+        gen = rng if rng is not None else np.random.default_rng()
+        u = np.floor(u + gen.random(u.shape, dtype=np.float32))
+    else:
+        u = np.rint(u)
+    codes = np.clip(u, 0, levels).astype(np.uint8).reshape(-1)
+    head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
+    return head + scale16.astype("<f2").tobytes() + _pack(codes, bits)
+
+
+def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
+    view = memoryview(buf)
+    if len(view) < _HEAD.size:
+        raise WireError("rotated-quantised tensor truncated")
+    magic, bits, lt, rank = _HEAD.unpack_from(view, 0)
+    if magic != b"HQ" or bits not in BITS or not 3 <= lt <= int(math.log2(TILE)) or rank > 16:
+        raise WireError("not a rotated-quantised tensor (bad magic, bits, tile or rank)")
+    off = _HEAD.size + 8 * rank
+    if len(view) < off:
+        raise WireError("rotated-quantised tensor truncated inside its shape")
+    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
+    n = 1
+    for d in shape:
+        n *= d
+    if n > max_elements or lt != tile_for(n):
+        raise WireError(f"rotated-quantised tensor declares shape {list(shape)} with tile 2**{lt}: inconsistent or too large")
+    t = 1 << lt
+    tiles = -(-n // t)
+    body = _packed_bytes(tiles * t, bits)
+    if len(view) != off + 2 * tiles + body:
+        raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
+    scale = np.frombuffer(view[off : off + 2 * tiles], dtype="<f2").astype(np.float32)
+    codes = _unpack(np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8), bits, tiles * t)
+    levels = (1 << bits) - 1
+    y = (codes.reshape(tiles, t).astype(np.float32) * (2.0 / levels) - 1.0) * scale[:, None]
+    return (y @ _rotation(lt).T).reshape(-1)[:n].reshape(shape)
+
+
+def rotated_byte_ratio(bits: int, n: int = 1 << 20) -> float:
+    """Encoded bytes / float32 bytes for ``n`` values (the scales and padding included)."""
+    t = 1 << tile_for(n)
+    tiles = -(-n // t)
+    return (2 * tiles + _packed_bytes(tiles * t, bits)) / (4 * n)
