@@ -94,7 +94,7 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
     out["tensor message"] = ([encode_array(a) for a in arrays],
                              lambda b: decode_array(b, max_payload=MAX_PAYLOAD), MAX_PAYLOAD)
     x = rng.standard_normal((8, 16)).astype(np.float32)
-    for codec in ("none", "fp16", "bf16", "q8", "q4", "eq:0.7", "topk:0.1"):
+    for codec in ("none", "fp16", "bf16", "q8", "q4", "hq4", "hq3-sr", "hq2", "eq:0.7", "topk:0.1"):
         tag, payload = encode(x, parse_codec(codec))
         shape = x.shape
 
