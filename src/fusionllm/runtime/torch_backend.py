@@ -64,7 +64,12 @@ class TorchStage:
             offset += p.numel()
 
     def grad_sq(self, names: set[str]) -> float:
-        return sum(float(p.grad.double().pow(2).sum()) for n, p in self.executor.trainable().items() if n in names and p.grad is not None)
+        """The squared L2 norm of these gradients: each tensor's norm in its own dtype (one kernel, no
+        copy; taken after every micro-batch where the noise scale is measured), summed in float64."""
+        grads = [p.grad for n, p in self.executor.trainable().items() if n in names and p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum())
 
     def step(self, coef: float, lr: float) -> None:
         for p in self.executor.trainable().values():
