@@ -424,10 +424,14 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         reached_s = f"{_t(min(times)) if times else '-'} / {_t(med)}" + ("" if len(times) == len(rs) else f" ({len(times)} of {len(rs)} reached)")
         lines.append(f"| {cluster} | {system} | {len(rs)} | {reached_s} | {_t(statistics.median(walls)) if walls else '-'} | {ratio('peer')} | "
                      f"{ratio('fastest')} | {_t(pred)} | {err} | {cal_s} | {f'{statistics.median(toks):,.0f}' if toks else '-'} | {rs[0]['plan']}{_replans(rs)} |")
-    kept = {(r["cluster"], r["seed"]): r["measured"] for r in rows if r.get("measured")}
+    kept: dict[tuple[str, int, str, str], list[str]] = {}
+    for r in rows:
+        if r.get("measured"):
+            m = r["measured"]
+            kept.setdefault((r["cluster"], r["seed"], m["commit"][:12], m["date"]), []).append(r["system"])
     if kept:
-        lines += ["", "Rows kept from earlier runs (`--merge`): " + "; ".join(f"{c} seed {sd}: commit {m['commit'][:12]}, {m['date']}"
-                                                                        for (c, sd), m in kept.items())]
+        lines += ["", "Rows kept from earlier runs (`--merge`): " + "; ".join(f"{c} seed {sd} ({', '.join(ss)}): commit {cm}, {d}"
+                                                                        for (c, sd, cm, d), ss in kept.items())]
     speeds = [r["machine_gflops"] for r in rows if r.get("machine_gflops")]
     if speeds:
         lines += ["", f"Machine speed before each run (one core, GFLOP/s): {min(speeds):.1f}-{max(speeds):.1f}, median {statistics.median(speeds):.1f}; "
@@ -514,7 +518,7 @@ def main() -> int:
     ap.add_argument("--warm-start", type=int, default=0, metavar="K",
                     help="every system starts from a checkpoint of K steps of one worker (another data seed); results in MODEL-warmK")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters and seeds not run this time")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters, seeds and systems not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
     args = ap.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # kill -INT stops it cleanly even where it started with SIGINT ignored (nohup &)
@@ -523,7 +527,8 @@ def main() -> int:
     path = out / "time_to_target.json"
     if args.report:
         saved = json.loads(path.read_text())
-        write(out, "time_to_target", saved["results"], table(saved["results"], args), {**kept_provenance(saved), "args": saved.get("args", {})})
+        ran = argparse.Namespace(**{**vars(args), **saved.get("args", {})})  # the table says what the runs were (steps, batch, target)
+        write(out, "time_to_target", saved["results"], table(saved["results"], ran), {**kept_provenance(saved), "args": saved.get("args", {})})
         plots(saved["results"], out)
         return 0
     rows: list[dict] = []
@@ -531,7 +536,7 @@ def main() -> int:
     if args.merge and path.exists():  # rows kept from an earlier run carry its provenance
         old = json.loads(path.read_text())
         rows = [{**r, "measured": r.get("measured") or kept_provenance(old)} for r in old["results"]
-                if r["cluster"] not in args.clusters or r["seed"] not in args.seeds]
+                if r["cluster"] not in args.clusters or r["seed"] not in args.seeds or r["system"] not in args.systems]
     seeds = args.seeds
     with tempfile.TemporaryDirectory(prefix="fusion-ttt-") as tmpdir:
         for seed in seeds:  # every cluster at the first seed before any at the next; written after each
