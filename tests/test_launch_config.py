@@ -37,6 +37,12 @@ def test_train_and_coordinator_have_the_same_default_for_every_option_they_share
     shared = set(ours) & set(theirs)
     assert {"eval_every", "eval_batches", "steps", "compress", "sync"} <= shared
     differ = {name: (ours[name].default, theirs[name].default) for name in shared if ours[name].default != theirs[name].default}
+    # --sync: train resolves its None per run (auto where a planner forms the plan, launch/config.default_sync); with
+    # nothing to plan it is the coordinator's default
+    from fusionllm.launch.config import default_sync
+
+    assert differ.pop("sync", (None, None))[0] is None
+    assert default_sync(None, scheduler=None, groups=None, replicas=None, regroup=None, resume=False) == theirs["sync"].default
     assert not differ, differ
 
 
