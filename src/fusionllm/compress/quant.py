@@ -50,6 +50,18 @@ def encode_quant(x: np.ndarray, bits: int) -> bytes:
     return head + scale16.astype("<f2").tobytes() + body
 
 
+def read_shape(view: memoryview, at: int, rank: int, what: str) -> tuple[tuple[int, ...], int, int]:
+    """A header's ``rank`` u64 dimensions at ``at``: (shape, element count, the offset after them)."""
+    end = at + 8 * rank
+    if len(view) < end:
+        raise WireError(f"{what} truncated inside its shape")
+    shape = struct.unpack_from(f"<{rank}Q", view, at)
+    n = 1
+    for d in shape:
+        n *= d
+    return shape, n, end
+
+
 def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
     view = memoryview(buf)
     if len(view) < _HEAD.size:
@@ -57,13 +69,7 @@ def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.n
     magic, bits, rank, rows, cols = _HEAD.unpack_from(view, 0)
     if magic != b"FQ" or not 2 <= bits <= 8 or rank > 16:
         raise WireError("not a quantised tensor (bad magic, bits or rank)")
-    off = _HEAD.size + 8 * rank
-    if len(view) < off:
-        raise WireError("quantised tensor truncated inside its shape")
-    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
-    n = 1
-    for d in shape:
-        n *= d
+    shape, n, off = read_shape(view, _HEAD.size, rank, "quantised tensor")
     if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols):
         raise WireError(f"quantised tensor declares shape {list(shape)} as {rows} x {cols}: inconsistent or too large")
     body = n if bits == 8 else (n * bits + 7) // 8

@@ -33,6 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from fusionllm.compress.quant import read_shape
 from fusionllm.core.errors import WireError
 
 TILE = 256
@@ -135,13 +136,7 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     magic, bits, lt, rank = _HEAD.unpack_from(view, 0)
     if magic != b"HQ" or bits not in BITS or not 3 <= lt <= int(math.log2(TILE)) or rank > 16:
         raise WireError("not a rotated-quantised tensor (bad magic, bits, tile or rank)")
-    off = _HEAD.size + 8 * rank
-    if len(view) < off:
-        raise WireError("rotated-quantised tensor truncated inside its shape")
-    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
-    n = 1
-    for d in shape:
-        n *= d
+    shape, n, off = read_shape(view, _HEAD.size, rank, "rotated-quantised tensor")
     if n > max_elements or lt != tile_for(n):
         raise WireError(f"rotated-quantised tensor declares shape {list(shape)} with tile 2**{lt}: inconsistent or too large")
     t = 1 << lt
