@@ -8,7 +8,8 @@ rotation, with per-tile scales (``rotated.py``; ``-sr``: stochastic rounding, un
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
 quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
 (``entropy.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
-training (``policy.py``) with the most accurate of these that fits, never coarser than ``eq:0.7``.
+training (``policy.py``) with the most accurate codec that fits and whose error, measured on the
+tensor, stays within its role's budget (``budget.py``).
 Everything here is NumPy: a worker without torch can encode and decode.
 """
 
@@ -25,7 +26,6 @@ from fusionllm.compress.entropy import (
     bits_for_step,
     decode_eq,
     encode_eq,
-    step_for_bits,
 )
 from fusionllm.compress.quant import decode_quant, encode_quant
 from fusionllm.compress.rotated import BITS, decode_rotated, encode_rotated, rotated_byte_ratio
@@ -203,28 +203,3 @@ def topk_ratio_for(byte_target: float) -> float:
     if byte_target >= 1.0:
         return 1.0
     return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))
-
-
-EQ_BITS = (1.5, 4.5)  # entropy-coded quantisation between these bits per value (explicit eq:STEP)
-EQ_FLOOR_STEP = 0.7  # AdaTopK's coarsest step: the coarsest whose damage was measured acceptable (docs/compression.md)
-
-
-def adaptive_codec(byte_target: float, row_len: int) -> tuple[CodecSpec, float | None]:
-    """AdaTopK's choice for a link that should send about ``byte_target`` of the raw bytes.
-
-    The most accurate codec that fits: fp16, per-token quantisation in 8, 6 or 5 bits, then
-    entropy-coded quantisation (``eq``) with the step that meets the target, never coarser than
-    ``eq:0.7``: below that no codec's damage was measured acceptable (3-bit quantisation cost 6%,
-    top-k at 10% 50% in our convergence experiment, docs/compression.md), so a lower target gets
-    ``eq:0.7`` and sends a little more than asked. Top-k is never chosen.
-    """
-    if byte_target >= 1.0:
-        return CodecSpec("none"), None
-    if byte_target >= 0.5:
-        return CodecSpec("fp16"), None
-    row_len = max(row_len, 1)
-    for bits in (8, 6, 5):
-        if bits / 32 + 2 / (4 * row_len) <= byte_target:
-            return CodecSpec(f"q{bits}"), None
-    bits = byte_target * 32 - 16 / row_len - 0.15  # the bf16 scale per row, and a margin for Huffman's overhead
-    return CodecSpec("eq", step=min(EQ_FLOOR_STEP, step_for_bits(min(bits, EQ_BITS[1])))), None

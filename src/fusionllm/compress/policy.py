@@ -1,13 +1,23 @@
-"""AdaTopK's policy: which codec each link uses, chosen by the step time it predicts.
+"""AdaTopK's policy: the byte target of each link, chosen by the step time it predicts.
 
 For every directed worker link the policy knows what one training step puts on it (activations or
 their gradients per micro-batch, all-reduced gradients, messages), the link's rate, and per worker
 the compute of a step and how fast it encodes and decodes. It predicts the step with each byte
-target of a ladder of codecs whose damage was measured acceptable (raw, fp16, 8/6/5-bit per-token
-quantisation, entropy-coded quantisation down to a step of 0.7 x RMS: ``FLOOR``), codec CPU time
-included on the device that pays it (encode on the sender, decode on the receiver), and keeps
-``none`` unless a codec predicts a step at least ``gain`` shorter. Among the codecs within
-``prefer`` of the fastest it takes the most accurate.
+target of a ladder (raw, fp16, 8/6/5-bit per-token quantisation, 4-bit rotated, entropy-coded and
+3-bit rotated quantisation near 10x, and ``FLOOR``: as few bytes as the error budget allows), codec
+CPU time included on the device that pays it (encode on the sender, decode on the receiver). The
+sending worker turns a target into a codec (``budget.py``): the most accurate that meets it among
+the codecs whose error, measured on the tensor, stays within the budget of its role (activations,
+gradients); where none meets it, the cheapest within the budget. The policy decides time, the
+budget accuracy.
+
+Two rules pick the target:
+- a link that is the step's **bottleneck** uncompressed (its raw bytes keep it busy longer than the
+  slowest device computes a step) gets the lowest target whose predicted step is no longer than
+  uncompressed: it stays compressed after compression has made the step compute-bound (on this CPU
+  compute is slow; on GPUs it is about 100x faster and such a link is what the step waits for);
+- any other link keeps ``none`` unless a target predicts a step at least ``gain`` shorter; among
+  the targets within ``prefer`` of the fastest it takes the most accurate.
 
 During training the workers report, per link and step, the bytes sent, the messages and the time
 the link was busy. A message's busy time has a part that grows with its bytes, a fixed part (the
@@ -26,9 +36,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-FLOOR_STEP = 0.7  # the coarsest eq step measured acceptable (docs/compression.md: eq:0.7 -0.0%, q3 +6%)
-FLOOR = 0.09  # bytes of eq:0.7 / raw float32 (2.66 bits per value, per-token scales, Huffman's overhead)
-LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.14, 0.12, 0.105, FLOOR)  # none, fp16, q8, q6, q5, eq (finer to 0.7)
+FLOOR = 0.065  # the lowest target (hq2's bytes): the worker sends the cheapest codec within its error budget
+LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.13, 0.105, 0.097, 0.088, FLOOR)  # none, fp16, q8, q6, q5, hq4, eq:0.5, hq3, eq:0.7
 WINDOW = 32  # steps of measurements the fit of a link's fixed part per message looks at
 RECENT = 8  # steps its rate is judged from
 SPREAD = 1.25  # bytes per message must vary this much in the window to fit the fixed part
@@ -109,9 +118,19 @@ class LinkPolicy:
             return self.predicted_step(link, target, general)
         return self.predicted_step(link, target, min(general, self.rate_at(link, target) or general))
 
+    def bottleneck(self, link: tuple[int, int]) -> bool:
+        """Whether the link, uncompressed, is busy longer in a step than the slowest device computes."""
+        load = self.loads.get(link, LinkLoad())
+        rate = self.bps.get(link, float("inf"))
+        busy = (load.step_bytes * 8 / rate if rate > 0 else 0.0) + load.messages * self.overhead_s
+        return busy / self.margin > max(self.compute_s.values(), default=0.0)
+
     def choose(self, link: tuple[int, int]) -> float:
-        """The byte target for the link: ``none`` unless a codec of the ladder clearly pays."""
+        """The byte target for the link: on a bottleneck the lowest that predicts no longer a step than
+        ``none``; elsewhere ``none`` unless a target clearly pays."""
         costs = {t: self.judged_step(link, t) for t in LADDER if t >= self.floor}
+        if self.bottleneck(link):
+            return min(t for t, c in costs.items() if c <= costs[1.0])
         best = min(costs.values())
         if best > (1 - self.gain) * costs[1.0]:
             return 1.0

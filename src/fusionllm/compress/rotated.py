@@ -5,7 +5,8 @@ smaller tensor). Each tile is multiplied by a fixed pattern of random signs (see
 make the same one) and by the orthonormal Hadamard matrix of order ``T``: the rotation spreads an
 outlier over the whole tile, so the rotated values are close to Gaussian and a uniform grid of
 ``2**bits`` levels per tile fits them (TAH-Quant, arXiv 2506.01352). Each tile keeps its own scale
-``s`` (float16); the levels are ``-s + k * 2s / (2**bits - 1)``.
+``s`` (bfloat16: a float16 scale underflows on gradients of about 1e-7, which pipeline stages
+send); the levels are ``-s + k * 2s / (2**bits - 1)``.
 
 Two roundings:
 - nearest (``hqN``, activations): ``s`` = min(absmax, ``CLIP[bits]`` x RMS), the clipping that
@@ -18,7 +19,7 @@ The decoder rotates back (the Hadamard matrix is its own inverse, the signs too)
 Layout (little-endian)::
 
     b"HQ" + bits (u8, 2 to 4) + log2 tile (u8) + u8 rank | rank x u64 shape
-    | tiles x float16 scale | tiles x T codes of ``bits`` bits, packed (2 and 4 bits: most significant
+    | tiles x bfloat16 scale | tiles x T codes of ``bits`` bits, packed (2 and 4 bits: most significant
       first within a byte; 3 bits: eight codes in three bytes, the first in the top bits)
 
 Vectorised throughout (the rotation is one matrix product per tensor); the decoder checks every size
@@ -34,6 +35,7 @@ from functools import lru_cache
 import numpy as np
 
 from fusionllm.compress.quant import read_shape
+from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
 from fusionllm.core.errors import WireError
 
 TILE = 256
@@ -41,6 +43,7 @@ BITS = (2, 3, 4)
 CLIP = {2: 1.4935, 3: 2.0509, 4: 2.5139}  # the MSE-optimal uniform quantiser's half-range on N(0, 1), over RMS
 SIGN_SEED = 0x5EED
 _HEAD = struct.Struct("<2sBBB")
+BF16_MAX = 0x7F7F  # the largest finite bfloat16 (a tile holding inf or NaN gets it)
 
 
 @lru_cache(maxsize=16)
@@ -93,7 +96,7 @@ def _packed_bytes(values: int, bits: int) -> int:
 
 
 def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: np.random.Generator | None = None) -> bytes:
-    """``x`` (float32, any shape) in ``bits`` bits a value, plus one float16 scale per tile."""
+    """``x`` (float32, any shape) in ``bits`` bits a value, plus one bfloat16 scale per tile."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}")
     shape = tuple(x.shape)
@@ -109,13 +112,11 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     if not stochastic:
         rms = np.sqrt(np.mean(np.square(y, dtype=np.float64), axis=1)).astype(np.float32)
         top = np.minimum(top, CLIP[bits] * rms)
-    scale16 = top.astype(np.float16)
-    scale16 = np.where(np.isfinite(scale16), scale16, np.float16(np.finfo(np.float16).max))
-    s = scale16.astype(np.float32)
-    if stochastic:  # the float16 scale must still cover every value: round it up where it fell short
-        short = s < top
-        s[short] = np.nextafter(scale16[short], np.float16(np.inf)).astype(np.float32)
-        scale16 = s.astype(np.float16)
+    scale_bits = to_bf16_bits(top)
+    if stochastic:  # the rounded scale must still cover every value: one step up where it fell short
+        scale_bits = np.where(from_bf16_bits(scale_bits) < top, scale_bits + np.uint16(1), scale_bits).astype(np.uint16)
+    scale_bits = np.where(np.isfinite(from_bf16_bits(scale_bits)), scale_bits, np.uint16(BF16_MAX))
+    s = from_bf16_bits(scale_bits)
     levels = (1 << bits) - 1
     safe = np.where(s > 0, s, 1.0)
     u = (y / safe[:, None] + 1.0) * (levels / 2.0)  # in [0, levels] where |y| <= s
@@ -126,7 +127,7 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
         u = np.rint(u)
     codes = np.clip(u, 0, levels).astype(np.uint8).reshape(-1)
     head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
-    return head + scale16.astype("<f2").tobytes() + _pack(codes, bits)
+    return head + scale_bits.astype("<u2").tobytes() + _pack(codes, bits)
 
 
 def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
@@ -144,7 +145,7 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     body = _packed_bytes(tiles * t, bits)
     if len(view) != off + 2 * tiles + body:
         raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
-    scale = np.frombuffer(view[off : off + 2 * tiles], dtype="<f2").astype(np.float32)
+    scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * tiles], dtype="<u2"))
     codes = _unpack(np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8), bits, tiles * t)
     levels = (1 << bits) - 1
     y = (codes.reshape(tiles, t).astype(np.float32) * (2.0 / levels) - 1.0) * scale[:, None]

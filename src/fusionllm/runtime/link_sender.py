@@ -8,7 +8,8 @@ Every tensor a stage sends goes through one ``LinkSender``: an activation or gra
   so that the receiver neither trusts nor blames it;
 - is corrupted on purpose at the steps a faulty worker was told (``runtime/faults.py``, tests);
 - is encoded with the run's codec where its role (act, grad, reduce) is compressed, per
-  destination for AdaTopK (``ratios``, set by the coordinator each step); a gradient's or a
+  destination for AdaTopK (``ratios``, byte targets set by the coordinator each step; the codec
+  within the role's error budget, ``compress/budget.py``); a gradient's or a
   reduce chunk's compression error is kept (``ErrorFeedback``) and added to its next value.
 
 Links the worker's ``torch.distributed`` world carries (``runtime/carrier.py``) take the tensor
@@ -24,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from fusionllm.compress.codecs import adaptive_codec, decode, encode, parse_codec
+from fusionllm.compress.budget import BudgetChooser
+from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
-from fusionllm.compress.sparse import row_len
 from fusionllm.graph.ir import Edge
 from fusionllm.runtime.backend import StageBackend
 from fusionllm.runtime.faults import Fault, tamper
@@ -58,6 +59,7 @@ class LinkSender:
         self.codec = parse_codec(hyper.compress)
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
         self.feedback = ErrorFeedback()
+        self.chooser = BudgetChooser()  # adatopk: the codec per tensor within its role's error budget
         self.faults = faults
         self.micro_batches = micro_batches
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
@@ -120,10 +122,11 @@ class LinkSender:
             return x
         assert x is not None
         spec, ratio = self.codec, self.ratio(dst)
-        if spec.kind == "adatopk":  # the link's byte target -> the most accurate codec that meets it
-            spec, ratio = adaptive_codec(ratio if ratio is not None else 1.0, row_len(x.shape))
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
+            nonlocal spec, ratio
+            if spec.kind == "adatopk":  # the link's byte target -> a codec within the role's error budget
+                spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0), None
             if feedback_key is None:
                 encoded = encode(x, spec, ratio)
                 return encoded, (decode(*encoded, x.shape) if keep_decoded else None)

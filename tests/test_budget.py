@@ -1,0 +1,101 @@
+"""AdaTopK's codec per tensor (compress/budget.py): the cheapest within the role's measured error budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusionllm.compress.budget import (
+    BUDGET,
+    CANDIDATES,
+    REMEASURE,
+    BudgetChooser,
+    Measured,
+    measure,
+    pick,
+    sample_of,
+)
+from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.policy import FLOOR
+
+
+def _residual_stream(scale: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Token vectors of unequal norms with an outlier channel, as a transformer's residual stream."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, 128, 128)) * rng.uniform(0.3, 3, (8, 128, 1))
+    x[..., 7] *= 8
+    return (x * scale).astype(np.float32)
+
+
+def _error(x: np.ndarray, codec: str) -> float:
+    tag, payload = encode(x, parse_codec(codec))
+    return float(np.linalg.norm(decode(tag, payload, x.shape) - x) / np.linalg.norm(x))
+
+
+def test_pick_meets_the_target_most_accurately_and_otherwise_sends_the_cheapest_within_budget() -> None:
+    q = parse_codec
+    table = [Measured(q("fp16"), 0.5, 0.001), Measured(q("hq4"), 0.13, 0.10), Measured(q("hq3"), 0.097, 0.19), Measured(q("hq2"), 0.066, 0.33)]
+    assert str(pick(table, 0.25, 0.2)) == "hq4"  # hq4 and hq3 fit: the more accurate
+    assert str(pick(table, 0.25, 0.1)) == "hq3"
+    assert str(pick(table, 0.25, 0.05)) == "hq3"  # nothing fits: the cheapest within the budget, not hq2
+    assert str(pick(table, 0.4, 0.05)) == "hq2"
+    assert str(pick(table, 0.0001, 0.05)) == "none"  # nothing within the budget: raw
+
+
+@pytest.mark.parametrize("role", ["act", "grad"])
+def test_lowest_target_sends_a_tenth_of_the_bytes_within_the_budget(role: str) -> None:
+    x = _residual_stream()
+    spec = BudgetChooser().choose(x, 1, role, FLOOR)
+    tag, payload = encode(x, spec)
+    assert len(payload) <= 0.1 * 4 * x.size, (spec, len(payload) / (4 * x.size))
+    assert _error(x, str(spec)) <= 1.05 * BUDGET[role], spec  # the sample's error holds for the whole tensor
+    assert not spec.sparse
+
+
+def test_gradients_are_held_to_the_tighter_budget() -> None:
+    x = _residual_stream()
+    chooser = BudgetChooser()
+    act, grad = chooser.choose(x, 1, "act", FLOOR), chooser.choose(x, 1, "grad", FLOOR)
+    assert BUDGET["grad"] < BUDGET["act"]
+    assert _error(x, str(grad)) <= _error(x, str(act))
+
+
+def test_a_codec_whose_scales_underflow_on_small_gradients_is_not_chosen() -> None:
+    """Per-token 8-bit quantisation keeps float16 scales: on a gradient of about 1e-8 they underflow and
+    its error is large, which only a measurement sees. The rotated codecs keep bfloat16 scales."""
+    tiny = _residual_stream(scale=1e-8)
+    assert _error(tiny, "q8") > 0.5
+    assert _error(tiny, "hq4") == pytest.approx(_error(_residual_stream(), "hq4"), rel=0.05)
+    spec = BudgetChooser().choose(tiny, 1, "grad", 0.27)
+    assert str(spec) != "q8" and _error(tiny, str(spec)) <= BUDGET["grad"]
+
+
+def test_the_table_is_measured_again_every_few_tensors_and_on_a_new_shape() -> None:
+    chooser = BudgetChooser()
+    x = _residual_stream()
+    chooser.choose(x, 2, "act", 0.1)
+    first = chooser.tables[(2, "act")][2]
+    for _ in range(REMEASURE - 1):
+        chooser.choose(x * 1e-8, 2, "act", 0.1)
+    assert chooser.tables[(2, "act")][2] is first  # within REMEASURE tensors the table is kept
+    chooser.choose(x * 1e-8, 2, "act", 0.1)
+    assert chooser.tables[(2, "act")][2] is not first
+    kept = chooser.tables[(2, "act")][2]
+    chooser.choose(x[:4], 2, "act", 0.1)
+    assert chooser.tables[(2, "act")][2] is not kept
+    assert set(chooser.errors()["w2 act"]) == {str(c) for c in CANDIDATES}
+
+
+def test_no_compression_for_a_target_of_one_or_an_empty_tensor() -> None:
+    chooser = BudgetChooser()
+    assert chooser.choose(_residual_stream(), 1, "act", 1.0).kind == "none"
+    assert chooser.choose(np.zeros((0, 8), np.float32), 1, "act", 0.1).kind == "none"
+
+
+def test_sample_is_whole_rows_spread_over_the_tensor() -> None:
+    x = np.arange(64 * 128, dtype=np.float32).reshape(64, 128)
+    s = sample_of(x, 1024)
+    assert s.shape == (8, 128)
+    assert s[0, 0] == 0 and s[-1, 0] == 56 * 128  # every 8th row
+    assert sample_of(x[:2]).shape == (2, 128)
+    assert all(m.error == 0.0 for m in measure(np.zeros((4, 128), np.float32)))
