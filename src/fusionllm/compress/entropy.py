@@ -49,16 +49,24 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
     shape = tuple(x.shape)
     cols = row_len(shape)
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
-    rms = np.sqrt(np.mean(np.square(rows2d, dtype=np.float64), axis=1)).astype(np.float32)
+    squares = np.einsum("ij,ij->i", rows2d, rows2d)  # float32: fast; float64 where it would under- or overflow
+    if squares.size and not (1e-30 < squares.min() and squares.max() < 1e36):  # (NaN fails both: float64 too)
+        squares = np.sum(np.square(rows2d, dtype=np.float64), axis=1)
+    rms = np.sqrt(squares / cols).astype(np.float32)
     scale_bits = to_bf16_bits(rms * np.float32(step))
     scale = from_bf16_bits(scale_bits)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    q = np.rint(rows2d / safe[:, None])
+    q = rows2d * np.divide(np.float32(1.0), scale, out=np.ones_like(scale), where=scale > 0)[:, None]
+    np.rint(q, out=q)
     flat_q = q.reshape(-1)
-    outliers = np.flatnonzero(np.abs(flat_q) > CLIP)
-    codes = (np.clip(flat_q, -CLIP, CLIP) + CLIP).astype(np.uint8)
+    if flat_q.size and (flat_q.max() > CLIP or flat_q.min() < -CLIP):
+        outliers = np.flatnonzero(np.abs(flat_q) > CLIP)
+        np.clip(flat_q, -CLIP, CLIP, out=flat_q)
+    else:
+        outliers = np.zeros(0, dtype=np.int64)
+    flat_q += CLIP
+    codes = flat_q.astype(np.uint8)
     deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    body = deflate.compress(codes.tobytes()) + deflate.flush()
+    body = deflate.compress(memoryview(codes)) + deflate.flush()
     head = _HEAD.pack(b"FE", VERSION, len(shape), rows2d.shape[0], cols, len(outliers), len(body))
     return b"".join((
         head, struct.pack(f"<{len(shape)}Q", *shape), scale_bits.astype("<u2").tobytes(),
@@ -101,6 +109,9 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
     q = np.frombuffer(codes, dtype=np.uint8)
     if n and int(q.max()) > 2 * CLIP:
         raise WireError("entropy-coded tensor: a code is out of range")
-    out = ((q.astype(np.float32) - CLIP).reshape(rows, cols) * scale[:, None]).reshape(-1)
+    out = q.astype(np.float32).reshape(rows, cols)
+    out -= CLIP
+    out *= scale[:, None]
+    out = out.reshape(-1)
     out[positions.astype(np.int64)] = values
     return out.reshape(shape)

@@ -34,6 +34,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from fusionllm.compress.bitpack import pack, unpack
 from fusionllm.compress.quant import read_shape
 from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
 from fusionllm.core.errors import WireError
@@ -65,31 +66,6 @@ def tile_for(n: int) -> int:
     return max(3, min(int(math.log2(TILE)), math.ceil(math.log2(max(n, 2)))))
 
 
-def _pack(codes: np.ndarray, bits: int) -> bytes:
-    c = codes.astype(np.uint8)
-    if bits == 4:
-        c = c.reshape(-1, 2)
-        return ((c[:, 0] << 4) | c[:, 1]).tobytes()
-    if bits == 2:
-        c = c.reshape(-1, 4)
-        return ((c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]).tobytes()
-    v = c.reshape(-1, 8).astype(np.uint32)  # 3 bits: eight codes in 24 bits
-    word = np.zeros(v.shape[0], dtype=np.uint32)
-    for i in range(8):
-        word |= v[:, i] << np.uint32(21 - 3 * i)
-    return np.stack([(word >> 16) & 0xFF, (word >> 8) & 0xFF, word & 0xFF], axis=1).astype(np.uint8).tobytes()
-
-
-def _unpack(raw: np.ndarray, bits: int, n: int) -> np.ndarray:
-    if bits == 4:
-        return np.stack([raw >> 4, raw & 0x0F], axis=1).reshape(-1)[:n]
-    if bits == 2:
-        return np.stack([raw >> 6, (raw >> 4) & 3, (raw >> 2) & 3, raw & 3], axis=1).reshape(-1)[:n]
-    b = raw.reshape(-1, 3).astype(np.uint32)
-    word = (b[:, 0] << 16) | (b[:, 1] << 8) | b[:, 2]
-    return np.stack([(word >> np.uint32(21 - 3 * i)) & 7 for i in range(8)], axis=1).astype(np.uint8).reshape(-1)[:n]
-
-
 def _packed_bytes(values: int, bits: int) -> int:
     """Bytes of ``values`` codes (a multiple of 8: every tile is)."""
     return values * bits // 8
@@ -105,12 +81,15 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     lt = tile_for(n)
     t = 1 << lt
     tiles = -(-n // t)
-    padded = np.zeros(tiles * t, dtype=np.float32)
-    padded[:n] = flat
-    y = padded.reshape(tiles, t) @ _rotation(lt)
-    top = np.abs(y).max(axis=1)
+    if n == tiles * t:
+        blocks = flat.reshape(tiles, t)
+    else:
+        blocks = np.zeros((tiles, t), dtype=np.float32)
+        blocks.reshape(-1)[:n] = flat
+    y = blocks @ _rotation(lt)
+    top = np.maximum(y.max(axis=1), -y.min(axis=1))
     if not stochastic:
-        rms = np.sqrt(np.mean(np.square(y, dtype=np.float64), axis=1)).astype(np.float32)
+        rms = np.sqrt(np.einsum("ij,ij->i", y, y) / t)
         top = np.minimum(top, CLIP[bits] * rms)
     scale_bits = to_bf16_bits(top)
     if stochastic:  # the rounded scale must still cover every value: one step up where it fell short
@@ -118,16 +97,19 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     scale_bits = np.where(np.isfinite(from_bf16_bits(scale_bits)), scale_bits, np.uint16(BF16_MAX))
     s = from_bf16_bits(scale_bits)
     levels = (1 << bits) - 1
-    safe = np.where(s > 0, s, 1.0)
-    u = (y / safe[:, None] + 1.0) * (levels / 2.0)  # in [0, levels] where |y| <= s
+    half = np.float32(levels / 2.0)
+    y *= np.divide(half, s, out=np.zeros_like(s), where=s > 0)[:, None]
+    y += half  # in [0, levels] where |y| <= s
     if stochastic:
         gen = rng if rng is not None else np.random.default_rng()
-        u = np.floor(u + gen.random(u.shape, dtype=np.float32))
+        y += gen.random(y.shape, dtype=np.float32)
+        np.floor(y, out=y)
     else:
-        u = np.rint(u)
-    codes = np.clip(u, 0, levels).astype(np.uint8).reshape(-1)
+        np.rint(y, out=y)
+    np.clip(y, 0, levels, out=y)
+    codes = y.astype(np.uint8).reshape(-1)
     head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
-    return head + scale_bits.astype("<u2").tobytes() + _pack(codes, bits)
+    return head + scale_bits.astype("<u2").tobytes() + pack(codes, bits)
 
 
 def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
@@ -146,10 +128,13 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     if len(view) != off + 2 * tiles + body:
         raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
     scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * tiles], dtype="<u2"))
-    codes = _unpack(np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8), bits, tiles * t)
+    codes = unpack(np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8), bits, tiles * t)
     levels = (1 << bits) - 1
-    y = (codes.reshape(tiles, t).astype(np.float32) * (2.0 / levels) - 1.0) * scale[:, None]
-    return (y @ _rotation(lt).T).reshape(-1)[:n].reshape(shape)
+    y = codes.reshape(tiles, t).astype(np.float32)
+    y *= (scale * np.float32(2.0 / levels))[:, None]
+    y -= scale[:, None]
+    out = (y @ _rotation(lt).T).reshape(-1)
+    return (out if out.size == n else out[:n]).reshape(shape)
 
 
 def rotated_byte_ratio(bits: int, n: int = 1 << 20) -> float:
