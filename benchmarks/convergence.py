@@ -316,7 +316,9 @@ def _plot(runs: list[dict], order: list[str], out: Path) -> None:
 
     acc = any(r.get("val_accuracy_curve") for r in runs)  # --task vision: accuracy under the loss
     fig, axes = plt.subplots(2 if acc else 1, len(order), figsize=(4.2 * len(order), 7.2 if acc else 3.8), squeeze=False)
-    for ax, name in zip(axes[-1] if acc else [], order, strict=True):
+    for ax, name in zip(axes[-1], order, strict=True):
+        if not acc:
+            break
         for r in runs:
             if r["cluster"] == name:
                 ax.plot([p[1] for p in r["val_accuracy_curve"]], [p[2] for p in r["val_accuracy_curve"]], marker="o", ms=2,
