@@ -31,6 +31,7 @@ VERSION = 1
 CLIP = 127
 GAUSS = math.sqrt(2 * math.pi * math.e)  # entropy of round(z / step), z ~ N(0, 1): log2(GAUSS / step)
 MIN_STEP, MAX_STEP = 0.01, 8.0
+CHUNK = 1 << 18  # values quantised and coded a pass
 
 
 def step_for_bits(bits: float) -> float:
@@ -55,18 +56,22 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
     rms = np.sqrt(squares / cols).astype(np.float32)
     scale_bits = to_bf16_bits(rms * np.float32(step))
     scale = from_bf16_bits(scale_bits)
-    q = rows2d * np.divide(np.float32(1.0), scale, out=np.ones_like(scale), where=scale > 0)[:, None]
-    np.rint(q, out=q)
-    flat_q = q.reshape(-1)
-    if flat_q.size and (flat_q.max() > CLIP or flat_q.min() < -CLIP):
-        outliers = np.flatnonzero(np.abs(flat_q) > CLIP)
-        np.clip(flat_q, -CLIP, CLIP, out=flat_q)
-    else:
-        outliers = np.zeros(0, dtype=np.int64)
-    flat_q += CLIP
-    codes = flat_q.astype(np.uint8)
+    inv = np.divide(np.float32(1.0), scale, out=np.ones_like(scale), where=scale > 0)
     deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    body = deflate.compress(memoryview(codes)) + deflate.flush()
+    chunk = max(1, CHUNK // cols)  # rows a pass: its buffers stay in cache
+    buf = np.empty((min(chunk, rows2d.shape[0]), cols), dtype=np.float32)
+    parts, found = [], []
+    for r0 in range(0, rows2d.shape[0], chunk):
+        q = buf[: min(chunk, rows2d.shape[0] - r0)]
+        np.multiply(rows2d[r0 : r0 + len(q)], inv[r0 : r0 + len(q), None], out=q)
+        np.rint(q, out=q)
+        if q.max() > CLIP or q.min() < -CLIP:
+            found.append(np.flatnonzero(np.abs(q) > CLIP) + r0 * cols)
+            np.clip(q, -CLIP, CLIP, out=q)
+        q += CLIP
+        parts.append(deflate.compress(memoryview(q.astype(np.uint8)).cast("B")))
+    body = b"".join(parts) + deflate.flush()
+    outliers = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     head = _HEAD.pack(b"FE", VERSION, len(shape), rows2d.shape[0], cols, len(outliers), len(body))
     return b"".join((
         head, struct.pack(f"<{len(shape)}Q", *shape), scale_bits.astype("<u2").tobytes(),
