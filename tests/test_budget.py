@@ -100,3 +100,15 @@ def test_sample_is_whole_rows_spread_over_the_tensor() -> None:
     assert s[0, 0] == 0 and s[-1, 0] == 56 * 128  # every 8th row
     assert sample_of(x[:2]).shape == (2, 128)
     assert all(m.error == 0.0 for m in measure(np.zeros((4, 128), np.float32)))
+
+
+def test_the_codec_each_role_sent_is_reported_per_destination() -> None:
+    from fusionllm.transport.control import StepDone
+
+    chooser = BudgetChooser()
+    chooser.choose(_residual_stream(), 1, "act", FLOOR)
+    chooser.choose(_residual_stream(), 1, "grad", FLOOR)
+    chooser.choose(_residual_stream(), 3, "act", 0.6)
+    report = chooser.chosen_by_destination()
+    assert set(report) == {"1", "3"} and set(report["1"]) == {"act", "grad"} and report["3"] == {"act": "fp16"}
+    assert StepDone.from_wire(StepDone(codecs=report).to_wire()).codecs == report

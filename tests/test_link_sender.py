@@ -90,6 +90,7 @@ def test_adatopk_sends_a_link_at_ratio_one_raw_and_compresses_a_slow_one() -> No
     sender.ratios = {1: 0.1}
     _send(sender, inboxes[1], StepState(1, 0.1, {}), "act", GRAD)
     assert net.sent[0]["codec"] == "raw" and net.sent[1]["codec"] != "raw"
+    assert set(sender.chooser.chosen_by_destination()["1"]) == {"act"}  # what the step reports
 
 
 def test_a_poisoned_step_stamps_what_it_sends_as_tainted() -> None:

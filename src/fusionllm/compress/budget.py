@@ -88,6 +88,7 @@ class BudgetChooser:
     budget: dict[str, float] = field(default_factory=lambda: dict(BUDGET))
     remeasure: int = REMEASURE
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
+    chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
 
     def choose(self, x: np.ndarray, dst: int, role: str, byte_target: float) -> CodecSpec:
         """The codec for ``x`` on its way to ``dst`` in ``role``, for a link whose target is ``byte_target``."""
@@ -98,7 +99,16 @@ class BudgetChooser:
         if shape != tuple(x.shape) or age >= self.remeasure:
             shape, age, table = tuple(x.shape), 0, measure(sample_of(x))
         self.tables[key] = (shape, age + 1, table)
-        return pick(table, self.budget.get(role, min(self.budget.values())), byte_target)
+        spec = pick(table, self.budget.get(role, min(self.budget.values())), byte_target)
+        self.chosen[key] = str(spec)
+        return spec
+
+    def chosen_by_destination(self) -> dict[str, dict[str, str]]:
+        """``chosen`` as a worker reports it: destination -> role -> codec."""
+        out: dict[str, dict[str, str]] = {}
+        for (dst, role), codec in self.chosen.items():
+            out.setdefault(str(dst), {})[role] = codec
+        return out
 
     def errors(self) -> dict[str, dict[str, float]]:
         """The last measured error of each candidate per link and role (``"w3 act"`` -> codec -> error)."""

@@ -195,6 +195,8 @@ def observe_links(run: Run, replies: dict[int, StepDone], record: StepRecord) ->
                 policy.observe((w, int(dst)), nbytes, busy, messages[0] if messages else 1)
                 stats[f"w{w}->w{dst}"] = [int(nbytes), round(busy, 5), *(int(m) for m in messages)]
         record.link_stats = stats or None
+    codecs = {f"w{w}->w{dst}": dict(roles) for w, rep in replies.items() for dst, roles in rep.codecs.items()}
+    record.codecs = codecs or None
     run.observed = True
     record.link_fit = {f"w{a}->w{b}": [round(policy.bps[(a, b)]), round(policy.fixed_s.get((a, b), 0.0), 5)]
                           for (a, b) in policy.loads if (a, b) in policy.bps}

@@ -110,7 +110,7 @@ def read_metrics(path: str | Path, *, missing_ok: bool = False) -> Metrics:
 # readable sentence, the same on the dashboard and in ``fusionllm report``.
 
 _STEP_KEYS = ("step", "steps_total", "group", "round", "inner_step", "loss", "tokens", "elapsed_s", "tokens_per_s", "lr", "grad_norm",
-              "step_s", "bytes", "cpu_s", "rss", "carried_bytes", "predicted_step_s", "compress", "ratios", "link_stats", "link_fit", "noise_scale",
+              "step_s", "bytes", "cpu_s", "rss", "carried_bytes", "predicted_step_s", "compress", "ratios", "link_stats", "link_fit", "codecs", "noise_scale",
               "val_loss")
 
 
@@ -136,6 +136,7 @@ class StepRecord:
     ratios: dict[str, float] | None = None  # AdaTopK's byte targets per link
     link_stats: dict[str, list[float]] | None = None  # "w0->w1": [bytes, busy s, messages]
     link_fit: dict[str, list[float]] | None = None  # "w0->w1": [fitted bit/s, fixed s]
+    codecs: dict[str, dict[str, str]] | None = None  # AdaTopK: "w0->w1": {"act": "hq3"}, the codec each role last sent
     noise_scale: float | None = None  # the gradient noise scale so far, in rows (planning/noise_scale.py)
     val_loss: float | None = None
     val_metrics: dict[str, float] = field(default_factory=dict)  # "accuracy": 0.9 (written as val_accuracy)

@@ -186,6 +186,7 @@ class StageRuntime:
             bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
             carried_to={str(k): v for k, v in self.sender.carried_to.items()},
             link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
+            codecs=self.sender.chooser.chosen_by_destination(),
             world_stats={str(k): [float(x) for x in v] for k, v in self.peers.world_stats().items()},
             bad=st.bad, skipped=st.skipped,
         )

@@ -315,6 +315,7 @@ class StepDone(Message):
     seconds: float = 0.0
     bytes_to: dict[str, int] = field(default_factory=dict)
     link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
+    codecs: dict[str, dict[str, str]] = field(default_factory=dict)  # AdaTopK, per destination: the codec each role last sent
     world_stats: dict[str, list[float]] = field(default_factory=dict)  # the same, of transfers through a torch.distributed world
     carried_to: dict[str, int] = field(default_factory=dict)  # bytes sent through the world point to point, per destination (so far)
     failed: Failure | None = None
