@@ -12,7 +12,8 @@ Two roundings:
 - nearest (``hqN``, activations): ``s`` = min(absmax, ``CLIP[bits]`` x RMS), the clipping that
   minimises the squared error of a uniform quantiser on Gaussian values (Max, 1960);
 - stochastic (``hqN-sr``, gradients): ``s`` = absmax and each value rounds up with the probability
-  of its distance to the level below, so the decoded tensor is unbiased: E[decode] = x.
+  of its distance to the level below (a 16-bit dither: exact to 2**-17 of a level), so the decoded
+  tensor is unbiased: E[decode] = x.
 
 The decoder rotates back (the Hadamard matrix is its own inverse, the signs too).
 
@@ -99,12 +100,13 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     levels = (1 << bits) - 1
     half = np.float32(levels / 2.0)
     y *= np.divide(half, s, out=np.zeros_like(s), where=s > 0)[:, None]
-    y += half  # in [0, levels] where |y| <= s
-    if stochastic:
+    if stochastic:  # a 16-bit uniform dither (faster to draw than floats), centred: unbiased to 2**-17 of a level
         gen = rng if rng is not None else np.random.default_rng()
-        y += gen.random(y.shape, dtype=np.float32)
+        y += half + np.float32(2.0**-17)
+        y += gen.integers(0, 1 << 16, size=y.shape, dtype=np.uint16) * np.float32(2.0**-16)
         np.floor(y, out=y)
     else:
+        y += half  # in [0, levels] where |y| <= s
         np.rint(y, out=y)
     np.clip(y, 0, levels, out=y)
     codes = y.astype(np.uint8).reshape(-1)
