@@ -83,6 +83,23 @@ def test_tiles_are_powers_of_two_of_at_least_eight() -> None:
     assert [1 << tile_for(n) for n in (1, 8, 9, 200, 256, 257, 10**6)] == [8, 8, 16, 256, 256, 256, 256]
 
 
+@pytest.mark.parametrize("shape", [(4, 128, 128), (3, 100), (2, 768), (2, 3, 5, 5), (7,), (5, 0)])
+def test_a_tile_never_spans_two_rows(shape: tuple[int, ...]) -> None:
+    """Each token's vector is coded on its own: changing one row leaves every other row's decoded
+    values exactly as they were (a tile of two tokens leaked the next token into the previous one)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    before = decode_rotated(encode_rotated(x, 3), x.size)
+    assert before.shape == x.shape
+    if x.size == 0:
+        return
+    d = x.shape[-1] * x.shape[-2] if x.ndim == 4 else x.shape[-1]
+    y = x.reshape(-1, d).copy()
+    y[-1] = rng.standard_normal(d) * 10
+    after = decode_rotated(encode_rotated(y.reshape(shape), 3), x.size).reshape(-1, d)
+    np.testing.assert_array_equal(after[:-1], before.reshape(-1, d)[:-1])
+
+
 def test_decoder_refuses_what_does_not_add_up() -> None:
     x = np.random.default_rng(5).standard_normal((10, 30)).astype(np.float32)
     good = encode_rotated(x, 3)

@@ -1,7 +1,11 @@
 """Tile-wise low-bit quantisation after a randomized Hadamard rotation (``hq4``, ``hq3``, ``hq2``).
 
-A tensor is flattened and cut into tiles of ``T`` values (256, or the power of two that holds a
-smaller tensor). Each tile is multiplied by a fixed pattern of random signs (seeded: both ends
+A tensor is cut into rows (a token's features: ``row_len``, as the per-token codecs) and each row
+into tiles of ``T`` values (256, or the power of two that holds a shorter row; a row is zero-padded
+to whole tiles). A tile never spans two rows: in a causal language model a tile of two tokens'
+vectors leaks the next token into the previous one's decoded activation (its rounding error depends
+on both), and a model trained through such a codec learns to read it (gpt-micro through 3-bit tiles
+of two tokens: validation 5% *below* uncompressed, with the codec; 2% above without it). Each tile is multiplied by a fixed pattern of random signs (seeded: both ends
 make the same one) and by the orthonormal Hadamard matrix of order ``T``: the rotation spreads an
 outlier over the whole tile, so the rotated values are close to Gaussian and a uniform grid of
 ``2**bits`` levels per tile fits them (TAH-Quant, arXiv 2506.01352). Each tile keeps its own scale
@@ -37,7 +41,7 @@ import numpy as np
 
 from fusionllm.compress.bitpack import pack, unpack
 from fusionllm.compress.quant import read_shape
-from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
+from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
 from fusionllm.core.errors import WireError
 
 TILE = 256
@@ -62,8 +66,8 @@ def _rotation(log2_tile: int) -> np.ndarray:
 
 
 def tile_for(n: int) -> int:
-    """log2 of the tile: TILE, or the smallest power of two that holds ``n`` values (at least 8: whole
-    bytes of codes at every width)."""
+    """log2 of the tile for rows of ``n`` values: TILE, or the smallest power of two that holds a row
+    (at least 8: whole bytes of codes at every width)."""
     return max(3, min(int(math.log2(TILE)), math.ceil(math.log2(max(n, 2)))))
 
 
@@ -77,16 +81,17 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}")
     shape = tuple(x.shape)
-    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    n = flat.size
-    lt = tile_for(n)
+    d = max(row_len(shape), 1)
+    rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, d)
+    lt = tile_for(d)
     t = 1 << lt
-    tiles = -(-n // t)
-    if n == tiles * t:
-        blocks = flat.reshape(tiles, t)
+    width = -(-d // t) * t  # a row padded to whole tiles
+    if width == d:
+        blocks = rows2d.reshape(-1, t)
     else:
-        blocks = np.zeros((tiles, t), dtype=np.float32)
-        blocks.reshape(-1)[:n] = flat
+        padded = np.zeros((rows2d.shape[0], width), dtype=np.float32)
+        padded[:, :d] = rows2d
+        blocks = padded.reshape(-1, t)
     y = blocks @ _rotation(lt)
     top = np.maximum(y.max(axis=1), -y.min(axis=1))
     if not stochastic:
@@ -122,10 +127,13 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     if magic != b"HQ" or bits not in BITS or not 3 <= lt <= int(math.log2(TILE)) or rank > 16:
         raise WireError("not a rotated-quantised tensor (bad magic, bits, tile or rank)")
     shape, n, off = read_shape(view, _HEAD.size, rank, "rotated-quantised tensor")
-    if n > max_elements or lt != tile_for(n):
+    d = max(row_len(shape), 1)
+    if n > max_elements or lt != tile_for(d):
         raise WireError(f"rotated-quantised tensor declares shape {list(shape)} with tile 2**{lt}: inconsistent or too large")
     t = 1 << lt
-    tiles = -(-n // t)
+    rows = n // d
+    width = -(-d // t) * t
+    tiles = rows * width // t
     body = _packed_bytes(tiles * t, bits)
     if len(view) != off + 2 * tiles + body:
         raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
@@ -135,12 +143,12 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     y = codes.reshape(tiles, t).astype(np.float32)
     y *= (scale * np.float32(2.0 / levels))[:, None]
     y -= scale[:, None]
-    out = (y @ _rotation(lt).T).reshape(-1)
-    return (out if out.size == n else out[:n]).reshape(shape)
+    out = (y @ _rotation(lt).T).reshape(rows, width)
+    return (out if width == d else out[:, :d]).reshape(shape)
 
 
-def rotated_byte_ratio(bits: int, n: int = 1 << 20) -> float:
-    """Encoded bytes / float32 bytes for ``n`` values (the scales and padding included)."""
-    t = 1 << tile_for(n)
-    tiles = -(-n // t)
-    return (2 * tiles + _packed_bytes(tiles * t, bits)) / (4 * n)
+def rotated_byte_ratio(bits: int, d: int = TILE) -> float:
+    """Encoded bytes / float32 bytes for rows of ``d`` values (the scales and padding included)."""
+    t = 1 << tile_for(d)
+    tiles = -(-d // t)
+    return (2 * tiles + _packed_bytes(tiles * t, bits)) / (4 * d)
