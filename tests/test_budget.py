@@ -52,12 +52,12 @@ def test_lowest_target_sends_a_tenth_of_the_bytes_within_the_budget(role: str) -
     assert not spec.sparse
 
 
-def test_gradients_are_held_to_the_tighter_budget() -> None:
+def test_activations_are_held_to_the_tighter_budget() -> None:
     x = _residual_stream()
     chooser = BudgetChooser()
     act, grad = chooser.choose(x, 1, "act", FLOOR), chooser.choose(x, 1, "grad", FLOOR)
-    assert BUDGET["grad"] < BUDGET["act"]
-    assert _error(x, str(grad)) <= _error(x, str(act))
+    assert BUDGET["act"] < BUDGET["grad"]
+    assert _error(x, str(act)) <= _error(x, str(grad))
 
 
 def test_a_codec_that_underflows_on_small_gradients_is_not_chosen() -> None:
