@@ -12,7 +12,7 @@ from fusionllm.planning.predict import predict
 from fusionllm.planning.schedulers import make_schedule
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, routes, shared_groups
 
-ADATOPK_PLAN_RATIO = 0.09  # bytes of the cheapest codec within the error budgets on gpt-micro (eq:0.7, hq3: 0.086-0.096)
+ADATOPK_PLAN_RATIO = 0.09  # about the bytes of the cheapest codecs within the error budgets on gpt-micro (eq:0.5 forward 0.10, eq:0.7 back 0.086)
 COMPRESSED_PLAN_GAIN = 0.8  # a plan that relies on compression replaces the plain one only if predicted this much faster
 
 
