@@ -65,7 +65,7 @@ def test_a_codec_that_underflows_on_small_gradients_is_not_chosen() -> None:
     sees; the quantisers keep bfloat16 scales and lose no accuracy at that magnitude."""
     tiny = _residual_stream(scale=1e-8)
     assert _error(tiny, "fp16") > 0.3
-    for codec in ("q8", "q5", "hq4", "hq3"):
+    for codec in ("q8", "q5", "eq:0.5", "hq4", "hq3"):
         assert _error(tiny, codec) == pytest.approx(_error(_residual_stream(), codec), rel=0.05), codec
     spec = BudgetChooser().choose(tiny, 1, "grad", 0.6)  # a target fp16 meets
     assert spec.kind != "fp16" and _error(tiny, str(spec)) <= BUDGET["grad"]

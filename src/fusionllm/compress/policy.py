@@ -3,8 +3,8 @@
 For every directed worker link the policy knows what one training step puts on it (activations or
 their gradients per micro-batch, all-reduced gradients, messages), the link's rate, and per worker
 the compute of a step and how fast it encodes and decodes. It predicts the step with each byte
-target of a ladder (raw, fp16, 8/6/5-bit per-token quantisation, 4-bit rotated, entropy-coded and
-3-bit rotated quantisation near 10x, and ``FLOOR``: as few bytes as the error budget allows), codec
+target of a ladder (raw, fp16, 8/6/5-bit per-token quantisation, entropy-coded quantisation near
+10x, and ``FLOOR``: as few bytes as the error budget allows), codec
 CPU time included on the device that pays it (encode on the sender, decode on the receiver). The
 sending worker turns a target into a codec (``budget.py``): the most accurate that meets it among
 the codecs whose error, measured on the tensor, stays within the budget of its role (activations,
@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 FLOOR = 0.065  # the lowest target (hq2's bytes): the worker sends the cheapest codec within its error budget
-LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.13, 0.105, 0.097, 0.088, FLOOR)  # none, fp16, q8, q6, q5, hq4, eq:0.5, hq3, eq:0.7
+LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.13, 0.105, 0.097, 0.088, FLOOR)  # none, fp16, q8, q6, q5, then entropy-coded steps
 WINDOW = 32  # steps of measurements the fit of a link's fixed part per message looks at
 RECENT = 8  # steps its rate is judged from
 SPREAD = 1.25  # bytes per message must vary this much in the window to fit the fixed part
