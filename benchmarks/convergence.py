@@ -37,6 +37,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,10 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
     rec = read_metrics(metrics).steps
     slow = slow_links(path)
     # a training step's bytes: the step after an evaluation also carries the evaluation's forward passes
-    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in training_steps(rec)]
+    trained = training_steps(rec)
+    per_step = [sum(v for k, v in r["bytes"].items() if k in slow) for r in trained]
+    per_link = {k: sum(r["bytes"].get(k, 0) for r in trained) / len(trained) for k in sorted({k for r in trained for k in r["bytes"] if k in slow})}
+    chosen = Counter(json.dumps(r["codecs"], sort_keys=True) for r in trained if r.get("codecs"))
     ratios = {k: [r["ratios"][k] for r in rec] for k in rec[0].get("ratios", {}) if k in slow}
     accs = [r["val_accuracy"] for r in rec if "val_accuracy" in r][-args.accuracy_over:]
     acc = sum(accs) / len(accs) if accs else None  # the mean of the last --accuracy-over evaluations
@@ -144,6 +148,8 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
         # --accuracy-over evaluations; None for a language model
         "final_val_accuracy": None if acc is None else 100 * acc, "unit": unit(args),
         "bytes_per_step_slow": sum(per_step) / len(per_step), "wall_s": rec[-1]["elapsed_s"], "tokens_per_s": rec[-1]["tokens_per_s"],
+        # per slow link: bytes per training step; AdaTopK: the codecs each link and role sent in most steps
+        "bytes_per_link_slow": per_link, "codecs": json.loads(chosen.most_common(1)[0][0]) if chosen else None,
         "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in rec if "val_loss" in r],
         "val_accuracy_curve": [(r["step"], r["elapsed_s"], 100 * r["val_accuracy"]) for r in rec if "val_accuracy" in r],
         # per slow link: the byte target's range over the run and how often it changed
@@ -170,7 +176,15 @@ def mean_row(name: str, codec: str, runs: list[dict]) -> dict:
     return {"cluster": name, "codec": codec, "final_val_loss": avg("final_val_loss"),
             "final_val_accuracy": None if None in accs else sum(accs) / len(accs), "per_seed_val_accuracy": accs, "bytes_per_step_slow": avg("bytes_per_step_slow"),
             "tokens_per_s": avg("tokens_per_s"), "wall_s": avg("wall_s"), "per_seed_val_loss": [r["final_val_loss"] for r in runs],
-            "ratios": runs[-1]["ratios"]}
+            "ratios": runs[-1]["ratios"], "bytes_per_link_slow": per_link_mean(runs), "codecs": runs[-1].get("codecs")}
+
+
+def per_link_mean(runs: list[dict]) -> dict[str, float] | None:
+    """Bytes per training step on each slow link, the mean over the runs (None: a run did not record them)."""
+    if any("bytes_per_link_slow" not in r for r in runs):
+        return None
+    links = sorted({k for r in runs for k in r["bytes_per_link_slow"]})
+    return {k: sum(r["bytes_per_link_slow"].get(k, 0.0) for r in runs) / len(runs) for k in links}
 
 
 def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
@@ -202,6 +216,14 @@ def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[
         met = rel <= 0.01 and r["final_val_loss"] - base["final_val_loss"] <= spread and fewer >= 10
         lines.append(f"- {r['cluster']} {r['codec']}: loss {rel:+.2%} (spread of `none` {spread:.4f}, this codec's excess "
                      f"{r['final_val_loss'] - base['final_val_loss']:+.4f}), {fewer:.1f}x fewer bytes: goal {'met' if met else 'not met'}")
+    lines += ["", "Fewer bytes on each slow link than `none` (the mean over the seeds); AdaTopK: the codecs it sent (last seed):", ""]
+    for r in rows:
+        base = next((b for b in rows if b["cluster"] == r["cluster"] and b["codec"] == "none"), None)
+        if base is None or r is base or not r.get("bytes_per_link_slow") or not base.get("bytes_per_link_slow"):
+            continue
+        parts = [f"{k} {base['bytes_per_link_slow'][k] / v:.1f}x" for k, v in r["bytes_per_link_slow"].items() if v and k in base["bytes_per_link_slow"]]
+        sent = f"; sent {json.dumps(r['codecs'], sort_keys=True)}" if r.get("codecs") else ""
+        lines.append(f"- {r['cluster']} {r['codec']}: {', '.join(parts)}{sent}")
     lines += ["", "AdaTopK's byte target per slow link over the run (last seed: min-max, changes between steps):", ""]
     for r in rows:
         if r["codec"] == "adatopk":
