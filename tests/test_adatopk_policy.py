@@ -8,18 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from fusionllm.compress.policy import FLOOR, LADDER, LinkLoad, LinkPolicy
+from fusionllm.compress.policy import FLOOR, LADDER, SLOW_BPS, LinkLoad, LinkPolicy
 
 RAW = 262_144.0  # raw bytes per step on the link: four micro-batches of 64 KiB
 MESSAGES = 4
 
 
-def _policy(bps: float, *, compute: float = 0.066, encode_bps: float = 1.75e8) -> LinkPolicy:
+def _policy(bps: float, *, compute: float = 0.066, encode_bps: float = 1.75e8, slow_bps: float = 0.0) -> LinkPolicy:
+    """A policy for link 1 -> 2; by default without the slow-link rule (``slow_bps``), so that the
+    time rule and the bottleneck by compute are what is tested."""
     link = (1, 2)
     policy = LinkPolicy(
         compute_s={0: 0.045, 1: compute, 2: 0.058},
         loads={link: LinkLoad(step_bytes=RAW, first_bytes=RAW / MESSAGES, messages=MESSAGES)},
         bps={link: bps}, encode_bps={1: encode_bps, 2: encode_bps}, decode_bps={1: 5.6e8, 2: 5.6e8}, micro_batches=4,
+        slow_bps=slow_bps,
     )
     policy.decide_all()
     return policy
@@ -115,6 +118,17 @@ def test_a_bottleneck_link_stays_compressed_once_the_step_is_compute_bound() -> 
     assert p.byte_target(link) == FLOOR
     assert p.predicted_step(link, FLOOR) <= p.predicted_step(link, 1.0)
     assert not _policy(1e9).bottleneck(link)
+
+
+def test_a_link_below_the_slow_rate_is_compressed_as_far_as_the_budget_allows_unless_slower() -> None:
+    """100 Mbit/s keeps up with this CPU's compute (the time rule leaves it nearly raw), but with GPUs
+    it is what the step waits for: under ``SLOW_BPS`` it gets the lowest target, unless the codec's
+    CPU time would make the step longer (a slow encoder: raw)."""
+    assert not _policy(100e6).bottleneck((1, 2)) and _policy(100e6).byte_target((1, 2)) > FLOOR
+    assert _policy(100e6, slow_bps=SLOW_BPS).byte_target((1, 2)) == FLOOR
+    slow_encoder = _policy(100e6, slow_bps=SLOW_BPS, encode_bps=2e6)
+    assert slow_encoder.byte_target((1, 2)) == 1.0
+    assert LinkPolicy(compute_s={}).slow_bps == SLOW_BPS  # the default
 
 
 CLUSTER = """

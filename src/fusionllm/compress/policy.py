@@ -13,7 +13,7 @@ budget accuracy.
 
 Two rules pick the target:
 - a link that is the step's **bottleneck** uncompressed (its raw bytes keep it busy longer than the
-  slowest device computes a step) gets the lowest target whose predicted step is no longer than
+  slowest device computes a step, or it is slower than 500 Mbit/s) gets the lowest target whose predicted step is no longer than
   uncompressed: it stays compressed after compression has made the step compute-bound (on this CPU
   compute is slow; on GPUs it is about 100x faster and such a link is what the step waits for);
 - any other link keeps ``none`` unless a target predicts a step at least ``gain`` shorter; among
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 FLOOR = 0.065  # the lowest target (hq2's bytes): the worker sends the cheapest codec within its error budget
 LADDER = (1.0, 0.5, 0.27, 0.2, 0.17, 0.13, 0.105, 0.097, 0.088, FLOOR)  # none, fp16, q8, q6, q5, then entropy-coded steps
+SLOW_BPS = 5e8  # links slower than this are compressed as far as the error budget allows (when not slower)
 WINDOW = 32  # steps of measurements the fit of a link's fixed part per message looks at
 RECENT = 8  # steps its rate is judged from
 SPREAD = 1.25  # bytes per message must vary this much in the window to fit the fixed part
@@ -67,6 +68,7 @@ class LinkPolicy:
     gain: float = 0.03  # compress only for a predicted step this much shorter
     prefer: float = 0.05  # the most accurate codec within this of the fastest (every rung is acceptable; lighter is safer)
     rethink: float = 0.2  # re-decide a link whose fitted rate moved this much
+    slow_bps: float = SLOW_BPS  # a link below this rate counts as a bottleneck
     targets: dict[tuple[int, int], float] = field(default_factory=dict)  # byte target per link (1.0: none)
     decided_bps: dict[tuple[int, int], float] = field(default_factory=dict)
     samples: dict[tuple[int, int], deque[tuple[float, float, float]]] = field(default_factory=dict)  # (messages, bytes, busy s)
@@ -119,9 +121,13 @@ class LinkPolicy:
         return self.predicted_step(link, target, min(general, self.rate_at(link, target) or general))
 
     def bottleneck(self, link: tuple[int, int]) -> bool:
-        """Whether the link, uncompressed, is busy longer in a step than the slowest device computes."""
+        """Whether the link, uncompressed, is busy longer in a step than the slowest device computes, or
+        is slower than ``slow_bps`` (with GPUs, whose compute is about 100x faster, such a link is what
+        the step waits for, whatever this host's compute says)."""
         load = self.loads.get(link, LinkLoad())
         rate = self.bps.get(link, float("inf"))
+        if self.planned_bps.get(link, rate) < self.slow_bps:  # the planned rate: a busy host's measurements wobble
+            return True
         busy = (load.step_bytes * 8 / rate if rate > 0 else 0.0) + load.messages * self.overhead_s
         return busy / self.margin > max(self.compute_s.values(), default=0.0)
 
