@@ -20,11 +20,8 @@ activations' error far more than the gradients': across 8 Mbit/s, 240 steps, two
 both ways (relative error 0.20) ended +1.4% above uncompressed on the mean, and activations at
 ``eq:0.85`` (0.25) with gradients at ``eq:0.7`` +5.4%; in one process, gradients alone at ``eq:0.7``
 moved the loss -0.2% and -0.7% (two seeds), activations alone +0.5% and +0.3%. So activations get
-a tighter budget than their gradients here, against the usual advice for top-k (Rudakov et al., arXiv 2401.07788:
-gradients need milder compression). Weight gradients all-reduced across a slow link (a tied
-embedding held by the first and last stage) get the tightest: on a random three-device cluster
-(seed 0), sending them at ``eq:0.7`` (0.20) instead of ``q5`` (0.05) took AdaTopK's run from +1.4% to
-+4.4% above uncompressed. The measurement also catches what a fixed ladder cannot: a
+the tighter budget here, against the usual advice for top-k (Rudakov et al., arXiv 2401.07788:
+gradients need milder compression). The measurement also catches what a fixed ladder cannot: a
 float16 cast flushes a gradient of about 1e-8 per value to subnormals, and is then not chosen.
 Top-k is never a candidate: at equal bytes quantisation is far more accurate (top-k at 10% of the
 values leaves a relative error of 0.67-0.82 here).
@@ -39,7 +36,7 @@ import numpy as np
 from fusionllm.compress.codecs import CodecSpec, decode, encode, parse_codec
 from fusionllm.compress.sparse import row_len
 
-BUDGET = {"act": 0.15, "grad": 0.21, "reduce": 0.06}  # the most relative error a role may carry
+BUDGET = {"act": 0.15, "grad": 0.21, "reduce": 0.21}  # the most relative error a role may carry
 # Not the rotated hq codecs: on the testbed they cost more than their error says (hq4, error 0.10:
 # +3.2% and +4.1% over two seeds, where activations at eq:0.5, error 0.14, cost +1.0% and -2.6%)
 CANDIDATES = tuple(parse_codec(c) for c in ("fp16", "q8", "q6", "q5", "eq:0.5", "eq:0.7", "eq:0.85"))
