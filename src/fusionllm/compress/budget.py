@@ -9,18 +9,19 @@ candidate and keeps, per candidate, the bytes it sent per value and its relative
 ``||decode(encode(x)) - x|| / ||x||``. The sample is measured again every ``REMEASURE`` tensors of
 the link and role (and whenever the shape changes); the choice is:
 
-- among the candidates (``CANDIDATES``) within the role's budget (``BUDGET``) whose bytes meet the target, the most
-  accurate;
+- among the candidates (``CANDIDATES``) within the role's budget (``BUDGET``) whose bytes meet the
+  target, the most accurate;
 - if none meets the target, the cheapest within the budget (the link sends more than asked: the
   budget is the floor, not the byte target);
 - if none is within the budget, raw float32.
 
 The budgets come from convergence runs of gpt-micro (docs/compression.md). Damage follows the
-activations' error far more than the gradients': across 8 Mbit/s, 240 steps, two seeds, ``eq:0.7``
-both ways (relative error 0.20) ended +1.4% above uncompressed on the mean, and activations at
-``eq:0.85`` (0.25) with gradients at ``eq:0.7`` +5.4%; in one process, gradients alone at ``eq:0.7``
-moved the loss -0.2% and -0.7% (two seeds), activations alone +0.5% and +0.3%. So activations get
-the tighter budget here, against the usual advice for top-k (Rudakov et al., arXiv 2401.07788:
+activations' error far more than the gradients': across 8 Mbit/s, 240 steps, ``eq:0.7`` both ways
+(relative error 0.20) ended +1.9% above uncompressed (mean of four seeds), activations at
+``eq:0.85`` (0.25) with gradients at ``eq:0.7`` +5.4% (two seeds), and these budgets (``eq:0.5``,
+0.14, forward) -0.4% (four seeds; +3.3% on a random three-stage cluster); in one process, gradients
+alone at ``eq:0.7`` moved the loss -0.2% and -0.7% (two seeds), activations alone +0.5% and +0.3%.
+So activations get the tighter budget here, against the usual advice for top-k (Rudakov et al., arXiv 2401.07788:
 gradients need milder compression). The measurement also catches what a fixed ladder cannot: a
 float16 cast flushes a gradient of about 1e-8 per value to subnormals, and is then not chosen.
 Top-k is never a candidate: at equal bytes quantisation is far more accurate (top-k at 10% of the
