@@ -17,12 +17,11 @@ import struct
 
 import numpy as np
 
-from fusionllm.compress.bitpack import pack, unpack
-from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
+from fusionllm.compress.bitpack import pack, packed_size, unpack
+from fusionllm.compress.sparse import from_bf16_bits, row_len, scale_bits
 from fusionllm.core.errors import WireError
 
 _HEAD = struct.Struct("<2sBBQQ")
-BF16_MAX = 0x7F7F  # the largest finite bfloat16 (the scale of a row holding inf or NaN)
 
 
 def encode_quant(x: np.ndarray, bits: int) -> bytes:
@@ -33,16 +32,15 @@ def encode_quant(x: np.ndarray, bits: int) -> bytes:
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     qmax = 2 ** (bits - 1) - 1
     top = np.maximum(rows2d.max(axis=1, initial=0.0), -rows2d.min(axis=1, initial=0.0))
-    scale_bits = to_bf16_bits(top / qmax)
-    scale_bits = np.where(np.isfinite(from_bf16_bits(scale_bits)), scale_bits, np.uint16(BF16_MAX))
-    s = from_bf16_bits(scale_bits)
+    bits16 = scale_bits(top / qmax)
+    s = from_bf16_bits(bits16)
     inv = np.divide(1.0, s, out=np.ones_like(s), where=s > 0)
     q = rows2d * inv[:, None]
     np.rint(q, out=q)
     np.clip(q, -qmax, qmax, out=q)
     q += 1 << (bits - 1)  # unsigned codes
     head = _HEAD.pack(b"FQ", bits, len(shape), rows2d.shape[0], cols) + struct.pack(f"<{len(shape)}Q", *shape)
-    return head + scale_bits.astype("<u2").tobytes() + pack(q.astype(np.uint8), bits)
+    return head + bits16.astype("<u2").tobytes() + pack(q.astype(np.uint8), bits)
 
 
 def read_shape(view: memoryview, at: int, rank: int, what: str) -> tuple[tuple[int, ...], int, int]:
@@ -67,7 +65,7 @@ def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.n
     shape, n, off = read_shape(view, _HEAD.size, rank, "quantised tensor")
     if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols):
         raise WireError(f"quantised tensor declares shape {list(shape)} as {rows} x {cols}: inconsistent or too large")
-    body = n if bits == 8 else (n * bits + 7) // 8
+    body = packed_size(n, bits)
     if len(view) != off + 2 * rows + body:
         raise WireError(f"quantised tensor is {len(view)} bytes, its header needs {off + 2 * rows + body}")
     scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * rows], dtype="<u2"))

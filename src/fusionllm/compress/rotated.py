@@ -39,9 +39,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from fusionllm.compress.bitpack import pack, unpack
+from fusionllm.compress.bitpack import pack, packed_size, unpack
 from fusionllm.compress.quant import read_shape
-from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
+from fusionllm.compress.sparse import from_bf16_bits, row_len, scale_bits
 from fusionllm.core.errors import WireError
 
 TILE = 256
@@ -49,7 +49,6 @@ BITS = (2, 3, 4)
 CLIP = {2: 1.4935, 3: 2.0509, 4: 2.5139}  # the MSE-optimal uniform quantiser's half-range on N(0, 1), over RMS
 SIGN_SEED = 0x5EED
 _HEAD = struct.Struct("<2sBBB")
-BF16_MAX = 0x7F7F  # the largest finite bfloat16 (a tile holding inf or NaN gets it)
 
 
 @lru_cache(maxsize=16)
@@ -70,10 +69,6 @@ def tile_for(n: int) -> int:
     (at least 8: whole bytes of codes at every width)."""
     return max(3, min(int(math.log2(TILE)), math.ceil(math.log2(max(n, 2)))))
 
-
-def _packed_bytes(values: int, bits: int) -> int:
-    """Bytes of ``values`` codes (a multiple of 8: every tile is)."""
-    return values * bits // 8
 
 
 def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: np.random.Generator | None = None) -> bytes:
@@ -97,11 +92,8 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     if not stochastic:
         rms = np.sqrt(np.einsum("ij,ij->i", y, y) / t)
         top = np.minimum(top, CLIP[bits] * rms)
-    scale_bits = to_bf16_bits(top)
-    if stochastic:  # the rounded scale must still cover every value: one step up where it fell short
-        scale_bits = np.where(from_bf16_bits(scale_bits) < top, scale_bits + np.uint16(1), scale_bits).astype(np.uint16)
-    scale_bits = np.where(np.isfinite(from_bf16_bits(scale_bits)), scale_bits, np.uint16(BF16_MAX))
-    s = from_bf16_bits(scale_bits)
+    bits16 = scale_bits(top, cover=stochastic)  # stochastic rounding: the scale must cover every value
+    s = from_bf16_bits(bits16)
     levels = (1 << bits) - 1
     half = np.float32(levels / 2.0)
     y *= np.divide(half, s, out=np.zeros_like(s), where=s > 0)[:, None]
@@ -116,7 +108,7 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     np.clip(y, 0, levels, out=y)
     codes = y.astype(np.uint8).reshape(-1)
     head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
-    return head + scale_bits.astype("<u2").tobytes() + pack(codes, bits)
+    return head + bits16.astype("<u2").tobytes() + pack(codes, bits)
 
 
 def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
@@ -134,7 +126,7 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     rows = n // d
     width = -(-d // t) * t
     tiles = rows * width // t
-    body = _packed_bytes(tiles * t, bits)
+    body = packed_size(tiles * t, bits)
     if len(view) != off + 2 * tiles + body:
         raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
     scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * tiles], dtype="<u2"))
@@ -151,4 +143,4 @@ def rotated_byte_ratio(bits: int, d: int = TILE) -> float:
     """Encoded bytes / float32 bytes for rows of ``d`` values (the scales and padding included)."""
     t = 1 << tile_for(d)
     tiles = -(-d // t)
-    return (2 * tiles + _packed_bytes(tiles * t, bits)) / (4 * d)
+    return (2 * tiles + packed_size(tiles * t, bits)) / (4 * d)

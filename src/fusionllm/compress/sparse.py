@@ -39,6 +39,19 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+BF16_MAX = 0x7F7F  # the largest finite bfloat16
+
+
+def scale_bits(scale: np.ndarray, *, cover: bool = False) -> np.ndarray:
+    """Per-row or per-tile scales as bfloat16 bit patterns (a float16 scale underflows on small
+    gradients): rounded to nearest, or with ``cover`` never below ``scale`` (one step up where
+    rounding fell short); a scale that is not finite, or rounds to infinity, becomes ``BF16_MAX``."""
+    bits = to_bf16_bits(scale)
+    if cover:
+        bits = np.where(from_bf16_bits(bits) < scale, bits + np.uint16(1), bits).astype(np.uint16)
+    return np.where(np.isfinite(from_bf16_bits(bits)), bits, np.uint16(BF16_MAX)).astype(np.uint16)
+
+
 def index_bytes(n: int, positions: np.ndarray) -> tuple[int, bytes]:
     """(format, bytes) of the smallest encoding of sorted positions among n."""
     k = len(positions)
