@@ -70,7 +70,6 @@ def tile_for(n: int) -> int:
     return max(3, min(int(math.log2(TILE)), math.ceil(math.log2(max(n, 2)))))
 
 
-
 def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: np.random.Generator | None = None) -> bytes:
     """``x`` (float32, any shape) in ``bits`` bits a value, plus one bfloat16 scale per tile."""
     if bits not in BITS:
