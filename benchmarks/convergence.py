@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
+from common import commit, pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 1e9  # links at least this fast are not "slow links"
@@ -143,7 +143,7 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
     accs = [r["val_accuracy"] for r in rec if "val_accuracy" in r][-args.accuracy_over:]
     acc = sum(accs) / len(accs) if accs else None  # the mean of the last --accuracy-over evaluations
     return {
-        "cluster": name, "codec": codec, "seed": seed, "final_val_loss": rec[-1]["val_loss"],
+        "cluster": name, "codec": codec, "seed": seed, "commit": commit(), "final_val_loss": rec[-1]["val_loss"],
         # in points (the metric is a fraction of the held-out images), the mean of the last
         # --accuracy-over evaluations; None for a language model
         "final_val_accuracy": None if acc is None else 100 * acc, "unit": unit(args),
@@ -185,6 +185,15 @@ def per_link_mean(runs: list[dict]) -> dict[str, float] | None:
         return None
     links = sorted({k for r in runs for k in r["bytes_per_link_slow"]})
     return {k: sum(r["bytes_per_link_slow"].get(k, 0.0) for r in runs) / len(runs) for k in links}
+
+
+def kept_runs(runs: list[dict], clusters: list[str], codecs: list[str]) -> list[str]:
+    """Where a merge kept runs of another commit: which, and at what commit ("not recorded" before runs carried it)."""
+    kept: dict[str, set[str]] = {}
+    for r in runs:
+        if not (r["cluster"] in clusters and r["codec"] in codecs):
+            kept.setdefault(r.get("commit", "not recorded")[:12], set()).add(f"{r['cluster']} {r['codec']}")
+    return ["", "Runs kept from earlier commands (merged):", "", *(f"- commit {c}: {', '.join(sorted(w))}" for c, w in kept.items())] if kept else []
 
 
 def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
@@ -327,7 +336,7 @@ def main() -> int:
     codecs = list(dict.fromkeys(r["codec"] for r in runs))
     rows = [mean_row(n, c, [r for r in runs if r["cluster"] == n and r["codec"] == c]) for n in order for c in codecs
             if any(r["cluster"] == n and r["codec"] == c for r in runs)]
-    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args),
+    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args) + kept_runs(runs, args.clusters, args.codecs),
           {"args": {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}, "clusters": {n: cluster_text(CLUSTERS[n]) for n in order}})
     _plot(runs, order, args.out)
     return 0
