@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from fusionllm.launch.local_cluster import ClusterPids, read_pids, stop_processe
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-__all__ = ["RESULTS", "ROOT", "ClusterPids", "Metrics", "cluster_pids", "commit", "kept_provenance", "machine", "provenance",
+__all__ = ["RESULTS", "ROOT", "ClusterPids", "Metrics", "cluster_pids", "commit", "exit_on_sigterm", "kept_provenance", "machine", "provenance",
            "pyplot", "read_metrics", "results_dir", "stop", "training_steps", "write"]
 PROVENANCE = ("commit", "command", "machine", "date")
 
@@ -127,6 +128,13 @@ def cluster_pids(run_dir: Path, timeout: float = 0.0) -> ClusterPids:
 
 
 # ---- metrics and plots -----------------------------------------------------------------------------
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like an error (``SystemExit``): a testbed's ``with`` takes its namespaces down
+    and the ``finally`` blocks stop what the benchmark started. A benchmark started in the background
+    (``nohup ... &``) ignores SIGINT, so SIGTERM is how it is stopped."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def training_steps(records: list[dict]) -> list[dict]:
     """Step records without the steps right after an evaluation (those also carry the evaluation's
     forward passes in their ``bytes``)."""

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
+from common import exit_on_sigterm, kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 from fusionllm.cluster.spec import load_cluster  # noqa: E402
 from fusionllm.launch.local_cluster import run_local_cluster  # noqa: E402
@@ -457,6 +457,7 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
+    exit_on_sigterm()
     args.model = args.model or ("gpt-micro" if args.task == "lm" else "resnet18")
     if args.trained_drop is None:
         args.trained_drop = 0.5 if args.task == "lm" else 0.15

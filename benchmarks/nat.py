@@ -43,7 +43,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import kept_provenance, pyplot, read_metrics, results_dir, write  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    exit_on_sigterm,
+    kept_provenance,
+    pyplot,
+    read_metrics,
+    results_dir,
+    write,
+)
 
 GOAL_LOSS, GOAL_RATE, GOAL_JOIN_S = 1e-5, 0.9, 2.0
 CLUSTERS = {
@@ -253,6 +260,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=results_dir("nat"))
     p.add_argument("--report", action="store_true", help="only rewrite nat.md and nat.png from nat.json (with the arguments given)")
     args = p.parse_args()
+    exit_on_sigterm()
     if args.report:
         doc = json.loads((args.out / "nat.json").read_text())
         write(args.out, "nat", doc["results"], table(doc["results"], args), {**kept_provenance(doc), "goals": doc.get("goals", {})})

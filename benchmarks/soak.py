@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, stop, write  # noqa: E402
+from common import exit_on_sigterm, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = [sys.executable, "-m", "fusionllm"]
@@ -340,6 +340,7 @@ def main() -> int:
     ap.add_argument("--dead-after", type=float, default=12.0)
     ap.add_argument("--out", type=Path, default=results_dir("soak"))
     args = ap.parse_args()
+    exit_on_sigterm()
     minutes = args.minutes or (10.0 if args.quick else 60.0)
     every = args.fault_every or (85.0 if args.quick else 300.0)
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
+from common import exit_on_sigterm, kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 from e2e import ROOT, device_busy, peer_launch  # noqa: E402
 
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402
@@ -521,6 +521,7 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing JSON for clusters, seeds and systems not run this time")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plots from the JSON")
     args = ap.parse_args()
+    exit_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # kill -INT stops it cleanly even where it started with SIGINT ignored (nohup &)
     args.warm_dir = {}
     out = args.out or results_dir("time_to_target", args.model + (f"-warm{args.warm_start}" if args.warm_start else ""))
