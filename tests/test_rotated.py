@@ -100,6 +100,23 @@ def test_a_tile_never_spans_two_rows(shape: tuple[int, ...]) -> None:
     np.testing.assert_array_equal(after[:-1], before.reshape(-1, d)[:-1])
 
 
+@pytest.mark.parametrize(("bits", "stochastic"), [(3, False), (4, True)])
+def test_a_tensor_coded_in_several_passes_equals_one_pass(bits: int, stochastic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes of CHUNK values (cache-sized) hold whole padded rows and start on a byte of codes."""
+    import fusionllm.compress.rotated as rotated
+
+    x = np.random.default_rng(3).standard_normal((700, 200)).astype(np.float32)  # rows padded from 200 to 256
+    one = encode_rotated(x, bits, stochastic=stochastic, rng=np.random.default_rng(0))
+    monkeypatch.setattr(rotated, "CHUNK", 256 * 3)  # three rows a pass: 234 passes, the last one short
+    many = encode_rotated(x, bits, stochastic=stochastic, rng=np.random.default_rng(0))
+    assert len(many) == len(one)
+    a, b = decode_rotated(one, x.size), decode_rotated(many, x.size)
+    if not stochastic:
+        np.testing.assert_allclose(b, a, atol=1e-5)  # the same codes; decoded in passes too
+    else:  # the dither is drawn pass by pass: another draw, as accurate
+        assert abs(np.linalg.norm(b - x) / np.linalg.norm(a - x) - 1) < 0.05
+
+
 def test_decoder_refuses_what_does_not_add_up() -> None:
     x = np.random.default_rng(5).standard_normal((10, 30)).astype(np.float32)
     good = encode_rotated(x, 3)

@@ -27,8 +27,8 @@ Layout (little-endian)::
     | tiles x bfloat16 scale | tiles x T codes of ``bits`` bits, packed (2 and 4 bits: most significant
       first within a byte; 3 bits: eight codes in three bytes, the first in the top bits)
 
-Vectorised throughout (the rotation is one matrix product per tensor); the decoder checks every size
-against the payload before it allocates.
+Vectorised throughout (the rotation is one matrix product per pass of ``CHUNK`` values); the decoder
+checks every size against the payload before it allocates.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ TILE = 256
 BITS = (2, 3, 4)
 CLIP = {2: 1.4935, 3: 2.0509, 4: 2.5139}  # the MSE-optimal uniform quantiser's half-range on N(0, 1), over RMS
 SIGN_SEED = 0x5EED
+CHUNK = 1 << 18  # values rotated and coded a pass: its buffers stay in cache (64M values at once ran at 108 MB/s)
 _HEAD = struct.Struct("<2sBBB")
 
 
@@ -80,24 +81,39 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
     lt = tile_for(d)
     t = 1 << lt
     width = -(-d // t) * t  # a row padded to whole tiles
-    if width == d:
-        blocks = rows2d.reshape(-1, t)
-    else:
-        padded = np.zeros((rows2d.shape[0], width), dtype=np.float32)
-        padded[:, :d] = rows2d
-        blocks = padded.reshape(-1, t)
+    per_row = width // t
+    scales = np.empty(rows2d.shape[0] * per_row, dtype=np.uint16)
+    body = np.empty(packed_size(rows2d.shape[0] * width, bits), dtype=np.uint8)
+    gen = (rng if rng is not None else np.random.default_rng()) if stochastic else None
+    chunk = max(1, CHUNK // width)  # rows a pass: a pass's buffers stay in cache
+    for r0 in range(0, rows2d.shape[0], chunk):
+        part = rows2d[r0 : r0 + chunk]
+        if width != d:
+            padded = np.zeros((part.shape[0], width), dtype=np.float32)
+            padded[:, :d] = part
+            part = padded
+        bits16, codes = _encode_tiles(part.reshape(-1, t), bits, lt, gen)
+        scales[r0 * per_row : r0 * per_row + len(bits16)] = bits16
+        at = packed_size(r0 * width, bits)  # a pass holds whole tiles (at least 8 codes): it starts on a byte
+        body[at : at + packed_size(codes.size, bits)] = np.frombuffer(pack(codes, bits), dtype=np.uint8)
+    head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
+    return head + scales.astype("<u2").tobytes() + body.tobytes()
+
+
+def _encode_tiles(blocks: np.ndarray, bits: int, lt: int, gen: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+    """(bfloat16 scale bits, codes) of tiles (rows of ``blocks``); ``gen``: stochastic rounding."""
+    t = 1 << lt
     y = blocks @ _rotation(lt)
     top = np.maximum(y.max(axis=1), -y.min(axis=1))
-    if not stochastic:
+    if gen is None:
         rms = np.sqrt(np.einsum("ij,ij->i", y, y) / t)
         top = np.minimum(top, CLIP[bits] * rms)
-    bits16 = scale_bits(top, cover=stochastic)  # stochastic rounding: the scale must cover every value
+    bits16 = scale_bits(top, cover=gen is not None)  # stochastic rounding: the scale must cover every value
     s = from_bf16_bits(bits16)
     levels = (1 << bits) - 1
     half = np.float32(levels / 2.0)
     y *= np.divide(half, s, out=np.zeros_like(s), where=s > 0)[:, None]
-    if stochastic:  # a 16-bit uniform dither (faster to draw than floats), centred: unbiased to 2**-17 of a level
-        gen = rng if rng is not None else np.random.default_rng()
+    if gen is not None:  # a 16-bit uniform dither (faster to draw than floats), centred: unbiased to 2**-17 of a level
         y += half + np.float32(2.0**-17)
         y += gen.integers(0, 1 << 16, size=y.shape, dtype=np.uint16) * np.float32(2.0**-16)
         np.floor(y, out=y)
@@ -105,9 +121,7 @@ def encode_rotated(x: np.ndarray, bits: int, *, stochastic: bool = False, rng: n
         y += half  # in [0, levels] where |y| <= s
         np.rint(y, out=y)
     np.clip(y, 0, levels, out=y)
-    codes = y.astype(np.uint8).reshape(-1)
-    head = _HEAD.pack(b"HQ", bits, lt, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
-    return head + bits16.astype("<u2").tobytes() + pack(codes, bits)
+    return bits16, y.astype(np.uint8).reshape(-1)
 
 
 def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
@@ -129,13 +143,23 @@ def decode_rotated(buf: bytes | bytearray | memoryview, max_elements: int) -> np
     if len(view) != off + 2 * tiles + body:
         raise WireError(f"rotated-quantised tensor is {len(view)} bytes, its header needs {off + 2 * tiles + body}")
     scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * tiles], dtype="<u2"))
-    codes = unpack(np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8), bits, tiles * t)
+    raw = np.frombuffer(view[off + 2 * tiles :], dtype=np.uint8)
     levels = (1 << bits) - 1
-    y = codes.reshape(tiles, t).astype(np.float32)
-    y *= (scale * np.float32(2.0 / levels))[:, None]
-    y -= scale[:, None]
-    out = (y @ _rotation(lt).T).reshape(rows, width)
-    return (out if width == d else out[:, :d]).reshape(shape)
+    rotation = _rotation(lt).T
+    out = np.empty((rows, d), dtype=np.float32)
+    chunk = max(1, CHUNK // width)  # rows a pass, as the encoder
+    per_row = width // t
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        at = packed_size(r0 * width, bits)
+        codes = unpack(raw[at:], bits, (r1 - r0) * width)
+        y = codes.reshape(-1, t).astype(np.float32)
+        s = scale[r0 * per_row : r1 * per_row]
+        y *= (s * np.float32(2.0 / levels))[:, None]
+        y -= s[:, None]
+        part = (y @ rotation).reshape(r1 - r0, width)
+        out[r0:r1] = part if width == d else part[:, :d]
+    return out.reshape(shape)
 
 
 def rotated_byte_ratio(bits: int, d: int = TILE) -> float:
