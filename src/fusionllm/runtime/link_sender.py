@@ -112,13 +112,7 @@ class LinkSender:
         self, st: StepState, dst: int, header: dict, x: np.ndarray | None, dtype: str = "float32",
         feedback_key: tuple | None = None, keep_decoded: bool = False,
     ) -> np.ndarray | None:
-        """Send one array to a worker, encoded for that link; a sparse codec's gradients with error feedback.
-
-        A pipeline gradient is error-fed only under top-k. Its residual belongs to one micro-batch's
-        samples and is added to the next step's, other samples: top-k needs that (without it the
-        dropped coordinates never arrive), a quantiser's unbiased error does not, and feeding it back
-        doubles the error's variance. All-reduce chunks (``reduce``) belong to one parameter and are
-        always error-fed.
+        """Send one array to a worker, encoded for that link; gradients with error feedback.
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
@@ -133,7 +127,7 @@ class LinkSender:
             nonlocal spec, ratio
             if spec.kind == "adatopk":  # the link's byte target -> a codec within the role's error budget
                 spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0), None
-            if feedback_key is None or (role == "grad" and not spec.sparse):
+            if feedback_key is None:
                 encoded = encode(x, spec, ratio)
                 return encoded, (decode(*encoded, x.shape) if keep_decoded else None)
             out: list[tuple[str, bytes]] = []
