@@ -67,3 +67,22 @@ SYNC_MODES = ("synchronous", "hierarchical", "auto")
 TrainSyncOpt = Annotated[str | None, typer.Option("--sync", help="synchronous, hierarchical or auto (as for `plan`). Default: auto when a planner forms the plan (a cluster file, or --scheduler) and nothing is given by hand (--groups, --replicas, --regroup, --resume); synchronous otherwise.")]
 DEFAULT_OUTER_LR = 1.0  # DiLoCo's 0.7 / 0.9 trained worse at the H the planner picks (benchmarks/results/hier_convergence.md)
 DEFAULT_OUTER_MOMENTUM = 0.0
+
+
+def _read_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """``--config run.toml``: the file's options become the command's defaults, so flags override them
+    (a coordinator's ``run.json``, written by `fusionllm train`, is read by the command itself)."""
+    if value is None or value.suffix == ".json":
+        return value
+    from fusionllm.core.errors import FusionError
+    from fusionllm.launch.config_file import read_config
+
+    try:
+        ctx.default_map = {**(ctx.default_map or {}), **read_config(value, (p.name for p in ctx.command.params if p.name))}
+    except FusionError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", is_eager=True, callback=_read_config_file, help="A config file (TOML: [train], [cluster], [sync], [compress], [reliability]; docs/config.md) whose options this run takes; flags given too override it. --print-config writes one.")]
+PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print every option as resolved (the config file, then the flags) as a config file, and exit without running.")]

@@ -19,6 +19,7 @@ from fusionllm.cli.options import (
     CkptEveryOpt,
     CollectivesOpt,
     CompressOpt,
+    ConfigOpt,
     DashboardOpt,
     DataOpt,
     DeadAfterOpt,
@@ -45,6 +46,7 @@ from fusionllm.cli.options import (
     OuterMomentumOpt,
     OverlapStepsOpt,
     PrecisionOpt,
+    PrintConfigOpt,
     RecomputeOpt,
     RegroupOpt,
     ReplanOpt,
@@ -69,6 +71,7 @@ from fusionllm.cli.options import (
 
 @user_errors
 def coordinator(
+    ctx: typer.Context,
     listen: Annotated[str, typer.Option(help="HOST:PORT to serve on (0.0.0.0:PORT for other machines).")],
     token_file: Annotated[Path, typer.Option("--token-file", help="Shared secret every call presents.")],
     workers: Annotated[int, typer.Option(help="Workers to wait for.")],
@@ -126,19 +129,27 @@ def coordinator(
     precision: PrecisionOpt = "fp32",
     recompute: RecomputeOpt = False,
     port_file: Annotated[Path | None, typer.Option("--port-file", help="Write the port it serves on to this file once it listens (for a launcher that asked for port 0).")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="A run configuration (run.json, as `fusionllm train` writes it): every option but --listen, --token-file and --workers comes from it.")] = None,
+    config_file: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
 ) -> None:
-    """Wait for the workers, trace and plan the model, hand out stages, drive training."""
+    """Wait for the workers, trace and plan the model, hand out stages, drive training.
+
+    ``--config`` also takes a ``run.json`` as `fusionllm train` writes it for the coordinator it
+    starts: every option but --listen, --token-file and --workers then comes from it."""
     from fusionllm.control.config import RunConfig
     from fusionllm.control.coordinator import run_coordinator
     from fusionllm.control.restart import Stopped
     from fusionllm.launch.config import cluster_config, load_run, train_config
+    from fusionllm.launch.config_file import dump_config
     from fusionllm.launch.task import run_task
     from fusionllm.transport.auth import load_token
 
+    if print_config:
+        print(dump_config(ctx.params), end="")
+        raise typer.Exit(0)
     token = load_token(token_file)
-    if config is not None:  # `fusionllm train` built the run: nothing is built again
-        run = load_run(config, listen=listen, token=token, workers=workers)
+    if config_file is not None and config_file.suffix == ".json":  # `fusionllm train` built the run: nothing is built again
+        run = load_run(config_file, listen=listen, token=token, workers=workers)
     else:
         train = train_config(
             model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data,
@@ -154,6 +165,9 @@ def coordinator(
             sync=sync, groups=groups, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr,
             outer_momentum=outer_momentum, overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
         ))
+        if checkpoint_dir is not None:  # the checkpoints' directory keeps the options that made them
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / "config.toml").write_text(dump_config(ctx.params, "The options of the coordinator that wrote these checkpoints."))
     train_cfg, cluster_cfg = run.train, run.cluster
     bar, on_step, first = progress_bar(train_cfg.steps, "train")
 

@@ -18,6 +18,7 @@ from fusionllm.cli.options import (
     CkptEveryOpt,
     CollectivesOpt,
     CompressOpt,
+    ConfigOpt,
     DashboardOpt,
     DataOpt,
     DeadAfterOpt,
@@ -43,6 +44,7 @@ from fusionllm.cli.options import (
     OuterMomentumOpt,
     OverlapStepsOpt,
     PrecisionOpt,
+    PrintConfigOpt,
     RecomputeOpt,
     RegroupOpt,
     ReplanOpt,
@@ -94,6 +96,7 @@ def _backends(text: str | None, workers: int) -> list[str]:
 
 @user_errors
 def train(
+    ctx: typer.Context,
     model: ModelOpt = "gpt-micro",
     steps: StepsOpt = 200,
     batch_size: BatchOpt = 16,
@@ -153,8 +156,15 @@ def train(
     init_from: InitFromOpt = None,
     precision: PrecisionOpt = "fp32",
     recompute: RecomputeOpt = False,
+    config_file: ConfigOpt = None,
+    print_config: PrintConfigOpt = False,
 ) -> None:
     """Train a model: `--single-process` (the plain PyTorch reference) or `--cluster local:N|FILE.toml`."""
+    from fusionllm.launch.config_file import dump_config
+
+    if print_config:
+        print(dump_config(ctx.params), end="")
+        raise typer.Exit(0)
     from fusionllm.launch.config import train_config
     from fusionllm.runtime.single import train_single
 
@@ -189,6 +199,7 @@ def train(
         ))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(run.to_json())
+        (run_dir / "config.toml").write_text(dump_config(ctx.params, "The options of the run started here: fusionllm train --config config.toml starts it again."))
         args = ["--config", str((run_dir / "run.json").resolve())]
         tls = _tls_args(tls_cert, tls_key, tls_ca)
         if toml and worker_python:
