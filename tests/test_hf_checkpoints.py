@@ -24,9 +24,9 @@ transformers = pytest.importorskip("transformers")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "models", "train", "across", "slow", "links"]
 
 
-def hf_gpt2(root: Path, vocab: int = 500, activation: str = "gelu_new", seed: int = 0) -> Path:
+def hf_gpt2(root: Path, vocab: int = 500, activation: str = "gelu_new", seed: int = 0, dropout: float = 0.0) -> Path:
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=3, n_head=2, activation_function=activation,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():  # biases and LayerNorm weights away from their init, so a mix-up shows
@@ -177,6 +177,23 @@ def test_a_llama_trains_in_three_stages_as_in_one_process(tmp_path: Path) -> Non
                 seen.add(key.removeprefix("param/"))
                 np.testing.assert_allclose(value.numpy(), reference[key.removeprefix("param/")].detach().numpy(), rtol=1e-5, atol=1e-7)
     assert seen == set(reference)
+
+
+def test_a_gpt2_with_dropout_trains_in_two_stages_as_in_one_process(tmp_path: Path) -> None:
+    """GPT-2's own dropout (0.1, as Hugging Face ships it): the one-process reference draws the masks
+    the split draws, micro-batch by micro-batch. Fails when the reference draws from torch's generator
+    (the losses then differ by the whole effect of dropout)."""
+    from fusionllm.launch.inprocess import cluster_config, run_in_process
+
+    d = hf_gpt2(tmp_path / "m", dropout=0.1)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(9)) for i in range(400)))
+    train = TrainConfig(steps=3, batch_size=4, seq_len=32, data=str(corpus), init_from=str(d), eval_every=0, warmup=0, lr=1e-3)
+    single = train_single(train, micro_batches=2)
+    dist, _ = run_in_process(train, cluster_config(2, micro_batches=2))
+    np.testing.assert_allclose(dist.losses, single.losses, rtol=1e-5)
+    other = train_single(TrainConfig(**{**train.__dict__, "seed": 1}), micro_batches=2)
+    assert not np.allclose(other.losses[1:], single.losses[1:], rtol=1e-4)  # the masks do depend on the seed
 
 
 def test_each_stage_reads_only_its_own_tensors_from_the_checkpoint_files(tmp_path: Path) -> None:

@@ -35,12 +35,14 @@ def verify(
         report = verify_spec(model, parts=parts, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device, progress=say)
         what = "loss and every parameter gradient"
     else:
-        from fusionllm.models.task import build_task_model, load_task
+        from fusionllm.models.task import build_task_model, load_task, model_label
 
         if task == "vision" and model == "gpt-mini":
             model = "resnet18"
         made = load_task(task, {"model": model, "data": data, "seed": seed, "batch_size": batch_size, "seq_len": seq_len, "image_size": image_size})
         report = verify_task(made, build_task_model(made, seed), parts=parts, seed=seed, device=device, progress=say)
+        if task != "vision":
+            model = model_label(made)
         what = "loss, every parameter gradient and every floating-point buffer, in training mode"
     worst = sorted(report.errors.items(), key=lambda kv: -kv[1])[:5]
     print(f"{'model' if task == 'lm' else 'task=' + task + ' model'}={model} ops={report.nodes} stages={report.stages} wire_bytes={report.bytes_on_wire}")
@@ -48,6 +50,8 @@ def verify(
     print(f"compared {len(report.errors)} tensors ({what}); largest errors:")
     for name, err in worst:
         print(f"  {name}: {err:.3e}")
+    for note in report.notes:
+        print(f"note: {note}")
     print("PASS" if report.ok else f"FAIL: above tolerance {TOLERANCE:g}")
     print(f"max_rel_err={report.max_rel_err:.3e}")
     if not report.ok:

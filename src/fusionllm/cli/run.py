@@ -181,7 +181,9 @@ def coordinator(
     except Stopped as stop:  # Ctrl+C or SIGTERM: the workers wait for a restart
         say(str(stop))
         raise typer.Exit(stop.code) from None
-    summary(train_cfg.init_from or train_cfg.model, result, first, train_cfg.steps)
+    from fusionllm.models.task import run_model_label, task_options
+
+    summary(run_model_label(train_cfg.task, train_cfg.model, train_cfg.init_from, task_options(train_cfg)), result, first, train_cfg.steps)
 
 
 @user_errors

@@ -217,9 +217,11 @@ def train(
     if backends:
         raise FusionError("--backends needs --cluster (the --single-process reference is plain PyTorch)")
     bar, on_step, first = progress_bar(steps, "train")
-    with bar:  # a task's reference accumulates the micro-batches a pipeline would run (BatchNorm sees the same rows)
-        result = train_single(config, on_step, micro_batches=1 if task == "lm" else micro_batches)
-    summary(config.init_from or config.model, result, first, steps)
+    with bar:  # the reference accumulates the micro-batches a pipeline runs: BatchNorm sees the same rows, dropout draws the same masks
+        result = train_single(config, on_step, micro_batches=micro_batches)
+    from fusionllm.models.task import run_model_label, task_options
+
+    summary(run_model_label(config.task, config.model, config.init_from, task_options(config)), result, first, steps)
 
 
 def _tls_args(cert: Path | None, key: Path | None, ca: Path | None) -> list[str]:

@@ -108,6 +108,20 @@ def load_task(spec: str, options: dict[str, Any]) -> Task:
     return task
 
 
+def model_label(task: Task) -> str:
+    """What a run summary calls the task's model: its class or factory's name."""
+    made = task.model
+    return getattr(made, "__qualname__", None) or getattr(made, "__name__", None) or type(made).__name__
+
+
+def run_model_label(task_spec: str, model: str, init_from: str | None, options: dict) -> str:
+    """The model a run trains, for its summary: ``--model`` (or ``--init-from``) for the built-in
+    tasks, the task's own model for ``package.module:factory``."""
+    if task_spec in ("lm", "vision"):
+        return init_from or model
+    return model_label(load_task(task_spec, options))
+
+
 def build_task_model(task: Task, seed: int, device: str | torch.device | None = None) -> nn.Module:
     """The task's model with the run's seed (``device="meta"``: shapes only, nothing allocated)."""
     torch.manual_seed(seed)

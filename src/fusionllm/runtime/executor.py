@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -32,9 +33,9 @@ from fusionllm.graph.ir import Edge, Node, OpGraph
 from fusionllm.runtime.tensors import torch_dtype
 
 OpFn = Callable[[list[Any], dict[str, Any]], Any]
-_RANDOM_NAME = re.compile(r"dropout|rand|bernoulli|multinomial|normal|poisson|rrelu|exponential_|geometric_|cauchy_|log_normal_", re.I)
+RANDOM_NAME = re.compile(r"dropout|rand|bernoulli|multinomial|normal|poisson|rrelu|exponential_|geometric_|cauchy_|log_normal_", re.I)
 _RNG_LOCK = threading.Lock()  # the seeded draws use torch's process-wide generator: one op at a time (stages run in threads)
-_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
+RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
 
 
 def may_be_random(node: Node, module: nn.Module | None) -> bool:
@@ -43,9 +44,9 @@ def may_be_random(node: Node, module: nn.Module | None) -> bool:
     may call one)."""
     if module is not None:
         if node.kind.startswith("module:torch.nn."):
-            return any(isinstance(m, _RANDOM_MODULES) for m in module.modules())
+            return any(isinstance(m, RANDOM_MODULES) for m in module.modules())
         return True
-    return bool(_RANDOM_NAME.search(node.name) or _RANDOM_NAME.search(str(node.config.get("target", ""))))
+    return bool(RANDOM_NAME.search(node.name) or RANDOM_NAME.search(str(node.config.get("target", ""))))
 
 
 def op_seed(seed: int, step: int, node_id: str, micro_batch: int) -> int:
@@ -204,6 +205,8 @@ class StageExecutor:
         args = template.decode(node.call.get("args", []), inputs, self.device)
         kwargs = template.decode(node.call.get("kwargs", {}), inputs, self.device)
         handler = _HANDLERS[_handler_key(node.kind)]
+        if not self.training and node.kind == "function" and node.id in self._random:
+            args, kwargs = _not_training(node, args, kwargs)
         try:
             if self.random_key is not None and self.training and node.id in self._random:
                 devices = [self.device] if self.device.type == "cuda" else []
@@ -283,6 +286,21 @@ def _run_module(ex: StageExecutor, node: Node, args: list, kwargs: dict) -> Any:
 
         return checkpoint(module, *args, use_reentrant=False, **kwargs)  # the RNG state is replayed: dropout draws the same masks
     return module(*args, **kwargs)
+
+
+def _not_training(node: Node, args: list, kwargs: dict) -> tuple[list, dict]:
+    """A traced ``F.dropout(x, p, training=self.training)`` holds the value of ``training`` at the
+    trace, True: a stage in evaluation passes False, as the model's own forward in ``eval()`` does."""
+    try:
+        params = list(inspect.signature(registry.resolve_function(node.config["target"])).parameters)
+    except (TypeError, ValueError, KeyError):
+        return args, kwargs
+    if "training" in kwargs:
+        return args, {**kwargs, "training": False}
+    if "training" in params and params.index("training") < len(args):
+        at = params.index("training")
+        return [*args[:at], False, *args[at + 1 :]], kwargs
+    return args, kwargs
 
 
 def _run_function(ex: StageExecutor, node: Node, args: list, kwargs: dict) -> Any:

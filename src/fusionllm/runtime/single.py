@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -17,6 +19,8 @@ from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
+from fusionllm.runtime.masks import split_masks
+from fusionllm.runtime.model_graph import trace_lm, trace_task
 from fusionllm.runtime.optim import make_adamw
 
 StepCallback = Callable[[dict], None]
@@ -42,6 +46,22 @@ def autocast(config: TrainConfig) -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision == "bf16")
 
 
+def seeded_masks(model: torch.nn.Module, trace: Callable[[], Any], seed: int) -> Callable[[int, int], Any]:
+    """``masks(step, micro_batch)``: a block in which the model's forward draws the masks the split
+    draws (``masks.split_masks``); a model with no random op is not traced and gets no hooks."""
+    from fusionllm.runtime.executor import RANDOM_MODULES
+
+    if not any(isinstance(m, RANDOM_MODULES) for m in model.modules()) and not _user_forward(model):
+        return lambda step, mb: contextlib.nullcontext()
+    graph = trace()
+    return lambda step, mb: split_masks(model, graph, seed, step, mb)
+
+
+def _user_forward(model: torch.nn.Module) -> bool:
+    """Whether a module outside torch.nn (its forward may call a random function) is in the model."""
+    return any(not type(m).__module__.startswith("torch.nn.modules") for m in model.modules())
+
+
 def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
                  skip: frozenset[int] = frozenset()) -> TrainResult:
     """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step.
@@ -57,6 +77,10 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
     block = context_length(model)
     if isinstance(block, int) and config.seq_len > block:
         raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
+    if config.batch_size % micro_batches:
+        raise ConfigError(f"--batch-size {config.batch_size} does not split into {micro_batches} micro-batches")
+    masks = seeded_masks(model, lambda: trace_lm(copy.deepcopy(model), config.batch_size // micro_batches, config.seq_len, spec=config.model),
+                         config.seed)
     optimizer = make_adamw(model.named_parameters(), config.lr, config.weight_decay)
     result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
     started = time.perf_counter()
@@ -69,11 +93,16 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = train_batches.get(step)
-            with autocast(config):
-                logits = model(x)
-            loss = lm_loss(logits.float(), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            size = x.shape[0] // micro_batches
+            total = 0.0
+            for mb in range(micro_batches):  # the micro-batches a pipeline runs, each with its own masks
+                with autocast(config), masks(step, mb):
+                    logits = model(x[mb * size : (mb + 1) * size])
+                part = lm_loss(logits.float(), y[mb * size : (mb + 1) * size])
+                (part / micro_batches if micro_batches > 1 else part).backward()
+                total += float(part.detach()) / micro_batches
+            loss = torch.tensor(total)
             grad_norm = clip_grad_norm(model, config.grad_clip)
             optimizer.step()
             result.tokens += x.numel()
@@ -118,6 +147,8 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
     task = load_task(config.task, task_options(config))
     config = task_settings(config, task)
     model = build_task_model(task, config.seed)
+    rows0 = task.batch(0)[0].shape[0]
+    masks = seeded_masks(model, lambda: trace_task(task, model, max(1, rows0 // micro_batches)), config.seed)
     lr0, warmup = config.lr, config.warmup
     optimizer = make_adamw(model.named_parameters(), lr0, config.weight_decay)
     result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
@@ -139,7 +170,7 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
             total = 0.0
             for mb in range(micro_batches):
                 part = [a[mb * size : (mb + 1) * size] for a in arrays]
-                with autocast(config):
+                with autocast(config), masks(step, mb):
                     out = model(*part[: task.inputs])
                 loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
                 (loss / micro_batches).backward()

@@ -17,6 +17,7 @@ from fusionllm.models.spec import build_model
 from fusionllm.models.task import Task
 from fusionllm.runtime.executor import StageExecutor
 from fusionllm.runtime.local import LocalSplit
+from fusionllm.runtime.masks import split_masks, split_masks_cover
 from fusionllm.runtime.model_graph import (
     graph_source,
     model_tensors,
@@ -67,6 +68,7 @@ class VerifyReport:
     stages: list[int] = field(default_factory=list)
     nodes: int = 0
     bytes_on_wire: int = 0
+    notes: list[str] = field(default_factory=list)  # what the comparison could not cover
 
     @property
     def max_rel_err(self) -> float:
@@ -135,29 +137,38 @@ def verify_task(task: Task, model: nn.Module, *, parts: int, seed: int, device: 
                 progress: Callable[[str], None] = lambda _: None) -> VerifyReport:
     """Compare the split run of a task's model (in training mode: BatchNorm normalises with the
     batch's statistics and updates its running ones) with plain autograd on training batch 0: the
-    loss, every gradient, and every buffer the forward updated. A model with dropout or other
-    random ops differs by design here (each run draws its own masks)."""
+    loss, every gradient, and every buffer the forward updated. Random ops (dropout) draw the same
+    masks in both: the split's, seeded per op (``masks.split_masks``); a random function the
+    reference cannot seed (one called outside any module op) is named in ``report.notes``."""
     arrays = [torch.from_numpy(a).to(device) for a in task.batch(0)]
     model = model.to(device)
     ref = copy.deepcopy(model).train()
-    progress("reference: plain autograd (training mode)")
-    ref_loss = task.loss(ref(*arrays[: task.inputs]), *arrays[task.inputs :])
-    ref_loss.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     progress("tracing")
     graph = trace_task(task, model, arrays[0].shape[0])
     graph = OpGraph.from_json(graph.to_json())
+    progress("reference: plain autograd (training mode)")
+    with split_masks(ref, graph, seed, 0):
+        out = ref(*arrays[: task.inputs])
+    ref_loss = task.loss(out, *arrays[task.inputs :])
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     plan = random_partition(graph, parts, seed)
     progress(f"{len(graph.compute_nodes)} ops in {len(plan)} stages of {[len(p) for p in plan]} ops")
     tensors = {k: v.clone() for k, v in model_tensors(model).items()}
     stages = [StageExecutor(graph, ids, tensors, device=device, source=root_source(model), name=f"stage{i}").train(True)
               for i, ids in enumerate(plan)]
+    for s in stages:
+        s.random_key = (seed, 0)  # random ops seeded as a training run's step 0
     split = LocalSplit(graph, stages)
     feeds = {n.outputs[0].id: a for n, a in zip(graph.input_nodes, arrays, strict=True)}
     progress("split forward + backward")
     loss = split.step(feeds)
     grads = split.param_grads()
     report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
+    missed = split_masks_cover(ref, graph)
+    if missed:
+        report.notes.append(f"random ops the reference cannot seed as the split does (no such module in the model): "
+                            f"{', '.join(missed)}; their masks differ, so may the results")
     _compare(report, loss, ref_loss, grads, ref_grads)
     buffers = dict(ref.named_buffers())
     for s in stages:  # every stage's copy of a buffer it updated
