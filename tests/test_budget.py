@@ -112,3 +112,14 @@ def test_the_codec_each_role_sent_is_reported_per_destination() -> None:
     report = chooser.chosen_by_destination()
     assert set(report) == {"1", "3"} and set(report["1"]) == {"act", "grad"} and report["3"] == {"act": "fp16"}
     assert StepDone.from_wire(StepDone(codecs=report).to_wire()).codecs == report
+
+
+def test_compressed_cuts_share_the_budget_of_activations_and_gradients() -> None:
+    """Three compressed cuts: each gets 1/sqrt(3) of the budget, so the activation the last stage
+    receives has crossed three codecs and errs about as much as one cut at the full budget."""
+    x = _residual_stream()
+    whole, shared = BudgetChooser(), BudgetChooser(scale=1 / np.sqrt(3))
+    for role in ("act", "grad"):
+        one, each = whole.choose(x, 1, role, FLOOR), shared.choose(x, 1, role, FLOOR)
+        assert _error(x, str(each)) <= 1.05 * BUDGET[role] / np.sqrt(3) < _error(x, str(one)), (role, one, each)
+    assert str(shared.choose(x, 1, "reduce", FLOOR)) == str(whole.choose(x, 1, "reduce", FLOOR))  # a parameter's gradient crosses no cut

@@ -284,6 +284,7 @@ class Step(Message):
     inputs: dict[str, dict[str, bytes]] | None = None  # per micro-batch, per edge: only for workers without their own data
     ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
     attempt: int = 0  # a step run again (after a bad tensor aborted it) is the same step, one attempt later
+    budget_scale: float = 1.0  # adatopk: the error budgets of activations and gradients times this (compressed cuts share them)
 
 
 
