@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 DEMO_STEPS ?= 300
 
-.PHONY: demo test test-fast test-soak lint install install-dev testbed-tools clean
+.PHONY: demo test test-fast test-soak test-two-torch lint install install-dev testbed-tools clean
 
 # Reuse a torch the system Python already has (venv with system site-packages); otherwise pin 2.13.0,
 # which on the development machines installs the CPU build that lies on disk.
@@ -59,6 +59,12 @@ test: $(VENV)/.installed-dev testbed-tools
 test-fast: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -m "not slow and not soak"
+
+# A worker on the oldest torch pyproject.toml allows, in a pipeline of this torch: builds that environment once
+# (~/.cache/fusionllm/torch-2.4.1, several GB from the package registry), then runs the test.
+test-two-torch: $(VENV)/.installed-dev
+	$(PY) -c "import sys; sys.path.insert(0, '.'); from benchmarks.two_torch import old_python; old_python('2.4.1')"
+	$(PY) -m pytest -m two_torch
 
 # The soak tier: real worker processes on small random clusters, against one process (a few minutes).
 test-soak: $(VENV)/.installed-dev

@@ -1,6 +1,7 @@
 """Two torch versions in one pipeline: a worker from another environment (the oldest torch pyproject.toml
-allows) between two of this one's. Runs where ``benchmarks/two_torch.py`` made that environment
-(``~/.cache/fusionllm/torch-2.4.1``, 5 GB); skipped, saying so, elsewhere."""
+allows) between two of this one's. It needs that environment
+(``~/.cache/fusionllm/torch-2.4.1``, 5 GB): ``make test-two-torch`` makes it and runs the test; ``make test``
+leaves it out (marker ``two_torch``)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ OLD = Path.home() / ".cache" / "fusionllm" / "torch-2.4.1" / "bin" / "python"
 COMMON = ["--model", "gpt-nano", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--seed", "1", "--eval-every", "0"]
 
 pytestmark = pytest.mark.slow
-needs_old = pytest.mark.skipif(not OLD.exists(), reason=f"no second torch environment at {OLD}: make it with `python benchmarks/two_torch.py`")
 
 
 def _losses(path: Path) -> list[float]:
     return read_metrics(path).losses()
 
 
-@needs_old
+@pytest.mark.two_torch  # `make test-two-torch` builds OLD, then runs it
 def test_a_worker_on_torch_2_4_in_a_torch_2_13_pipeline_trains_like_one_process(tmp_path: Path) -> None:
+    if not OLD.exists():
+        pytest.fail(f"no second torch environment at {OLD}: `make test-two-torch` builds it")
     version = subprocess.run([str(OLD), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=120)
     if version.returncode != 0 or not version.stdout.startswith("2.4"):
-        pytest.skip(f"{OLD} has no torch 2.4 ({version.stderr.strip()[-200:]})")
+        pytest.fail(f"{OLD} has no torch 2.4 ({version.stderr.strip()[-200:]}): remove it and run `make test-two-torch`")
     mixed, single = tmp_path / "mixed.jsonl", tmp_path / "single.jsonl"
     proc = subprocess.run([sys.executable, "-m", "fusionllm", "train", "--cluster", "local:3", *COMMON, "--worker-python", f"1={OLD}",
                            "--metrics", str(mixed), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
