@@ -21,6 +21,7 @@ SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
 LrOpt = Annotated[float, typer.Option(help="Peak learning rate (AdamW, warmup + cosine).")]
 DataOpt = Annotated[str | None, typer.Option(help="Corpus: file, directory, glob or comma list; default: the Python standard library's source. "
                                                 "--task vision: an image folder or a CIFAR-10 binary directory; default: synthetic images.")]
+LogToOpt = Annotated[str | None, typer.Option("--log-to", help="tensorboard or tensorboard:DIR: the metrics as TensorBoard scalars too (loss, validation, learning rate, tokens/s, bytes and AdaTopK ratio per link, busy fraction per worker, events); default DIR: tensorboard/ beside --metrics. Needs pip install fusionllm[tensorboard].")]
 MetricsOpt = Annotated[Path | None, typer.Option(help="Write one JSON object per step to this file.")]
 WarmupOpt = Annotated[int, typer.Option(help="Warmup steps.")]
 EvalOpt = Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps and at the end (0: never).")]

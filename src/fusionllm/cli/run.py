@@ -36,6 +36,7 @@ from fusionllm.cli.options import (
     InitFromOpt,
     InnerStepsOpt,
     KeepCkptOpt,
+    LogToOpt,
     LrOpt,
     MaxRecoveriesOpt,
     MetricsOpt,
@@ -83,6 +84,7 @@ def coordinator(
     seed: SeedOpt = 0,
     data: DataOpt = None,
     metrics: MetricsOpt = None,
+    log_to: LogToOpt = None,
     warmup: WarmupOpt = 20,
     schedule: ScheduleOpt = "1f1b",
     micro_batches: MicroOpt = 4,
@@ -154,7 +156,7 @@ def coordinator(
         train = train_config(
             model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data,
             warmup=warmup, eval_every=eval_every, eval_batches=eval_batches, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
-            precision=precision, recompute=recompute,
+            precision=precision, recompute=recompute, log_to=log_to,
         )
         run = RunConfig(train, cluster_config(
             train, listen=listen, token=token, workers=workers, schedule=schedule, micro_batches=micro_batches, replicas=replicas,

@@ -34,6 +34,7 @@ from fusionllm.cli.options import (
     InitFromOpt,
     InnerStepsOpt,
     KeepCkptOpt,
+    LogToOpt,
     LrOpt,
     MaxRecoveriesOpt,
     MetricsOpt,
@@ -105,6 +106,7 @@ def train(
     seed: SeedOpt = 0,
     data: DataOpt = None,
     metrics: MetricsOpt = None,
+    log_to: LogToOpt = None,
     warmup: WarmupOpt = 20,
     eval_every: EvalOpt = 50,
     eval_batches: EvalBatchesOpt = 4,
@@ -171,7 +173,7 @@ def train(
     config = train_config(
         model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data, warmup=warmup,
         eval_every=eval_every, threads=threads, eval_batches=eval_batches, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
-        precision=precision, recompute=recompute,
+        precision=precision, recompute=recompute, log_to=log_to,
     )
     if single_process == bool(cluster):
         raise FusionError("choose one: --single-process, or --cluster local:N (other machines: fusionllm coordinator / worker)")

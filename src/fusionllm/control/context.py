@@ -18,6 +18,7 @@ from typing import Any
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.metrics import JsonlWriter, StepRecord
+from fusionllm.core.tensorboard import MetricsWriter
 
 from .config import ClusterConfig
 from .membership import Membership
@@ -60,7 +61,7 @@ class RunContext:
     say: Say = print
     on_step: OnStep = lambda _: None
     clock: StepClock = field(default_factory=StepClock)
-    metrics: JsonlWriter = field(default_factory=lambda: JsonlWriter(None))  # the run's file once training starts
+    metrics: JsonlWriter | MetricsWriter = field(default_factory=lambda: JsonlWriter(None))  # the run's file(s) once training starts
     data_spec: Any = None  # the corpus's digest and batching (transport.control.DataSpec); workers check their copy
     trained_base: tuple[float, int] = (0.0, 0)  # training seconds and tokens of the run's earlier segments
     trained_last: tuple[float, int] = (0.0, 0)  # ... and up to the last record written

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fusionllm.core.config import TrainResult
-from fusionllm.core.metrics import JsonlWriter
+from fusionllm.core.tensorboard import MetricsWriter
 
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
@@ -82,7 +82,7 @@ class Phases:
         result = TrainResult()
         states: list[Any] | None = None
         data_from = 0
-        with JsonlWriter(ctx.train.metrics) as ctx.metrics:
+        with MetricsWriter(ctx.train.metrics, ctx.train.log_to) as ctx.metrics:
             k = 0
             while k < len(plan):
                 grouping = plan[k]

@@ -31,6 +31,7 @@ class TrainConfig:
     init_from: str | None = None  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
     precision: str = "fp32"  # fp32, or bf16: autocast compute with fp32 master weights and AdamW state
     recompute: bool = False  # activation checkpointing per stage: module ops run again in the backward
+    log_to: str | None = None  # tensorboard or tensorboard:DIR: the records as TensorBoard scalars too (core/tensorboard.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -42,6 +43,10 @@ class TrainConfig:
             raise ConfigError(f"--precision {self.precision!r}: choose {' or '.join(PRECISIONS)}")
         if self.warmup < 0 or self.eval_every < 0 or self.grad_clip < 0:
             raise ConfigError("--warmup, --eval-every and --grad-clip must be >= 0")
+        if self.log_to is not None:
+            from fusionllm.core.tensorboard import parse_log_to
+
+            parse_log_to(self.log_to, self.metrics)  # a bad --log-to fails here, before anything starts
 
 
 PRECISIONS = ("fp32", "bf16")

@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "train": ("model", "task", "steps", "batch_size", "seq_len", "lr", "warmup", "seed", "data", "tokenizer", "init_from", "image_size",
-              "precision", "recompute", "threads", "eval_every", "eval_batches", "metrics", "dashboard"),
+              "precision", "recompute", "threads", "eval_every", "eval_batches", "metrics", "log_to", "dashboard"),
     "cluster": ("cluster", "single_process", "device", "backends", "worker_python", "run_dir", "listen", "token_file", "workers",
                 "relay_port", "join_timeout", "port_file", "schedule", "micro_batches", "replicas", "scheduler", "hardware", "probe_links",
                 "probe_seconds", "collectives", "tls_cert", "tls_key", "tls_ca"),

@@ -14,7 +14,7 @@ import torch
 
 from fusionllm.core.config import TrainConfig, TrainResult, lr_at
 from fusionllm.core.errors import ConfigError
-from fusionllm.core.metrics import JsonlWriter
+from fusionllm.core.tensorboard import MetricsWriter
 from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
@@ -84,7 +84,7 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
     optimizer = make_adamw(model.named_parameters(), config.lr, config.weight_decay)
     result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
     started = time.perf_counter()
-    with JsonlWriter(config.metrics) as metrics:
+    with MetricsWriter(config.metrics, config.log_to) as metrics:
         for step in range(config.steps):
             if step in skip:
                 continue
@@ -153,7 +153,7 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
     optimizer = make_adamw(model.named_parameters(), lr0, config.weight_decay)
     result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))
     started = time.perf_counter()
-    with JsonlWriter(config.metrics) as metrics:
+    with MetricsWriter(config.metrics, config.log_to) as metrics:
         for step in range(config.steps):
             if step in skip:
                 continue
