@@ -75,6 +75,11 @@ SYSTEMS = {  # name: (scheduler, schedule, codec); None: the peer; a function (a
 }
 
 
+CLUSTERS = ("three-sites", "uniform", "random:12", "random:7")
+# --quick (``fusionllm bench --quick``): one cluster, the peer against fusionllm's modes, in under 10 minutes
+QUICK_STEPS, QUICK_CLUSTERS, QUICK_SYSTEMS = 24, ("three-sites",), ("peer", "opfence", "opfence+adatopk", "hierarchical")
+
+
 def task_args(args: argparse.Namespace) -> list[str]:
     return [] if args.task == "lm" else ["--task", args.task, "--image-size", str(args.image_size)]
 
@@ -424,13 +429,14 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a reduced run (fewer steps) for a check in a few minutes")
+    ap.add_argument("--quick", action="store_true", help=f"a check in under 10 minutes: {QUICK_STEPS} steps on {', '.join(QUICK_CLUSTERS)}, "
+                    f"systems {', '.join(QUICK_SYSTEMS)} (unless --clusters or --systems say otherwise)")
     ap.add_argument("--out", type=Path, default=results_dir("e2e"))
-    ap.add_argument("--clusters", nargs="+", default=["three-sites", "uniform", "random:12", "random:7"],
-                    help="names in examples/clusters, or random:SEED (four CPU devices in three sites)")
+    ap.add_argument("--clusters", nargs="+", default=None,
+                    help=f"names in examples/clusters, or random:SEED (four CPU devices in three sites); default {' '.join(CLUSTERS)}")
     ap.add_argument("--report", action="store_true", help="only rewrite e2e.md and the plots from e2e.json (with the arguments given)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the existing e2e.json not run this time")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS), help="default: every system")
     ap.add_argument("--make-hivemind-venv", action="store_true", help=f"create {HIVEMIND_VENV.relative_to(ROOT)} for the hivemind system, then exit")
     ap.add_argument("--hivemind-average-every", type=int, default=8, help="hivemind: steps between parameter averaging rounds")
     ap.add_argument("--hivemind-compression", default="fp16", choices=("none", "fp16", "uint8"), help="hivemind: state averaging compression")
@@ -457,6 +463,8 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
+    args.clusters = args.clusters or list(QUICK_CLUSTERS if args.quick else CLUSTERS)
+    args.systems = args.systems or list(QUICK_SYSTEMS if args.quick else SYSTEMS)
     exit_on_sigterm()
     args.model = args.model or ("gpt-micro" if args.task == "lm" else "resnet18")
     if args.trained_drop is None:
@@ -477,7 +485,7 @@ def main() -> int:
         print(f"hivemind: skipped, no working {HIVEMIND_VENV.relative_to(ROOT)}; make it with: python benchmarks/e2e.py --make-hivemind-venv")
         args.systems = [s for s in args.systems if s != "hivemind"]
     if args.quick:
-        args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = 24, 8, 2, 8, 3
+        args.steps, args.eval_every, args.eval_batches, args.lr_warmup, args.warmup = QUICK_STEPS, 8, 2, 8, 3
         args.out = args.out / "quick" if args.out == results_dir("e2e") else args.out
     rows = []
     old = args.out / "e2e.json"
