@@ -37,7 +37,7 @@ def _is_module_op(node: Node) -> bool:
     return node.kind.startswith("module:") or node.kind == "submodule"
 
 
-def split_masks_cover(model: nn.Module, graph: OpGraph) -> list[str]:
+def uncovered_random_ops(model: nn.Module, graph: OpGraph) -> list[str]:
     """The random ops ``split_masks`` cannot seed as the split does: module ops whose module the plain
     model does not have at that path (empty for a model traced as it is)."""
     return [f"{n.id} ({n.name})" for n in graph.compute_nodes

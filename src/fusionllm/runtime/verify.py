@@ -17,7 +17,7 @@ from fusionllm.models.spec import build_model
 from fusionllm.models.task import Task
 from fusionllm.runtime.executor import StageExecutor
 from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.masks import split_masks, split_masks_cover
+from fusionllm.runtime.masks import split_masks, uncovered_random_ops
 from fusionllm.runtime.model_graph import (
     graph_source,
     model_tensors,
@@ -165,7 +165,7 @@ def verify_task(task: Task, model: nn.Module, *, parts: int, seed: int, device: 
     loss = split.step(feeds)
     grads = split.param_grads()
     report = VerifyReport(float(ref_loss.detach()), float(loss), stages=[len(p) for p in plan], nodes=len(graph.compute_nodes))
-    missed = split_masks_cover(ref, graph)
+    missed = uncovered_random_ops(ref, graph)
     if missed:
         report.notes.append(f"random ops the reference cannot seed as the split does (no such module in the model): "
                             f"{', '.join(missed)}; their masks differ, so may the results")
