@@ -115,7 +115,7 @@ def two_site_cluster(path: Path) -> Path:
     return path
 
 
-def assert_group_eviction(m: Any) -> None:
+def assert_group_eviction(m: Any, steps: int = 16) -> None:
     """What a hierarchical run with groups 0,1,2 / 3 writes when worker 1 sends a NaN at data step 4
     and garbage at 10 (group 0 of 2 reads batches 0, 2, 4, ...: its inner steps 2 and 5): the
     synchronous run's retry, skip and eviction, all in group 0 and naming worker 1; workers 0 and 2
@@ -130,6 +130,6 @@ def assert_group_eviction(m: Any) -> None:
     (joined,) = m.of("group_joined")
     assert sorted(joined["workers"]) == [0, 2]
     assert [r["inner_step"] for r in m.steps if r["group"] == 0] == [0, 1, 3, 4]  # inner step 2 skipped; 5 evicted its worker
-    assert len([r for r in m.steps if r["group"] == 1]) == 16  # the other group trained every step
+    assert len([r for r in m.steps if r["group"] == 1]) == steps  # the other group trained every step
     assert [r for r in m.steps if r["group"] == joined["group"]]  # the new group trained too
     assert all(math.isfinite(r["loss"]) and "rss" in r for r in m.steps)
