@@ -63,10 +63,10 @@ class StepRunner:
         """One attempt: every worker's reply (a failed or lost worker raises)."""
         batch = self.task.batch(data_step) if run.fed else None
         calls = {}
+        share = budget_scale(run.plan, run.policy)  # the same for every worker of the step
         for w in run.plan.workers:
             inputs = inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
-            calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, ratios_of(run.policy, w), attempt=attempt,
-                                                        budget_scale=budget_scale(run.plan, run.policy)))
+            calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, ratios_of(run.policy, w), attempt=attempt, budget_scale=share))
         replies: dict[int, StepDone] = await self.live.calls(run, calls)
         if any(rep.failed is not None or rep.aborted for rep in replies.values()):
             await self.live.raise_if_lost(run, "a step failed")
