@@ -8,6 +8,10 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fusionllm.graph.ir import OpGraph
+    from fusionllm.launch.api import RunFailed, train
+    from fusionllm.launch.cluster import Cluster
+    from fusionllm.launch.plan_report import plan
+    from fusionllm.launch.run_result import Run
     from fusionllm.models.task import Task
 
 
@@ -18,13 +22,23 @@ def trace(module: Any, example_inputs: Any, **kwargs: Any) -> OpGraph:
     return _trace(module, example_inputs, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
-    """``fusionllm.Task`` (models/task.py), imported on first use: a NumPy worker imports no torch."""
-    if name == "Task":
-        from fusionllm.models.task import Task
+_LAZY = {
+    "Task": "fusionllm.models.task",  # a NumPy worker imports no torch: these load on first use
+    "train": "fusionllm.launch.api",
+    "RunFailed": "fusionllm.launch.api",
+    "Run": "fusionllm.launch.run_result",
+    "Cluster": "fusionllm.launch.cluster",
+    "plan": "fusionllm.launch.plan_report",
+}
 
-        return Task
+
+def __getattr__(name: str) -> Any:
+    """The Python API (``train``, ``plan``, ``Cluster``, ``Run``, ``Task``), imported on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fusionllm' has no attribute {name!r}")
 
 
-__all__ = ["Task", "__version__", "trace"]
+__all__ = ["Cluster", "Run", "RunFailed", "Task", "__version__", "plan", "trace", "train"]

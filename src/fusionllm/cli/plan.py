@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -96,52 +95,29 @@ def plan_cmd(
     and the fraction of the cluster's compute it uses (`--sync hierarchical`: groups, H, codecs, rounds)."""
     import json
 
-    from fusionllm.control.collectives import carried_links, check_mode, planned_worlds
-    from fusionllm.launch.config import task_model
-    from fusionllm.launch.offline import offline, offline_hier, task_request
-    from fusionllm.planning.describe import describe, describe_hier, sync_report
+    from fusionllm.control.collectives import World
+    from fusionllm.launch.plan_report import plan
 
-    _check_sync(sync)
-    model = task_model(task, model)
-    req = task_request(task, model, batch_size, seq_len, micro_batches, image_size)
-    on_task = {"task": task, "image_size": image_size}
-    started = time.perf_counter()
-    auto: dict | None = None
-    if sync in ("hierarchical", "auto"):
-        _, _, cost, hier = offline_hier(model, str(cluster), scheduler, req, inner_steps=inner_steps, fragments=fragments,
-                                        codec=outer_codec, outer_lr=outer_lr, outer_momentum=outer_momentum, several=sync == "hierarchical",
-                                        **on_task)
-        auto = {"chose": hier.meta.get("grouping"), "groups": len(hier.groups), "candidates": hier.meta.get("candidates")}
-        if len(hier.groups) > 1 or sync == "hierarchical":
-            info = describe_hier(hier, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
-            if as_json:
-                print(json.dumps(info | {"auto": auto} if sync == "auto" else info, indent=1))
-            else:
-                _print_hier(info)
-                print(f"planned in {info['planning_seconds']:.2f} s")
-            return
-        if not as_json:
-            _print_candidates(hier.meta.get("candidates", []))
-    graph, hw, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
-    worlds = planned_worlds(graph, plan, hw) if check_mode(collectives) == "auto" else []
-    if carried_links(worlds):  # the prediction prices the links the worlds carry as gloo's (sim.simulator.with_carried)
-        plan.meta["carried"] = [list(p) for p in sorted(carried_links(worlds))]
-    info = describe(plan, cost, req) | {"sync": "synchronous"} | sync_report(plan, cost, req) | {"planning_seconds": round(time.perf_counter() - started, 3)}
-    info["collectives"] = [w.record() for w in worlds]
-    if auto is not None:
-        info["auto"] = auto
+    info = plan(model, cluster, scheduler=scheduler, batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches,
+                candidates=candidates, sync=sync, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr,
+                outer_momentum=outer_momentum, task=task, image_size=image_size, collectives=collectives)
     if as_json:
         print(json.dumps(info, indent=1))
         return
+    if info["sync"] == "hierarchical":
+        _print_hier(info)
+        print(f"planned in {info['planning_seconds']:.2f} s")
+        return
+    _print_candidates((info.get("auto") or {}).get("candidates") or [])
     pred = info["predicted"]
-    print(f"scheduler={info['scheduler']} layout={info['layout']} fences={info['fences']} micro_batches={plan.micro_batches} schedule={plan.schedule}")
+    print(f"scheduler={info['scheduler']} layout={info['layout']} fences={info['fences']} micro_batches={info['micro_batches']} schedule={info['schedule']}")
     for st in info["stages"]:
         print(f"  stage {st['stage']} on {st['workers']}: {st['ops']} ops ({st['first_op']} .. {st['last_op']}), "
               f"{st['params']:,} params, {st['memory_bytes'] / 2**20:.1f} MiB, sends {st['sends_bytes_per_micro_batch'] / 2**10:.0f} KiB per micro-batch")
     if info["unused_devices"]:
         print(f"  unused devices: {info['unused_devices']}")
-    for world in worlds:
-        print(f"  {world.line()}")
+    for world in info["collectives"]:
+        print(f"  {World.from_record(world).line()}")
     print(f"predicted: {pred['step_time_s']:.3f} s/step, {pred['tokens_per_s']:.0f} tokens/s, bubble {pred['bubble_fraction']:.0%}")
     print(f"bottleneck: {info['bottleneck']}")
     print(f"utilization {info['utilization']:.0%} of the cluster's compute: " + " ".join(f"w{k}={v:.0%}" for k, v in info["device_utilization"].items()))

@@ -62,6 +62,12 @@ class World:
             text += "; carries " + ", ".join(f"w{a}->w{b}" for a, b in self.carries)
         return text
 
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> World:
+        """The world ``record()`` wrote."""
+        return cls(index=int(rec["group"]), workers=tuple(rec["workers"]), backend=str(rec["backend"]),
+                   reduce=tuple(tuple(g) for g in rec["reduce"]), carries=tuple((int(a), int(b)) for a, b in rec["carries"]))
+
     def record(self) -> dict[str, Any]:
         return {"group": self.index, "workers": list(self.workers), "backend": self.backend, "reduce": [list(g) for g in self.reduce],
                 "carries": [list(p) for p in self.carries]}

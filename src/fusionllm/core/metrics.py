@@ -59,6 +59,20 @@ class Metrics:
         """The plan in force at the end (a re-plan or recovery writes a new one), or None."""
         return self.plans[-1] if self.plans else None
 
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> Metrics:
+        """Records in file order, split by kind as ``read_metrics`` splits a file's lines."""
+        out = cls()
+        for rec in records:
+            out.records.append(rec)
+            if "event" not in rec:
+                out.steps.append(rec)
+            elif rec["event"] == "plan":
+                out.plans.append(rec)
+            else:
+                out.events.append(rec)
+        return out
+
     def losses(self) -> list[float]:
         """Each step record's loss, in file order (a step run again after a recovery appears twice)."""
         return [r["loss"] for r in self.steps]
@@ -81,7 +95,7 @@ def read_metrics(path: str | Path, *, missing_ok: bool = False) -> Metrics:
         raise ConfigError(f"{path}: no such metrics file (write one with `fusionllm train ... --metrics FILE`)")
     text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.split("\n")
-    out = Metrics()
+    records = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -93,14 +107,8 @@ def read_metrics(path: str | Path, *, missing_ok: bool = False) -> Metrics:
             raise ConfigError(f"{path}:{i}: not JSON; is this a metrics file?") from None
         if not isinstance(rec, dict):
             raise ConfigError(f"{path}:{i}: not a JSON object")
-        out.records.append(rec)
-        if "event" not in rec:
-            out.steps.append(rec)
-        elif rec["event"] == "plan":
-            out.plans.append(rec)
-        else:
-            out.events.append(rec)
-    return out
+        records.append(rec)
+    return Metrics.from_records(records)
 
 
 # ---- typed records: what a metrics file holds, for the writers and every reader ---------------------

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,9 @@ def run_local_cluster(
         return 130
     finally:
         # a second Ctrl+C (or SIGTERM) must not cut the clean-up short: children would be left behind
-        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # (only the main thread may set handlers: a script that runs the cluster from another thread cannot be interrupted anyway)
+        main = threading.current_thread() is threading.main_thread()
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             stop_processes(procs)
             pids.stopped()

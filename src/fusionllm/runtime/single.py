@@ -7,7 +7,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
 from fusionllm.runtime.masks import split_masks
 from fusionllm.runtime.model_graph import trace_lm, trace_task
 from fusionllm.runtime.optim import make_adamw
+
+if TYPE_CHECKING:
+    from fusionllm.models.task import Task
 
 StepCallback = Callable[[dict], None]
 
@@ -63,13 +66,14 @@ def _user_forward(model: torch.nn.Module) -> bool:
 
 
 def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
-                 skip: frozenset[int] = frozenset()) -> TrainResult:
+                 skip: frozenset[int] = frozenset(), task: Task | None = None) -> TrainResult:
     """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step.
-    ``skip``: steps not taken (their batches unused), as a distributed run skips steps its numeric guards refused."""
+    ``skip``: steps not taken (their batches unused), as a distributed run skips steps its numeric guards refused.
+    ``task``: a ``fusionllm.Task`` object to train instead of the one ``config.task`` names."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.task != "lm":
-        return train_single_task(config, on_step, micro_batches=micro_batches, skip=skip)
+    if config.task != "lm" or task is not None:
+        return train_single_task(config, on_step, micro_batches=micro_batches, skip=skip, task=task)
     tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
     train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
     val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
@@ -138,13 +142,13 @@ def evaluate(model: torch.nn.Module, batches: Batcher, max_batches: int) -> floa
 
 
 def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
-                      skip: frozenset[int] = frozenset()) -> TrainResult:
+                      skip: frozenset[int] = frozenset(), task: Task | None = None) -> TrainResult:
     """A ``fusionllm.Task`` trained in this process. With ``micro_batches`` each batch is cut into
     that many equal micro-batches whose gradients add up (loss / micro_batches each), as a pipeline
     runs them: layers whose result depends on the micro-batch (BatchNorm) then see the same rows."""
     from fusionllm.models.task import build_task_model, load_task, task_options, task_settings
 
-    task = load_task(config.task, task_options(config))
+    task = task if task is not None else load_task(config.task, task_options(config))
     config = task_settings(config, task)
     model = build_task_model(task, config.seed)
     rows0 = task.batch(0)[0].shape[0]
