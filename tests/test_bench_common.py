@@ -41,6 +41,18 @@ def test_the_index_lists_every_result_and_says_what_older_ones_did_not_record(tm
 def test_the_committed_index_is_the_one_the_results_give() -> None:
     results = common.RESULTS
     assert (results / "README.md").read_text() == index.render(results), "run: python benchmarks/index.py"
+    assert index.DOCS.read_text() == index.render_docs(results), "run: python benchmarks/index.py"
+
+
+def test_docs_benchmarks_shows_each_reports_first_table_under_its_provenance(tmp_path: Path) -> None:
+    (tmp_path / "e2e").mkdir()
+    doc = {"benchmark": "e2e", "results": [], "commit": "b" * 40, "command": "python benchmarks/e2e.py --quick", "date": "2026-12-03 10:00 UTC"}
+    (tmp_path / "e2e" / "e2e.json").write_text(json.dumps(doc))
+    (tmp_path / "e2e" / "e2e.md").write_text("# e2e\n\nintro\n\n| system | loss |\n|---|---|\n| opfence | 2.5 |\n\n| second | table |\n")
+    text = index.render_docs(tmp_path)
+    assert "### [e2e/e2e.md](../benchmarks/results/e2e/e2e.md)" in text
+    assert "commit bbbbbbbbbbbb, 2026-12-03 10:00 UTC; command: `python benchmarks/e2e.py --quick`" in text
+    assert "| opfence | 2.5 |" in text and "second" not in text
 
 
 def test_stop_ends_the_processes_it_is_given_and_waits_for_them() -> None:
