@@ -51,3 +51,12 @@ def test_the_wheel_installed_in_a_fresh_environment_runs(tmp_path: Path) -> None
     assert "gpt-micro" in models and "gpt2-xl" in models
     package = Path(where).parent
     assert (package / "control" / "web" / "index.html").is_file() and (package / "py.typed").is_file()
+
+    # the goal: from the install to a distributed run started from a Python script, nothing else
+    script = tmp_path / "train.py"
+    script.write_text("import fusionllm\n"
+                      "run = fusionllm.train(model='gpt-nano', cluster='local:2', steps=2, batch_size=4, seq_len=32, micro_batches=2,"
+                      " eval_every=2, run_dir='run')\n"
+                      "print('val_loss', run.val_loss, len(run.plan['stages']))\n")
+    out = _run([py, script], cwd=tmp_path, timeout=600).stdout
+    assert "val_loss" in out and out.strip().endswith(" 2"), out[-1500:]
