@@ -263,7 +263,7 @@ def _train_on_testbed(path: Path, args: list[str], run_dir: Path, device: str, b
     spec = load_cluster(path)
     with Testbed(spec) as tb:
         if tb.emulated:
-            print(f"testbed {spec.name}: {spec.num_devices} workers in network namespaces, links shaped with tc", flush=True)
+            print(f"testbed {spec.name}: {spec.num_devices} workers in network namespaces, links shaped with tc", file=sys.stderr, flush=True)
         else:
             print(f"warning: the network is NOT emulated ({tb.why_not}); workers run on loopback with no limits", file=sys.stderr, flush=True)
         worker_args, prefixes = tb.worker_launch(device)
