@@ -57,6 +57,7 @@ SyncOpt = Annotated[str, typer.Option("--sync", help="synchronous: one plan over
 InnerStepsOpt = Annotated[int | None, typer.Option("--inner-steps", min=1, help="--sync hierarchical: inner steps per round of the slowest group (faster groups do proportionally more); default: the planner's choice.")]
 FragmentsOpt = Annotated[int | None, typer.Option("--fragments", min=1, help="--sync hierarchical: parameter fragments, each synced at its own point of the round; default min(4, parameter tensors).")]
 OuterCodecOpt = Annotated[str | None, typer.Option("--outer-codec", help="--sync hierarchical: codec of the pseudo-gradients between groups (none, fp16, q8 .. q2, topk:RATIO); default: the planner's choice per sending group.")]
+OuterAggregateOpt = Annotated[str, typer.Option("--outer-aggregate", help="--sync hierarchical: how the groups' checked pseudo-gradients are combined: mean (token-weighted), clipped (each norm at most twice their median) or trimmed (per coordinate without the highest and lowest value; three groups or more).")]
 OuterLrOpt = Annotated[float, typer.Option("--outer-lr", min=0.0, help="--sync hierarchical: the outer optimiser's learning rate (Nesterov SGD).")]
 OuterMomentumOpt = Annotated[float, typer.Option("--outer-momentum", min=0.0, max=0.999, help="--sync hierarchical: the outer optimiser's momentum.")]
 GroupsOpt = Annotated[str | None, typer.Option("--groups", help="--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")]

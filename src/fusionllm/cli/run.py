@@ -42,6 +42,7 @@ from fusionllm.cli.options import (
     MetricsOpt,
     MicroOpt,
     ModelOpt,
+    OuterAggregateOpt,
     OuterCodecOpt,
     OuterLrOpt,
     OuterMomentumOpt,
@@ -121,6 +122,7 @@ def coordinator(
     outer_codec: OuterCodecOpt = None,
     outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
     outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
+    outer_aggregate: OuterAggregateOpt = "mean",
     overlap_steps: OverlapStepsOpt = None,
     blocking_sync: BlockingOpt = False,
     group_batch: GroupBatchOpt = None,
@@ -165,7 +167,7 @@ def coordinator(
             dead_after=dead_after, replan_factor=replan_factor, numeric_guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after,
             keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard, relay_port=relay_port, collectives=collectives,
             sync=sync, groups=groups, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
+            outer_momentum=outer_momentum, outer_aggregate=outer_aggregate, overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
         ))
         if checkpoint_dir is not None:  # the checkpoints' directory keeps the options that made them
             checkpoint_dir.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ class ClusterConfig:
     outer_codec: str | None = None  # codec of the pseudo-gradients; None: the planner's
     outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
     outer_momentum: float = 0.0
+    outer_aggregate: str = "mean"  # how checked pseudo-gradients are combined: mean | clipped | trimmed (control/outer_checks.py)
     overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
     group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
     overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
@@ -87,6 +88,8 @@ class ClusterConfig:
             raise ConfigError(f"--guard-factor must be > 1, got {self.guard_factor}")
         if self.evict_after < 0:
             raise ConfigError(f"--evict-after must be >= 0, got {self.evict_after}")
+        if self.outer_aggregate not in ("mean", "clipped", "trimmed"):
+            raise ConfigError(f"--outer-aggregate {self.outer_aggregate!r}: choose mean, clipped or trimmed")
         if self.sync not in ("synchronous", "hierarchical", "auto"):
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous, hierarchical or auto")
         if self.sync == "auto" and (not self.scheduler or self.groups or self.replicas or self.regroup):

@@ -46,6 +46,9 @@ class HierRun:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
     decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
+    scales: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> scale (clipped)
+    deciding: dict[tuple[int, int], asyncio.Future] = field(default_factory=dict)  # decided once: the others wait for it
+    evicting: dict[int, Exception] = field(default_factory=dict)  # group -> its eviction, raised in its own rounds (outer_guard.py)
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
     steps: int = 0

@@ -29,6 +29,7 @@ from .config import Evict, Run, WorkerLost
 from .context import RunContext
 from .hier_pauses import Pauses
 from .hier_setup import GroupSetup, HierRun
+from .outer_guard import OuterGuard, OuterStop
 from .recovery import evict_event
 from .rounds import wait_notified
 from .state import Checkpoints
@@ -46,6 +47,7 @@ class Groups:
         self.ctx, self.checkpoints, self.live, self.runner, self.send_away = ctx, checkpoints, live, runner, send_away
         self.replans = replans
         self.group_batch = group_setup.group_batch()
+        self.outer_guard = OuterGuard(ctx, ctx.cluster.outer_aggregate)  # checked outer steps: strikes last the whole run
         self.pauses = Pauses(ctx, group_setup, checkpoints, live, self)
 
     async def train(self, hr: HierRun) -> TrainResult:
@@ -85,6 +87,8 @@ class Groups:
         pause from the outer weights (``hier_pauses.py``), the way a synchronous run re-plans."""
         try:
             await self.rounds(hr, g)
+        except OuterStop:
+            raise  # --numeric-guard stop: the run ends, not only this group
         except Evict as ev:
             await self.evicted(hr, g, ev)
             if not hr.alive:
@@ -192,6 +196,7 @@ class Groups:
     async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int) -> None:
         """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
         retry, skip, strikes and eviction included."""
+        self.evict_if_struck(hr, g)
         done = await self.runner.run(run, data_step, lr, group=g)
         hr.next_data = max(hr.next_data, data_step + 1)
         hr.result.tokens += self.group_batch * self.ctx.task.items_per_row  # a skipped step's batch is spent too
@@ -219,6 +224,14 @@ class Groups:
             hr.replan_why = f"group {g}'s {why}"
             self.ctx.say(f"re-planning at outer round {hr.end_at}: {hr.replan_why}")
 
+    @staticmethod
+    def evict_if_struck(hr: HierRun, g: int) -> None:
+        """Group ``g``'s pseudo-gradients were refused ``--evict-after`` times (``outer_guard.py``): it
+        is evicted from its own rounds, as a worker blamed for bad tensors is."""
+        ev = hr.evicting.pop(g, None)
+        if ev is not None:
+            raise ev
+
     async def outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,
                           send: bool = True, announce: bool | None = None) -> None:
         """Send fragment ``f``'s delta of round ``r`` (``send``), tell the other groups it is there or
@@ -226,6 +239,7 @@ class Groups:
         run = hr.runs[g]
         began = time.perf_counter()
         sent: dict[str, int] = {}
+        self.evict_if_struck(hr, g)
 
         async def call(w: int, msg: OuterSync) -> OuterSynced:
             return OuterSynced.from_wire(await run.clients[w].call("OuterSync", msg.to_wire(), timeout=self.ctx.cluster.step_timeout))
@@ -241,37 +255,63 @@ class Groups:
                 hr.sent.setdefault((f, r), {})[g] = float(tokens if send else 0)
                 hr.changed.notify_all()
         applies = []
-        for j in apply:
+        for j in apply:  # one at a time: the checks of round j wait until every group applied round j - 1
             groups = await self.decide(hr, f, j, g)
-            if groups:
-                applies.append(OuterApply(j, {str(x): w for x, w in groups.items()}, step=hr.step_at(j + 1)))
-        if applies:
-            await self.live.calls(run, {w: call(w, OuterSync(f, r, False, applies)) for w in run.plan.workers})
+            self.evict_if_struck(hr, g)
+            scale = {str(x): v for x, v in hr.scales.get((f, j), {}).items() if v != 1.0}
+            # also with no group in it: the workers drop the round's deltas
+            one = OuterApply(j, {str(x): w for x, w in groups.items()}, step=hr.step_at(j + 1), scale=scale,
+                             aggregate="trimmed" if self.ctx.cluster.outer_aggregate == "trimmed" else "mean")
+            await self.live.calls(run, {w: call(w, OuterSync(f, r, False, [one])) for w in run.plan.workers})
+            applies.append(one)
         self.ctx.event({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
                        "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
                        "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
     async def decide(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
         """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
-        the first group that needs it, after every live group sent it or a round's time passed."""
+        the first group that needs it, after every live group sent it or a round's time passed, and
+        after their deltas were checked (``outer_guard.py``); the others wait for that decision."""
         key = (f, r)
         async with hr.changed:
-            if key not in hr.decided:
-                loop = asyncio.get_running_loop()
-                patience = max(self.ctx.cluster.dead_after_s, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
-                deadline = loop.time() + patience
-                while not hr.expected(r) <= set(hr.sent.get(key, {})):
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        break
-                    await wait_notified(hr.changed, left)
-                got = hr.sent.get(key, {})
-                hr.decided[key] = {x: w for x, w in got.items() if x in hr.alive and w > 0}
-                late = sorted(hr.expected(r) - set(got))
-                if late:
-                    self.ctx.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
-                    self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
+            if key in hr.decided:
+                return hr.decided[key]
+            waiting = hr.deciding.get(key)
+            if waiting is None:
+                hr.deciding[key] = decision = asyncio.get_running_loop().create_future()
+        if waiting is not None:
+            await asyncio.shield(waiting)
             return hr.decided[key]
+        groups: dict[int, float] = {}
+        scales: dict[int, float] = {}
+        try:
+            async with hr.changed:
+                groups = await self.senders(hr, f, r, asking)
+            # the checks run outside the lock: a group that applies an earlier round meanwhile is not held up (they wait for it)
+            groups, scales = await self.outer_guard.check(hr, f, r, groups)
+        finally:
+            hr.decided[key], hr.scales[key] = groups, scales
+            hr.deciding.pop(key, None)
+            decision.set_result(None)
+        return groups
+
+    async def senders(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
+        """The live groups that sent round ``r`` of fragment ``f`` within a round's time (the caller
+        holds ``hr.changed``)."""
+        loop = asyncio.get_running_loop()
+        patience = max(self.ctx.cluster.dead_after_s, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
+        deadline = loop.time() + patience
+        while not hr.expected(r) <= set(hr.sent.get((f, r), {})):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            await wait_notified(hr.changed, left)
+        got = hr.sent.get((f, r), {})
+        late = sorted(hr.expected(r) - set(got))
+        if late:
+            self.ctx.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
+            self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
+        return {x: w for x, w in got.items() if x in hr.alive and w > 0}
 
     async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int) -> None:
         """The validation loss of the outer weights of whole rounds, in ``run``'s pipeline."""

@@ -39,7 +39,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "hardware": None, "compress": "none", "collectives": "auto", "backends": None, "worker_python": None, "tls_cert": None,
     "tls_key": None, "tls_ca": None, "dead_after": 10.0, "numeric_guard": "retry", "guard_factor": 100.0, "evict_after": 3,
     "keep_checkpoints": 0, "max_recoveries": 3, "replan_factor": 2.0, "dashboard": None, "sync": None, "groups": None, "regroup": None,
-    "inner_steps": None, "fragments": None, "outer_codec": None, "outer_lr": 1.0, "outer_momentum": 0.0, "overlap_steps": None,
+    "inner_steps": None, "fragments": None, "outer_codec": None, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_aggregate": "mean", "overlap_steps": None,
     "blocking_sync": False, "group_batch": None, "task": "lm", "image_size": 32, "tokenizer": None, "init_from": None,
     "precision": "fp32", "recompute": False,
 }
@@ -190,7 +190,7 @@ def _cluster_run(values: dict[str, Any]) -> Run:
         numeric_guard=v["numeric_guard"], guard_factor=v["guard_factor"], evict_after=v["evict_after"],
         keep_checkpoints=v["keep_checkpoints"], max_recoveries=v["max_recoveries"], dashboard=v["dashboard"], collectives=v["collectives"],
         sync=sync, groups=groups, inner_steps=v["inner_steps"], fragments=v["fragments"], outer_codec=v["outer_codec"],
-        outer_lr=v["outer_lr"], outer_momentum=v["outer_momentum"], overlap_steps=v["overlap_steps"], blocking_sync=v["blocking_sync"],
+        outer_lr=v["outer_lr"], outer_momentum=v["outer_momentum"], outer_aggregate=v["outer_aggregate"], overlap_steps=v["overlap_steps"], blocking_sync=v["blocking_sync"],
         group_batch=v["group_batch"], regroup=v["regroup"],
     ))
     if toml and v["worker_python"]:

@@ -37,7 +37,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "cluster": ("cluster", "single_process", "device", "backends", "worker_python", "run_dir", "listen", "token_file", "workers",
                 "relay_port", "join_timeout", "port_file", "schedule", "micro_batches", "replicas", "scheduler", "hardware", "probe_links",
                 "probe_seconds", "collectives", "tls_cert", "tls_key", "tls_ca"),
-    "sync": ("sync", "groups", "regroup", "inner_steps", "fragments", "outer_codec", "outer_lr", "outer_momentum", "overlap_steps",
+    "sync": ("sync", "groups", "regroup", "inner_steps", "fragments", "outer_codec", "outer_lr", "outer_momentum", "outer_aggregate", "overlap_steps",
              "blocking_sync", "group_batch"),
     "compress": ("compress",),
     "reliability": ("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "stop_timeout", "dead_after", "numeric_guard",

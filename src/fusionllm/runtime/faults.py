@@ -10,6 +10,14 @@ device would:
 - ``scale@M[:F]``: every gradient and all-reduce chunk it sends at step M is multiplied by F
   (default 1e6: a flipped exponent bit).
 
+Hierarchical mode, a group that poisons its pseudo-gradient (``R``: an outer round; the worker must
+be one of its group's leaders, which send): what it pushes to the other groups for round R (every
+fragment, every attempt: a resend is poisoned too), while its own group averages the true one:
+
+- ``outer-nan@R``: the first element of every pseudo-gradient becomes NaN;
+- ``outer-scale@R[:F]``: pseudo-gradients times F (default 100);
+- ``outer-flip@R``: pseudo-gradients with their sign flipped.
+
 A worker that sends no tensors of that role (the first stage sends no gradients) injects nothing.
 """
 
@@ -21,7 +29,8 @@ import numpy as np
 
 from fusionllm.core.errors import ConfigError
 
-KINDS = ("nan", "scale")
+KINDS = ("nan", "scale", "outer-nan", "outer-scale", "outer-flip")
+SCALED = {"scale": 1e6, "outer-scale": 100.0}  # the default factor of each scaling kind
 
 
 @dataclass(frozen=True)
@@ -31,33 +40,54 @@ class Fault:
     factor: float = 1e6
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.step}" + (f":{self.factor:g}" if self.kind == "scale" else "")
+        return f"{self.kind}@{self.step}" + (f":{self.factor:g}" if self.kind in SCALED else "")
+
+    @property
+    def outer(self) -> bool:
+        """A fault of a pseudo-gradient (``step`` is an outer round), not of a step's tensors."""
+        return self.kind.startswith("outer-")
 
 
 def parse_fault(spec: str) -> Fault:
-    """``nan@K`` or ``scale@M[:F]``."""
+    """``nan@K``, ``scale@M[:F]``, ``outer-nan@R``, ``outer-scale@R[:F]`` or ``outer-flip@R``."""
     kind, at, rest = spec.partition("@")
     step_text, _, factor_text = rest.partition(":")
     try:
         if kind not in KINDS or not at:
             raise ValueError
         step = int(step_text)
-        factor = float(factor_text) if factor_text else 1e6
-        if step < 0 or (factor_text and kind != "scale"):
+        factor = float(factor_text) if factor_text else SCALED.get(kind, 1.0)
+        if step < 0 or (factor_text and kind not in SCALED):
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--inject-fault {spec!r}: write nan@STEP or scale@STEP[:FACTOR], e.g. nan@3 or scale@6:1e6") from None
+        raise ConfigError(f"--inject-fault {spec!r}: write nan@STEP, scale@STEP[:FACTOR], outer-nan@ROUND, outer-scale@ROUND[:FACTOR] or outer-flip@ROUND, "
+                          "e.g. nan@3, scale@6:1e6 or outer-flip@2") from None
     return Fault(kind, step, factor)
 
 
 def tamper(faults: tuple[Fault, ...], step: int, role: str, x: np.ndarray) -> np.ndarray:
     """What a faulty worker sends instead of ``x`` (``role``: act, grad or reduce); ``x`` itself is not changed."""
     for f in faults:
-        if f.step != step or x.dtype != np.float32 or not x.size:
+        if f.outer or f.step != step or x.dtype != np.float32 or not x.size:
             continue
         if f.kind == "nan":
             x = np.array(x)
             x.reshape(-1)[0] = np.nan
         elif f.kind == "scale" and role in ("grad", "reduce"):
             x = x * np.float32(f.factor)
+    return x
+
+
+def tamper_outer(faults: tuple[Fault, ...], round_: int, x: np.ndarray) -> np.ndarray:
+    """What a poisoning group pushes instead of its pseudo-gradient ``x`` of outer round ``round_``."""
+    for f in faults:
+        if not f.outer or f.step != round_ or not x.size:
+            continue
+        if f.kind == "outer-nan":
+            x = np.array(x, dtype=np.float32)
+            x.reshape(-1)[0] = np.nan
+        elif f.kind == "outer-scale":
+            x = x * np.float32(f.factor)
+        else:
+            x = -x
     return x

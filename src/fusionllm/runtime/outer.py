@@ -14,14 +14,20 @@ fragment syncs (``OuterSync``):
    they are averaged later), plus the progress made since the last send (with a delay of a few
    steps between send and apply, those steps are kept, as in Streaming DiLoCo's overlap).
 
+Before a round is averaged, the coordinator may ask what arrived (``check``: ``runtime/outer_check.py``)
+and have a group send its delta again (``resend``); it then names the groups to average, the same for
+every group, so the outer state stays identical everywhere.
+
 Everything is NumPy float32 on the host; a worker of any backend runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,10 +35,24 @@ from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.graph.ir import OpGraph
+from fusionllm.runtime.faults import Fault, tamper_outer
+from fusionllm.runtime.outer_check import average, report
 from fusionllm.schedule.hierarchy import Exchange, HierPlan, exchange
 
-Push = Callable[[int, dict, np.ndarray, tuple[str, bytes]], Awaitable[None]]
+Push = Callable[..., Awaitable[None]]  # (destination, header, array, (codec, payload), attempt=None)
 Get = Callable[[tuple, float], Awaitable[np.ndarray | None]]
+RESEND_ATTEMPT = 1 << 20  # the attempt stamped on a delta sent again: above any step's, so the receiver files it anew
+
+
+class Average(NamedTuple):
+    """One round's average to apply: the groups in it (-> their token weight), the run's step once it
+    is applied (-1: unknown), per-group scales (``clipped``) and how the deltas are combined."""
+
+    round: int
+    groups: dict[int, float]
+    step: int = -1
+    scale: dict[int, float] | None = None
+    aggregate: str = "mean"
 
 
 def nesterov_step(anchor: np.ndarray, momentum: np.ndarray | None, grad: np.ndarray, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
@@ -76,6 +96,9 @@ class _Fragment:
     start: dict[str, np.ndarray] = field(default_factory=dict)  # weights when this fragment's round began
     sent: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # round -> own decoded deltas (what the others got)
     true: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # round -> own exact deltas (not yet applied)
+    encoded: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # round -> what was pushed (a resend pushes it again)
+    received: dict[int, dict[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # round -> group -> the deltas a check read
+    applied: int | None = None  # the newest round applied (None: none yet)
     pushes: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -95,6 +118,8 @@ class OuterState:
             frag.start = {n: self.anchor[n].copy() for n in frag.exchange.mine}
         self.bytes_sent = 0
         self.snapshot = Snapshot(len(self.fragments), step, self.anchor, self.momentum)  # ``step``: the run step it starts at
+        self.faults: tuple[Fault, ...] = ()  # tests only: a group that poisons what it pushes (runtime/faults.py)
+        self._applied: asyncio.Condition | None = None  # notified after each apply (a check waits for the previous round's)
 
     def _encode(self, name: str, delta: np.ndarray) -> tuple[tuple[str, bytes], np.ndarray]:
         out: list[tuple[str, bytes]] = []
@@ -106,11 +131,11 @@ class OuterState:
         seen = self.feedback.apply(name, delta, roundtrip)
         return out[0], seen
 
-    async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[tuple[int, dict[int, float], int]],
+    async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[Average] | list[tuple],
                    weights: Callable[[list[str]], dict[str, np.ndarray]], set_weights: Callable[[dict[str, np.ndarray]], None],
                    push: Push, get: Get, worker: int, timeout: float) -> dict[int, int]:
-        """One fragment's sync (see the module's steps). ``apply``: (round, {group: tokens}, the run's
-        step once it is applied) in order.
+        """One fragment's sync (see the module's steps). ``apply``: the averages to apply, in order
+        (``Average``, or its first three fields as a tuple).
         Returns the bytes pushed per destination worker."""
         frag = self.fragments[fragment]
         ex = frag.exchange
@@ -122,15 +147,17 @@ class OuterState:
             encoded = await asyncio.to_thread(lambda: {n: self._encode(n, d) for n, d in true.items()})
             frag.true[round_] = true
             frag.sent[round_] = {n: e[1] for n, e in encoded.items()}
-            for dst, names in ex.sends.items():
-                for n in names:
-                    header = {"kind": "outer", "step": round_, "mb": fragment, "edge": n, "src": worker}
-                    frag.pushes.append(asyncio.create_task(push(dst, header, true[n], encoded[n][0])))
-                    sent_bytes[dst] = sent_bytes.get(dst, 0) + len(encoded[n][0][1])
+            frag.encoded[round_] = {n: self._pushed(round_, e) for n, e in encoded.items()}
+            self._push_all(frag, fragment, round_, push, worker, sent_bytes)
             frag.start = {n: a.copy() for n, a in now.items()}
-        for r, groups, step in apply:
-            await self._apply(frag, fragment, r, groups, get, timeout)
-            self.snapshot.applied(fragment, step, self.anchor, self.momentum)
+        for item in apply:
+            avg = Average(*item)
+            await self._apply(frag, fragment, avg, get, timeout)
+            frag.applied = avg.round
+            self.snapshot.applied(fragment, avg.step, self.anchor, self.momentum)
+            if self._applied is not None:
+                async with self._applied:
+                    self._applied.notify_all()
         if apply and ex.mine:
             # the outer weights, minus own deltas sent but not applied yet, plus the progress made
             # since the last send (the steps between a send and its apply are kept)
@@ -144,31 +171,100 @@ class OuterState:
             t.result()  # a failed push fails the sync
         return sent_bytes
 
-    async def _apply(self, frag: _Fragment, fragment: int, round_: int, groups: dict[int, float], get: Get, timeout: float) -> None:
-        ex = frag.exchange
-        own_sent = frag.sent.pop(round_, None)
-        frag.true.pop(round_, None)  # applied: no longer subtracted from the outer weights
-        if not ex.mine or not groups:
-            return
-        total = float(sum(groups.values()))
-        if total <= 0:
-            raise FusionError(f"outer round {round_}: the groups' token weights add up to {total}")
-        avg = {n: np.zeros_like(self.anchor[n]) for n in ex.mine}
-        if self.group in groups:
-            if own_sent is None:
-                raise FusionError(f"outer round {round_} of fragment {fragment}: this group's delta was never computed")
-            for n in ex.mine:
-                avg[n] += (groups[self.group] / total) * own_sent[n]
-        for src, (g, names) in ex.receives.items():
-            if g not in groups:
-                continue
+    def _pushed(self, round_: int, encoded: tuple[tuple[str, bytes], np.ndarray]) -> tuple[str, bytes]:
+        """What goes out for one parameter: its encoding (a poisoning group's, tampered: tests only)."""
+        if not any(f.outer and f.step == round_ for f in self.faults):
+            return encoded[0]
+        return encode(tamper_outer(self.faults, round_, encoded[1]), self.codec)
+
+    def _push_all(self, frag: _Fragment, fragment: int, round_: int, push: Push, worker: int, sent_bytes: dict[int, int],
+                  attempt: int | None = None) -> None:
+        for dst, names in frag.exchange.sends.items():
             for n in names:
+                header = {"kind": "outer", "step": round_, "mb": fragment, "edge": n, "src": worker}
+                payload = frag.encoded[round_][n]
+                array = frag.true[round_][n]  # its shape goes with the payload
+                sending = push(dst, header, array, payload) if attempt is None else push(dst, header, array, payload, attempt=attempt)
+                frag.pushes.append(asyncio.create_task(sending))
+                sent_bytes[dst] = sent_bytes.get(dst, 0) + len(payload[1])
+
+    def resend(self, fragment: int, round_: int, push: Push, worker: int) -> dict[int, int]:
+        """Push this fragment's delta of ``round_`` again, as it went out the first time (a checked
+        outer step asks once when it refused it). Returns the bytes per destination."""
+        frag = self.fragments[fragment]
+        if round_ not in frag.encoded:
+            raise FusionError(f"resend: fragment {fragment}'s delta of round {round_} was never sent or is applied already")
+        sent: dict[int, int] = {}
+        self._push_all(frag, fragment, round_, push, worker, sent, attempt=RESEND_ATTEMPT)
+        return sent
+
+    async def _received(self, frag: _Fragment, fragment: int, round_: int, g: int, src: int, names: list[str], get: Get,
+                        timeout: float) -> dict[str, np.ndarray]:
+        """Group ``g``'s deltas of ``names`` from its leader ``src`` (read once: a check keeps them for the apply)."""
+        have = frag.received.setdefault(round_, {}).setdefault(g, {})
+        for n in names:
+            if n not in have:
                 got = await get(("outer", round_, fragment, n, src), timeout)
                 if got is None or got.shape != self.anchor[n].shape:
                     raise FusionError(f"worker {src} sent a malformed pseudo-gradient for {n} (round {round_})")
-                avg[n] += (groups[g] / total) * got.astype(np.float32, copy=False)
+                have[n] = got.astype(np.float32, copy=False)
+        return {n: have[n] for n in names}
+
+    async def check(self, fragment: int, round_: int, groups: list[int], again: list[int], get: Get,
+                    timeout: float) -> tuple[dict[str, dict[str, float]], dict[str, bool], float]:
+        """``report`` on ``groups``' deltas of ``round_`` over the parameters this worker leads, once
+        the previous round is applied here (the momentum every group has then). ``again``: groups
+        that sent again, read anew."""
+        frag = self.fragments[fragment]
+        ex = frag.exchange
+        if self._applied is None:
+            self._applied = asyncio.Condition()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._applied:
+            while frag.applied is not None and frag.applied < round_ - 1:
+                if loop.time() >= deadline:
+                    raise FusionError(f"outer check of round {round_}: round {round_ - 1} is not applied here after {timeout:.0f} s")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._applied.wait(), deadline - loop.time())
+        for g in again:
+            frag.received.get(round_, {}).pop(g, None)
+        deltas: dict[int, dict[str, np.ndarray]] = {}
+        if self.group in groups and ex.leads:
+            own = frag.sent.get(round_)
+            if own is None:
+                raise FusionError(f"outer check of round {round_}: this group's delta of fragment {fragment} was never computed")
+            deltas[self.group] = {n: own[n] for n in ex.leads}
+        for src, (g, names) in ex.receives.items():
+            lead = [n for n in names if n in ex.leads]
+            if g in groups and lead:
+                deltas.setdefault(g, {}).update(await self._received(frag, fragment, round_, g, src, lead, get, timeout))
+        return await asyncio.to_thread(report, deltas, self.momentum, ex.leads)
+
+    async def _apply(self, frag: _Fragment, fragment: int, avg: Average, get: Get, timeout: float) -> None:
+        ex = frag.exchange
+        round_, groups = avg.round, avg.groups
+        own_sent = frag.sent.pop(round_, None)
+        frag.true.pop(round_, None)  # applied: no longer subtracted from the outer weights
+        frag.encoded.pop(round_, None)
+        if not ex.mine or not groups:
+            frag.received.pop(round_, None)
+            return
+        deltas: dict[int, dict[str, np.ndarray]] = {}
+        if self.group in groups:
+            if own_sent is None:
+                raise FusionError(f"outer round {round_} of fragment {fragment}: this group's delta was never computed")
+            deltas[self.group] = {n: own_sent[n] for n in ex.mine}
+        for src, (g, names) in ex.receives.items():
+            if g in groups:
+                deltas.setdefault(g, {}).update(await self._received(frag, fragment, round_, g, src, names, get, timeout))
+        frag.received.pop(round_, None)
+        missing = sorted(g for g in groups if g not in deltas)
+        if missing:
+            raise FusionError(f"outer round {round_} of fragment {fragment}: no delta of group(s) {missing} reaches this worker")
+        step = await asyncio.to_thread(average, deltas, groups, ex.mine, scale=avg.scale, aggregate=avg.aggregate)
         for n in ex.mine:
-            self.anchor[n], self.momentum[n] = nesterov_step(self.anchor[n], self.momentum.get(n), avg[n], self.hier.outer_lr,
+            self.anchor[n], self.momentum[n] = nesterov_step(self.anchor[n], self.momentum.get(n), step[n], self.hier.outer_lr,
                                                               self.hier.outer_momentum)
 
     async def drain(self) -> None:

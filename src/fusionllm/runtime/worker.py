@@ -34,7 +34,7 @@ from fusionllm.runtime.coordinator_link import CoordinatorLink
 from fusionllm.runtime.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.faults import Fault
 from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.outer import OuterState, hier_exchanges, outer_state
+from fusionllm.runtime.outer import Average, OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.process_memory import current_rss, peak_rss, return_freed_memory
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
@@ -54,6 +54,9 @@ from fusionllm.transport.control import (
     GetState,
     LiveState,
     MeasureTo,
+    OuterCheck,
+    OuterChecked,
+    OuterResend,
     OuterSync,
     OuterSynced,
     Regroup,
@@ -116,7 +119,8 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
                      "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
-                     "OuterSync": self._on_outer_sync, "Regroup": self._on_regroup,
+                     "OuterSync": self._on_outer_sync, "OuterCheck": self._on_outer_check, "OuterResend": self._on_outer_resend,
+                     "Regroup": self._on_regroup,
                      "Rehome": self._on_rehome},
             streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
         )
@@ -360,30 +364,53 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         done.rss_base, done.rss_peak = self._rss_base, peak_rss()
         return done.to_wire()
 
-    async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Hierarchical mode: one fragment's pseudo-gradient out, the named rounds' averages applied."""
-        runtime = self._runtime("OuterSync")
+    def _outer(self, method: str, fragment: int) -> tuple[StageRuntime, PeerNet, OuterState]:
+        runtime = self._runtime(method)
         if self.outer is None or self.peers is None:
-            raise FusionError("OuterSync: this worker was assigned no hierarchical plan")
-        req = OuterSync.from_wire(msg)
-        peers, outer, started = self.peers, self.outer, time.perf_counter()
-        if not 0 <= req.fragment < len(outer.fragments):
-            raise FusionError(f"OuterSync: no fragment {req.fragment} (the plan has {len(outer.fragments)})")
+            raise FusionError(f"{method}: this worker was assigned no hierarchical plan")
+        if not 0 <= fragment < len(self.outer.fragments):
+            raise FusionError(f"{method}: no fragment {fragment} (the plan has {len(self.outer.fragments)})")
+        return runtime, self.peers, self.outer
 
-        async def push(dst: int, header: dict, array: Any, encoded: tuple[str, bytes]) -> None:
+    def _outer_push(self, runtime: StageRuntime, peers: PeerNet) -> Callable[..., Coroutine[Any, Any, None]]:
+        async def push(dst: int, header: dict, array: Any, encoded: tuple[str, bytes], attempt: int | None = None) -> None:
             try:
-                await peers.push(dst, header, array, runtime.hyper.recv_timeout, encoded=encoded, record=False)
+                await peers.push(dst, header, array, runtime.hyper.recv_timeout, encoded=encoded, record=False, attempt=attempt)
             except FusionError as exc:  # a group that died: the coordinator leaves it out of the average
                 self.log.warning("pseudo-gradient to worker %d not delivered: %s", dst, exc)
 
+        return push
+
+    async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Hierarchical mode: one fragment's pseudo-gradient out, the named rounds' averages applied."""
+        req = OuterSync.from_wire(msg)
+        runtime, peers, outer = self._outer("OuterSync", req.fragment)
+        started = time.perf_counter()
+        outer.faults = tuple(f for f in self.config.faults if f.outer)
+        apply = [Average(a.round, {int(g): t for g, t in a.groups.items()}, a.step, {int(g): x for g, x in a.scale.items()}, a.aggregate)
+                 for a in req.apply]
         sent = await outer.sync(
-            req.fragment, req.round, send=req.send, apply=[(a.round, {int(g): t for g, t in a.groups.items()}, a.step) for a in req.apply],
-            weights=runtime.backend.get_params, set_weights=runtime.backend.set_params, push=push, get=self.inbox.get,
-            worker=self.id or 0, timeout=runtime.hyper.recv_timeout,
+            req.fragment, req.round, send=req.send, apply=apply,
+            weights=runtime.backend.get_params, set_weights=runtime.backend.set_params, push=self._outer_push(runtime, peers),
+            get=self.inbox.get, worker=self.id or 0, timeout=runtime.hyper.recv_timeout,
         )
         if req.apply:  # what came late for an applied round is never asked for
             self.inbox.drop_kind("outer", max(a.round for a in req.apply) + 1, fragment=req.fragment)
         return OuterSynced({str(k): v for k, v in sent.items()}, round(time.perf_counter() - started, 4)).to_wire()
+
+    async def _on_outer_check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Hierarchical mode: what arrived for a round, before the coordinator decides whom to average."""
+        req = OuterCheck.from_wire(msg)
+        runtime, _, outer = self._outer("OuterCheck", req.fragment)
+        dots, finite, momentum_sq = await outer.check(req.fragment, req.round, req.groups, req.again, self.inbox.get, runtime.hyper.recv_timeout)
+        return OuterChecked(dots, finite, momentum_sq).to_wire()
+
+    async def _on_outer_resend(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Hierarchical mode: push a refused delta once more, as it went out."""
+        req = OuterResend.from_wire(msg)
+        runtime, peers, outer = self._outer("OuterResend", req.fragment)
+        sent = outer.resend(req.fragment, req.round, self._outer_push(runtime, peers), self.id or 0)
+        return OuterSynced({str(k): v for k, v in sent.items()}).to_wire()
 
     async def _on_evaluate(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Validation loss in the pipeline: the forward-only program over each validation batch

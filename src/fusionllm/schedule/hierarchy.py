@@ -195,6 +195,7 @@ class Exchange:
     sends: dict[int, list[str]]  # destination worker -> names this worker sends it
     receives: dict[int, tuple[int, list[str]]]  # source worker -> (its group, names it sends here)
     mine: list[str]  # the fragment's parameters this worker holds
+    leads: list[str] = field(default_factory=list)  # of those, the ones it leads in its group: its group's leaders cover the fragment once
 
 
 def exchange(graph: OpGraph, hier: HierPlan, worker: int, fragment: int) -> Exchange:
@@ -215,4 +216,5 @@ def exchange(graph: OpGraph, hier: HierPlan, worker: int, fragment: int) -> Exch
                     sends.setdefault(dst, []).append(name)
             src = leader(g, per_group[g.index][name])
             receives.setdefault(src, (g.index, []))[1].append(name)
-    return Exchange(sends, receives, mine)
+    leads = [n for n in mine if leader(hier.group_of(worker), per_group[me][n]) == worker]
+    return Exchange(sends, receives, mine, leads)
