@@ -26,7 +26,23 @@ os.environ["FUSIONLLM_CACHE"] = CACHE
 os.environ["MPLCONFIGDIR"] = os.path.join(CACHE, "matplotlib")
 os.environ["XDG_CACHE_HOME"] = CACHE
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `make test` runs two pytest processes on two cores
+
+_TESTBED_MODULES: dict[Path, bool] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist (`make test`: two processes, ``--dist loadgroup``), the tests of every module
+    that mentions the emulated testbed run in one process, one after another: a machine holds one
+    testbed at a time (a second refuses to start)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in _TESTBED_MODULES:
+            _TESTBED_MODULES[path] = "testbed" in path.read_text(errors="replace").lower()
+        if _TESTBED_MODULES[path]:
+            item.add_marker(pytest.mark.xdist_group("testbed"))
 
 
 @pytest.fixture(autouse=True)

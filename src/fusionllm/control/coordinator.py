@@ -26,6 +26,7 @@ from .collectives import RendezvousStore
 from .config import ClusterConfig, OnStep, Replan, Run, Say, WorkerLost
 from .context import RunContext
 from .dashboard import Dashboard
+from .lease import Lease
 from .membership import Membership
 from .phases import Phases
 from .reach import Reachability
@@ -80,6 +81,8 @@ class Coordinator:
         ctx, c = self.ctx, self.cluster
         dashboard = Dashboard(ctx.status) if c.dashboard else None
         self.stopper.main = asyncio.current_task()
+        # one coordinator per checkpoint directory: a second is refused before it listens (lease.py)
+        lease = Lease(c.checkpoint_dir, address=c.listen).take() if c.checkpoint_dir else None
         unwatch = self.stopper.watch_signals() if self.handle_signals else None
         try:  # everything started is stopped in `finally`, also when cancelled while starting
             self.port = await self.server.start(c.listen)
@@ -123,6 +126,8 @@ class Coordinator:
                 await dashboard.stop()
             if unwatch is not None:
                 unwatch()
+            if lease is not None:
+                lease.release()
 
     async def _shutdown(self, run: Run | None, *, restart: bool = False) -> None:
         """Tell every member (spares too) that the run is over, or (``restart``) that this coordinator

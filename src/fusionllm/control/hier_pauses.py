@@ -186,7 +186,8 @@ class Pauses:
         new = {str(w): addresses[w] for w in workers}
         data = {str(w): members[w].info.data_address for w in workers if members[w].info.data_address}
         old = [w for g in live for w in g.workers]
-        await asyncio.gather(*(clients[w].call("Regroup", Regroup(text, new, data).to_wire(), timeout=c.step_timeout) for w in old))
+        await asyncio.gather(*(clients[w].call_retrying("Regroup", Regroup(text, new, data).to_wire(), within=c.step_timeout, timeout=c.step_timeout)
+                               for w in old))
         for r in hr.runs.values():
             r.hier = text
         hr.hier = hier

@@ -132,7 +132,7 @@ class Groups:
                 self.ctx.say(f"worker(s) {back} of group {g} wait to form a new group at the next pause")
         elif hr.alive:
             with contextlib.suppress(FusionError):
-                await asyncio.gather(*(run.clients[w].call("Abort", {}, timeout=5) for w in run.plan.workers), return_exceptions=True)
+                await asyncio.gather(*(run.clients[w].call_retrying("Abort", {}, within=5, timeout=5) for w in run.plan.workers), return_exceptions=True)
 
     async def rounds(self, hr: HierRun, g: int) -> None:
         """Group ``g``'s inner steps, outer syncs, evaluations and pauses, round after round."""
@@ -242,7 +242,8 @@ class Groups:
         self.evict_if_struck(hr, g)
 
         async def call(w: int, msg: OuterSync) -> OuterSynced:
-            return OuterSynced.from_wire(await run.clients[w].call("OuterSync", msg.to_wire(), timeout=self.ctx.cluster.step_timeout))
+            c = self.ctx.cluster  # a dropped link is ridden out: the worker answers a repeat with the same run
+            return OuterSynced.from_wire(await run.clients[w].call_retrying("OuterSync", msg.to_wire(), within=c.step_timeout, timeout=c.step_timeout))
 
         if send:
             replies = await self.live.calls(run, {w: call(w, OuterSync(f, r, True)) for w in run.plan.workers})

@@ -66,7 +66,7 @@ class OuterGuard:
         for g in senders:
             run = hr.runs[g]
             for w in run.plan.workers:
-                calls[(g, w)] = run.clients[w].call("OuterCheck", msg, timeout=self.ctx.cluster.step_timeout)
+                calls[(g, w)] = run.clients[w].call_retrying("OuterCheck", msg, within=self.ctx.cluster.step_timeout, timeout=self.ctx.cluster.step_timeout)
         replies = await asyncio.gather(*calls.values(), return_exceptions=True)
         by_group: dict[int, list[OuterChecked]] = {}
         failed: set[int] = set()
@@ -88,7 +88,7 @@ class OuterGuard:
     async def resend(self, hr: HierRun, f: int, r: int, groups: list[int]) -> bool:
         """Ask ``groups``' workers to push their deltas of round ``r`` again; False when one could not."""
         msg = OuterResend(f, r).to_wire()
-        calls = [hr.runs[g].clients[w].call("OuterResend", msg, timeout=self.ctx.cluster.step_timeout)
+        calls = [hr.runs[g].clients[w].call_retrying("OuterResend", msg, within=self.ctx.cluster.step_timeout, timeout=self.ctx.cluster.step_timeout)
                  for g in groups for w in hr.runs[g].plan.workers]
         replies = await asyncio.gather(*calls, return_exceptions=True)
         failed = [x for x in replies if isinstance(x, BaseException)]

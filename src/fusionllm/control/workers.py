@@ -55,7 +55,7 @@ class Liveness:
                 failed = [w for w, t in tasks.items() if t.done() and getattr(t.result(), "failed", None) is not None]
                 if failed and aborting is None:
                     waiting = [w for w, t in tasks.items() if not t.done()]
-                    aborting = asyncio.gather(*(run.clients[w].call("Abort", {}, timeout=10) for w in waiting), return_exceptions=True)
+                    aborting = asyncio.gather(*(run.clients[w].call_retrying("Abort", {}, within=10, timeout=10) for w in waiting), return_exceptions=True)
                 self.raise_if_stale(run)
         finally:
             for t in tasks.values():
@@ -123,7 +123,7 @@ class Liveness:
         """Tell ``workers`` to drop the step in flight; returns those that did not answer (gone too)."""
         async def one(w: int) -> bool:
             try:
-                Aborted.from_wire(await run.clients[w].call("Abort", {}, timeout=10))
+                Aborted.from_wire(await run.clients[w].call_retrying("Abort", {}, within=10, timeout=10))
                 return True
             except FusionError:
                 return False

@@ -56,7 +56,7 @@ def parse_fault(spec: str) -> Fault:
         if kind not in KINDS or not at:
             raise ValueError
         step = int(step_text)
-        factor = float(factor_text) if factor_text else SCALED.get(kind, 1.0)
+        factor = float(factor_text) if factor_text else SCALED.get(kind, Fault.factor)
         if step < 0 or (factor_text and kind not in SCALED):
             raise ValueError
     except ValueError:

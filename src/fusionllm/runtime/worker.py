@@ -134,6 +134,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self._state_blob: bytes | None = None
         self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
+        self._aborted = False  # an Abort came: Steps are refused until the next assignment (one overtaken by its Abort too)
         self._init_link()
         self._init_nat()
         self._init_world()  # torch.distributed inside a fast fence (world_link.py)
@@ -209,6 +210,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
     async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
         aborted = await self._abort_step()
+        self._aborted = True
         self._drop_world()  # the next assignment forms a new one
         self._runs.clear()  # a call asked after an Abort runs anew
         if self.peers is not None:
@@ -231,6 +233,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         if first is None:
             raise WireError("empty assignment")
         msg = Assign.from_wire(unpack(first))
+        self._aborted = False
         self._rss_base = current_rss()
         if not 0 <= msg.nbytes <= MAX_WEIGHTS:
             raise WireError(f"assignment declares {msg.nbytes} bytes of weights")
@@ -341,6 +344,9 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         """Run a step (once per epoch, step and attempt: ``_once``)."""
         runtime = self._runtime("Step")
         req = Step.from_wire(msg)
+        if self._aborted:  # its Abort came first (the two calls crossed): the step is not started
+            self.log.warning("step %d attempt %d refused: aborted before it started", req.step, req.attempt)
+            return StepDone(aborted=True).to_wire()
         return await self._once("Step", (req.step, req.attempt), lambda: self._run_step(runtime, req))
 
     async def _run_step(self, runtime: StageRuntime, req: Step) -> dict[str, Any]:
@@ -384,6 +390,10 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
     async def _on_outer_sync(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Hierarchical mode: one fragment's pseudo-gradient out, the named rounds' averages applied."""
         req = OuterSync.from_wire(msg)
+        key = (req.fragment, req.round, req.send, tuple(a.round for a in req.apply))
+        return await self._once("OuterSync", key, lambda: self._run_outer_sync(req))  # asked again after a dropped link: the same run
+
+    async def _run_outer_sync(self, req: OuterSync) -> dict[str, Any]:
         runtime, peers, outer = self._outer("OuterSync", req.fragment)
         started = time.perf_counter()
         outer.faults = tuple(f for f in self.config.faults if f.outer)
@@ -402,15 +412,23 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         """Hierarchical mode: what arrived for a round, before the coordinator decides whom to average."""
         req = OuterCheck.from_wire(msg)
         runtime, _, outer = self._outer("OuterCheck", req.fragment)
-        dots, finite, momentum_sq = await outer.check(req.fragment, req.round, req.groups, req.again, self.inbox.get, runtime.hyper.recv_timeout)
-        return OuterChecked(dots, finite, momentum_sq).to_wire()
+
+        async def run() -> dict[str, Any]:
+            dots, finite, momentum_sq = await outer.check(req.fragment, req.round, req.groups, req.again, self.inbox.get, runtime.hyper.recv_timeout)
+            return OuterChecked(dots, finite, momentum_sq).to_wire()
+
+        return await self._once("OuterCheck", (req.fragment, req.round, tuple(req.groups), tuple(req.again)), run)
 
     async def _on_outer_resend(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Hierarchical mode: push a refused delta once more, as it went out."""
         req = OuterResend.from_wire(msg)
         runtime, peers, outer = self._outer("OuterResend", req.fragment)
-        sent = outer.resend(req.fragment, req.round, self._outer_push(runtime, peers), self.id or 0)
-        return OuterSynced({str(k): v for k, v in sent.items()}).to_wire()
+
+        async def run() -> dict[str, Any]:
+            sent = outer.resend(req.fragment, req.round, self._outer_push(runtime, peers), self.id or 0)
+            return OuterSynced({str(k): v for k, v in sent.items()}).to_wire()
+
+        return await self._once("OuterResend", (req.fragment, req.round), run)
 
     async def _on_evaluate(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Validation loss in the pipeline: the forward-only program over each validation batch
