@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fusionllm.core.config import TrainConfig
-from fusionllm.core.errors import WireError
+from fusionllm.core.errors import FusionError, WireError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
 from fusionllm.runtime.peers import Inbox, PeerNet
@@ -202,6 +202,23 @@ def test_a_call_asked_again_is_answered_by_the_same_run() -> None:
         assert await worker._once("Step", (3, 0), work) == {"run": 0}  # asked once more after it ended: the kept reply
         assert await worker._once("Step", (3, 1), work) == {"run": 1}  # a later attempt is another run
         assert await worker._once("Evaluate", (3, 0), work) == {"run": 2}  # so is another method's call
+
+    asyncio.run(main())
+
+
+def test_an_abort_that_overtakes_its_step_is_remembered_until_the_next_assignment() -> None:
+    """Why it can fail: a Step call that arrives after its Abort (the two crossed on the network)
+    would start a step whose peers accept nothing any more, and wait for their tensors until the
+    step timeout."""
+    from fusionllm.transport.control import Step, StepDone
+
+    async def main() -> None:
+        worker = Worker(WorkerConfig(join="127.0.0.1:1", token=TOKEN, backend="numpy"))
+        with pytest.raises(FusionError, match="Step before Assign"):  # without the Abort, the Step would try to run
+            await worker._on_step(Step(3, 1e-3).to_wire())
+        await worker._on_abort({})
+        done = StepDone.from_wire(await asyncio.wait_for(worker._on_step(Step(3, 1e-3).to_wire()), 5))
+        assert done.aborted and worker._step_task is None  # answered at once, nothing started
 
     asyncio.run(main())
 

@@ -342,11 +342,11 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
 
     async def _on_step(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Run a step (once per epoch, step and attempt: ``_once``)."""
-        runtime = self._runtime("Step")
         req = Step.from_wire(msg)
         if self._aborted:  # its Abort came first (the two calls crossed): the step is not started
             self.log.warning("step %d attempt %d refused: aborted before it started", req.step, req.attempt)
             return StepDone(aborted=True).to_wire()
+        runtime = self._runtime("Step")
         return await self._once("Step", (req.step, req.attempt), lambda: self._run_step(runtime, req))
 
     async def _run_step(self, runtime: StageRuntime, req: Step) -> dict[str, Any]:
