@@ -29,20 +29,29 @@ os.environ["XDG_CACHE_HOME"] = CACHE
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `make test` runs two pytest processes on two cores
 
 _TESTBED_MODULES: dict[Path, bool] = {}
+TESTBED_TURN = Path(tempfile.gettempdir()) / "fusionllm-tests-testbed.lock"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (`make test`: two processes, ``--dist loadgroup``), the tests of every module
-    that mentions the emulated testbed run in one process, one after another: a machine holds one
-    testbed at a time (a second refuses to start)."""
-    if not config.pluginmanager.hasplugin("xdist"):
+@pytest.fixture(autouse=True)
+def _one_testbed_at_a_time(request: pytest.FixtureRequest) -> Any:
+    """`make test` runs two pytest processes (pytest-xdist); a machine holds one emulated testbed at a
+    time (a second refuses to start). So each test of a module that mentions the testbed waits for
+    its turn (an exclusive lock on a file of the machine's temporary directory, released when the
+    test ends, also when its process dies)."""
+    path = Path(str(request.node.fspath))
+    if path not in _TESTBED_MODULES:
+        _TESTBED_MODULES[path] = "testbed" in path.read_text(errors="replace").lower()
+    if not _TESTBED_MODULES[path] or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
         return
-    for item in items:
-        path = Path(str(item.fspath))
-        if path not in _TESTBED_MODULES:
-            _TESTBED_MODULES[path] = "testbed" in path.read_text(errors="replace").lower()
-        if _TESTBED_MODULES[path]:
-            item.add_marker(pytest.mark.xdist_group("testbed"))
+    import fcntl
+
+    with open(TESTBED_TURN, "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)
@@ -149,3 +158,4 @@ def assert_group_eviction(m: Any, steps: int = 16) -> None:
     assert len([r for r in m.steps if r["group"] == 1]) == steps  # the other group trained every step
     assert [r for r in m.steps if r["group"] == joined["group"]]  # the new group trained too
     assert all(math.isfinite(r["loss"]) and "rss" in r for r in m.steps)
+
