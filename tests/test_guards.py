@@ -167,3 +167,57 @@ def test_strikes_are_forgotten_after_the_window_and_evict_within_it() -> None:
     with pytest.raises(Evict):  # a third strike within the window
         attempt(18 + STRIKE_WINDOW, 0)
     assert events[-1]["action"] == "evict" and events[-1]["strikes"]["1"] == 3
+
+
+def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> None:
+    """Why it can fail: a genuine spike in the data (the same batch gives the same norms every time)
+    evicts a healthy worker at its third refused attempt (a CI run on a busy machine saw steps 17 and
+    18 refused and worker 1 evicted), or the rule spares a broken device: a NaN, a million-fold norm
+    or norms that change from attempt to attempt stay strikes."""
+    import math
+    from types import SimpleNamespace
+
+    from fusionllm.control.bad_steps import Strikes
+    from fusionllm.control.config import Evict
+    from fusionllm.transport.control import BadTensor, StepDone
+
+    events: list[dict] = []
+    membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
+    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+
+    def attempt(step: int, n: int, ratio: float) -> int:
+        reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, f"norm is {ratio:.3g}x its running estimate", ratio)])
+        return strikes.judge(step, n, {0: reply})
+
+    assert attempt(17, 0, 150.0) == 1 and not strikes.data_spike(17)
+    assert attempt(17, 1, 150.0) == 2 and strikes.data_spike(17)  # the same norm: run again, trusting the norms
+    assert events[-1]["action"] == "trust" and strikes.count(1) == 0  # both strikes taken back
+    assert attempt(17, 2, math.inf) == -1 and strikes.count(1) == 1  # that attempt then met a NaN: skipped, a strike
+    assert attempt(18, 0, 150.0) == 1
+    with pytest.raises(Evict):  # other norms on the retry: not the data, a strike each (the third evicts)
+        attempt(18, 1, 151.0)
+    assert strikes.count(1) == 3 and not strikes.data_spike(18)
+    for step, ratio in ((30, math.inf), (40, 1e6)):  # a NaN or a flipped exponent bit, however often the same
+        fresh = Strikes(SimpleNamespace(guard="retry", evict_after=0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+        reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "bad", ratio)])
+        assert fresh.judge(step, 0, {0: reply}) == 1 and fresh.judge(step, 1, {0: reply}) == -1 and fresh.count(1) == 2
+
+
+def test_a_trusted_attempt_refuses_only_non_finite_values_and_learns_the_new_norm() -> None:
+    import numpy as np
+
+    from fusionllm.runtime.guards import NumericGuard
+
+    guard = NumericGuard(worker=0, factor=100.0, warmup=2)
+    small, big = np.full(8, 1e-3, np.float32), np.full(8, 1.0, np.float32)
+    assert guard.check("grad", "e", 0, 1, small, "float32") is None and guard.check("grad", "e", 0, 1, small, "float32") is None
+    refused = guard.check("grad", "e", 0, 1, big, "float32")
+    assert refused is not None and refused.ratio == pytest.approx(1000.0, rel=1e-3)
+    guard.trust_norms = True
+    assert guard.check("grad", "e", 0, 1, big, "float32") is None  # trusted: accepted, and learnt
+    nan = big.copy()
+    nan[0] = np.nan
+    bad = guard.check("grad", "e", 0, 1, nan, "float32")
+    assert bad is not None and "non-finite" in bad.why
+    guard.trust_norms = False
+    assert guard.estimates[("grad", "e", 1)].mean > 0.1  # the next steps are judged against the new norm

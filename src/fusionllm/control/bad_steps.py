@@ -11,6 +11,11 @@ its address, which outlives a renumbering), and follows ``--numeric-guard``:
   runs on the new plan. Older strikes are forgotten: a healthy run can meet a genuine spike that
   the guard refuses (two strikes: the attempt and its retry, docs/reliability.md), and a second one
   hundreds of steps later must not evict a healthy worker; a failing device keeps failing.
+  A **data spike** is told apart on the retry: the same refused tensors with the same finite norms
+  (each at most ``SPIKE_CAP`` times its estimate) are the batch, not a worker. Their strikes are
+  taken back, and the step runs once more with only non-finite values refused (``Step.trust_norms``),
+  so that the estimates learn the new norms; a NaN, or a norm a million times its estimate (a
+  flipped exponent bit, the tests' ``scale@M``), stays a strike however often it repeats.
 - ``stop``: the run ends with an error naming the worker.
 
 Every bad attempt is a metrics event ``{"event": "bad_step", ...}`` naming the suspects.
@@ -18,6 +23,7 @@ Every bad attempt is a metrics event ``{"event": "bad_step", ...}`` naming the s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fusionllm.core.errors import FusionError
@@ -27,6 +33,7 @@ from .config import ClusterConfig, Evict, Say
 from .membership import Membership
 
 STRIKE_WINDOW = 200  # steps a strike counts for
+SPIKE_CAP = 1e4  # a refused norm at most this many times its estimate, the same on the retry, may be the data (not a strike)
 
 
 class Strikes:
@@ -36,6 +43,8 @@ class Strikes:
         """``event``: where a ``bad_step`` record goes (the metrics file and the dashboard)."""
         self.cluster, self.membership, self.event, self.say = cluster, membership, event, say
         self.by_address: dict[str, list[int]] = {}  # per worker address: the steps of the bad tensors blamed on it lately
+        self._signatures: dict[tuple[int | None, int], list[tuple]] = {}  # (group, step) -> its last attempt's bad tensors
+        self._trusting: dict[tuple[int | None, int], bool] = {}  # (group, step) -> its next attempt trusts the norms
 
     def count(self, w: int) -> int:
         """Worker ``w``'s strikes within the window."""
@@ -53,9 +62,21 @@ class Strikes:
         bad = [b for rep in replies.values() for b in rep.bad]
         named = sorted({b.suspect for b in bad})
         members = self.membership.members
-        for w in named:
-            address = members[w].address if w in members else f"worker {w}"
-            self.by_address[address] = [s for s in self.by_address.get(address, []) if s > step - STRIKE_WINDOW] + [step]
+        signature = sorted((b.suspect, b.kind, b.edge, b.mb, f"{b.ratio:.6g}") for b in bad)
+        key = (group, step)
+        spike = (attempt >= 1 and bool(bad) and signature == self._signatures.get(key) and self.cluster.guard == "retry"
+                 and all(math.isfinite(b.ratio) and 0 < b.ratio <= SPIKE_CAP for b in bad) and not self._trusting.get(key))
+        self._signatures[key] = signature
+        if spike:  # the same finite norms as the attempt before: the data, not a worker (its strikes are taken back)
+            self._trusting[key] = True
+            for w in named:
+                address = members[w].address if w in members else f"worker {w}"
+                self.by_address[address] = [s for s in self.by_address.get(address, []) if s != step]
+        else:
+            self._trusting.pop(key, None)
+            for w in named:
+                address = members[w].address if w in members else f"worker {w}"
+                self.by_address[address] = [s for s in self.by_address.get(address, []) if s > step - STRIKE_WINDOW] + [step]
         why = "; ".join(sorted({f"{b.kind} {b.edge} from worker {b.suspect}: {b.why}" for b in bad})) or "the gradient norm is not finite"
         event: dict[str, Any] = {
             "event": "bad_step", "step": step, "attempt": attempt, "suspects": named,
@@ -68,6 +89,9 @@ class Strikes:
         evict = {w for w in named if c.evict_after and event["strikes"].get(str(w), 0) >= c.evict_after}
         if c.guard == "stop":
             event["action"] = "stop"
+        elif spike:
+            event["action"] = "trust"
+            evict = set()
         elif evict:
             event["action"] = "evict"
         else:
@@ -80,6 +104,14 @@ class Strikes:
                               f"--numeric-guard retry skips such steps and evicts a worker that keeps sending them")
         if event["action"] == "evict":
             raise Evict(evict, f"{max(event['strikes'][str(w)] for w in evict)} bad tensors ({why})", step)
+        if event["action"] == "trust":
+            self.say(f"{where}step {step} attempt {attempt + 1}: the same norms as the attempt before ({why}): a spike in the data, "
+                     "not a strike; running it once more with only non-finite values refused")
+            return attempt + 1
         self.say(f"{where}step {step} attempt {attempt + 1}: bad tensor ({why}); blamed: {who}; "
                  + ("running it again" if event["action"] == "retry" else "skipping the step"))
         return 1 if event["action"] == "retry" else -1
+
+    def data_spike(self, step: int, group: int | None = None) -> bool:
+        """Whether the next attempt of ``step`` runs trusting the norms (``judge`` saw a data spike)."""
+        return self._trusting.get((group, step), False)

@@ -74,15 +74,19 @@ class NumericGuard:
     warmup: int = 4
     alpha: float = 0.2
     estimates: dict[tuple, Estimate] = field(default_factory=dict)
+    trust_norms: bool = False  # this attempt: only non-finite values are refused (a data spike seen twice: control/bad_steps.py)
+    last_ratio: float = 0.0  # the ratio of the last tensor refused
 
     def why_bad(self, key: tuple, norm: float) -> str | None:
         """The reason a tensor of this norm is refused on ``key`` (None: accepted, estimate updated)."""
+        self.last_ratio = math.inf
         if not math.isfinite(norm):
             return "non-finite values"
         if key[0] not in NORM_TESTED:
             return None
         est = self.estimates.setdefault(key, Estimate())
-        if est.count >= self.warmup and est.mean > 0 and norm > self.factor * est.mean:
+        if not self.trust_norms and est.count >= self.warmup and est.mean > 0 and norm > self.factor * est.mean:
+            self.last_ratio = norm / est.mean
             return f"norm {norm:.3g} is {norm / est.mean:.3g}x its running estimate {est.mean:.3g} (limit {self.factor:g}x)"
         est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
         est.count += 1
@@ -96,12 +100,12 @@ class NumericGuard:
         if x is None:
             return None
         why = self.why_bad((kind, edge, src), norm_of(x))
-        return None if why is None else BadTensor(src, self.worker, kind, edge, mb, why)
+        return None if why is None else BadTensor(src, self.worker, kind, edge, mb, why, self.last_ratio)
 
     def check_share(self, src: int, sq: float) -> BadTensor | None:
         """A worker's share of the squared gradient norm (its own gradients, which nobody else sees)."""
         why = self.why_bad(("norm", "sq", src), math.sqrt(sq) if sq >= 0 else math.nan)
-        return None if why is None else BadTensor(src, self.worker, "norm", "sq", 0, why)
+        return None if why is None else BadTensor(src, self.worker, "norm", "sq", 0, why, self.last_ratio)
 
 
 def suspects(bad: list[BadTensor]) -> list[int]:

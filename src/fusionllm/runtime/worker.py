@@ -352,6 +352,8 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
     async def _run_step(self, runtime: StageRuntime, req: Step) -> dict[str, Any]:
         if self.peers is not None:
             self.peers.attempt = req.attempt  # stamped on the step's tensors (Inbox._seen)
+        if runtime.guard is not None:
+            runtime.guard.trust_norms = req.trust_norms
         if req.inputs is not None:
             inputs = self._fed(runtime, req.inputs)
         elif self.data_source is not None:

@@ -285,6 +285,7 @@ class Step(Message):
     ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
     attempt: int = 0  # a step run again (after a bad tensor aborted it) is the same step, one attempt later
     budget_scale: float = 1.0  # adatopk: the error budgets of activations and gradients times this (compressed cuts share them)
+    trust_norms: bool = False  # a data spike (the same norms on a retry): no norm test this attempt, only finiteness (bad_steps.py)
 
 
 
@@ -306,6 +307,7 @@ class BadTensor(Message):
     edge: str
     mb: int
     why: str
+    ratio: float = 0.0  # its norm over the running estimate (inf: not finite; 0: not norm-tested)
 
 
 @dataclass
