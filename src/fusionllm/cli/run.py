@@ -108,7 +108,7 @@ def coordinator(
     tls_ca: TlsCaOpt = None,
     dashboard: DashboardOpt = None,
     replan_factor: ReplanOpt = 2.0,
-    dead_after: DeadAfterOpt = 10.0,
+    dead_after: DeadAfterOpt = 15.0,
     numeric_guard: GuardOpt = "retry",
     guard_factor: GuardFactorOpt = 100.0,
     evict_after: EvictAfterOpt = 3,

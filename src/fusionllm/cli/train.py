@@ -107,7 +107,7 @@ def train(
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
-    dead_after: DeadAfterOpt = 10.0,
+    dead_after: DeadAfterOpt = 15.0,
     numeric_guard: GuardOpt = "retry",
     guard_factor: GuardFactorOpt = 100.0,
     evict_after: EvictAfterOpt = 3,

@@ -42,7 +42,7 @@ class ClusterConfig:
     compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
     eval_every: int = 0  # validation loss in the pipeline every N steps (and at the end); 0: never
     eval_batches: int = 4
-    dead_after_s: float = 10.0  # a worker whose heartbeat (every 2 s) is older than this is lost
+    dead_after_s: float = 15.0  # a worker whose heartbeat (every 2 s) is older than this is lost (a 10 s silent link drop is not)
     max_recoveries: int = 3  # re-plans after lost workers before giving up
     replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
     max_replans: int = 2

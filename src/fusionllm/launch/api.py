@@ -37,7 +37,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "schedule": "1f1b", "micro_batches": 4, "replicas": None, "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
     "stop_timeout": 60.0, "run_dir": Path("runs/local"), "device": "cpu", "scheduler": None, "probe_links": False, "probe_seconds": 1.0,
     "hardware": None, "compress": "none", "collectives": "auto", "backends": None, "worker_python": None, "tls_cert": None,
-    "tls_key": None, "tls_ca": None, "dead_after": 10.0, "numeric_guard": "retry", "guard_factor": 100.0, "evict_after": 3,
+    "tls_key": None, "tls_ca": None, "dead_after": 15.0, "numeric_guard": "retry", "guard_factor": 100.0, "evict_after": 3,
     "keep_checkpoints": 0, "max_recoveries": 3, "replan_factor": 2.0, "dashboard": None, "sync": None, "groups": None, "regroup": None,
     "inner_steps": None, "fragments": None, "outer_codec": None, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_aggregate": "mean", "overlap_steps": None,
     "blocking_sync": False, "group_batch": None, "task": "lm", "image_size": 32, "tokenizer": None, "init_from": None,
