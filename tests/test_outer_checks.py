@@ -215,3 +215,36 @@ def test_trimmed_keeps_one_set_of_outer_weights_and_trains_like_the_mean(tmp_pat
     final, reference = result.val_losses[-1][1], mean.val_losses[-1][1]
     assert final != reference  # the median of three per coordinate, not the mean
     assert abs(final - reference) / reference < 0.03, (final, reference)
+
+
+def test_a_group_that_sends_different_deltas_to_different_groups_is_refused_and_the_others_stay_one(tmp_path: Path) -> None:
+    """Group 2 pushes its true delta to worker 0 and 1.5 times it to worker 1 from round 1 on: each
+    passes the norm and direction rules, but averaged in, groups 0 and 1 would hold different outer
+    weights. The digests the receiving groups report differ, so it is refused and evicted."""
+    events, workers, _ = _poisoned_run(tmp_path, "split")
+    refused = [e for e in events if e["event"] == "outer_refused"]
+    assert [(e["round"], e["group"], e["action"]) for e in refused] == [(1, 2, "left out"), (2, 2, "left out"), (3, 2, "evict")], refused
+    assert all("different deltas to different groups" in e["why"] for e in refused)
+    a, b = workers[0].outer.anchor, workers[1].outer.anchor
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_digests_of_the_receivers_not_of_the_sender_decide_a_split() -> None:
+    deltas, momentum = _deltas(3, seed=8)
+    from fusionllm.runtime.outer_check import digests
+
+    reports = Reports({}, {}, {})
+    for h in range(3):
+        got = dict(deltas)
+        if h == 1:  # what group 1 received from group 0 differs in one parameter
+            got[0] = {**deltas[0], "b": deltas[0]["b"] * 1.5}
+        dots, finite, msq = report(got, momentum, NAMES)
+        add_report(reports, h, dots, finite, msq, digests(got, NAMES))
+    assert reports.split(0) == "b" and reports.split(1) is None and reports.split(2) is None
+    assert "different deltas" in judge([0, 1, 2], reports, {}).refused[0]
+    own = Reports({}, {}, {})  # only the sender's own copy differs: no evidence against it
+    for h in range(3):
+        got = {**deltas, 0: {**deltas[0], "b": deltas[0]["b"] * 1.5}} if h == 0 else deltas
+        add_report(own, h, *report(got, momentum, NAMES), digests(got, NAMES))
+    assert own.split(0) is None

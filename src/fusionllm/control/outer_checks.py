@@ -10,6 +10,8 @@ lies about another cannot frame it (with two, it can: docs/reliability.md's thre
 A delta is refused (``judge``) when:
 
 - a value is not finite;
+- the groups that received it got different bytes (digests per parameter, three groups or more:
+  a sender that equivocates would move the honest groups' outer weights apart);
 - its norm is over ``NORM_FACTOR`` times the median of the other senders' norms this round (the
   only sender: over ``NORM_FACTOR`` times its own running estimate);
 - it points against the outer momentum while the others point along it (cosine under
@@ -46,6 +48,16 @@ class Reports:
     dots: dict[int, dict[tuple[int, int], float]]  # reporting group -> (sender, sender or -1: the momentum) -> dot product
     finite: dict[int, dict[int, bool]]  # reporting group -> sender -> finite
     momentum_sq: dict[int, float]  # reporting group -> the momentum's squared norm over the fragment
+    digests: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)  # reporting group -> sender -> parameter -> digest
+
+    def split(self, g: int) -> str | None:
+        """A parameter whose delta from ``g`` reached the other groups as different bytes (None: none)."""
+        seen: dict[str, set[str]] = {}
+        for h, by_sender in self.digests.items():
+            if h != g:  # the sender's own word about itself is not evidence
+                for n, d in by_sender.get(g, {}).items():
+                    seen.setdefault(n, set()).add(d)
+        return next((n for n, ds in sorted(seen.items()) if len(ds) > 1), None)
 
     def median(self, a: int, b: int) -> float:
         key = (min(a, b), max(a, b)) if b >= 0 else (a, -1)
@@ -57,8 +69,11 @@ class Reports:
         return sum(seen) * 2 > len(seen) if seen else True  # the majority; a tie is not finite
 
 
-def add_report(into: Reports, group: int, dots: dict[str, dict[str, float]], finite: dict[str, bool], momentum_sq: float) -> None:
+def add_report(into: Reports, group: int, dots: dict[str, dict[str, float]], finite: dict[str, bool], momentum_sq: float,
+               digests: dict[str, dict[str, str]] | None = None) -> None:
     """Add one worker's ``OuterChecked`` of group ``group`` to ``into``."""
+    for g, by_name in (digests or {}).items():
+        into.digests.setdefault(group, {}).setdefault(int(g), {}).update(by_name)
     mine = into.dots.setdefault(group, {})
     for g, row in dots.items():
         for h, v in row.items():
@@ -98,6 +113,8 @@ def judge(senders: list[int], reports: Reports, estimates: dict[int, float], agg
     for g in senders:
         if not finite[g]:
             v.refused[g] = "not finite"
+        elif (name := reports.split(g)) is not None:
+            v.refused[g] = f"sent different deltas to different groups ({name})"
     for g in senders:
         if g in v.refused:
             continue

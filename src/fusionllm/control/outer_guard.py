@@ -82,7 +82,7 @@ class OuterGuard:
         for g, got in by_group.items():
             if g not in failed:
                 for rep in got:
-                    add_report(out, g, rep.dots, rep.finite, rep.momentum_sq)
+                    add_report(out, g, rep.dots, rep.finite, rep.momentum_sq, rep.digests)
         return out
 
     async def resend(self, hr: HierRun, f: int, r: int, groups: list[int]) -> bool:

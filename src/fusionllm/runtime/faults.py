@@ -16,7 +16,8 @@ fragment, every attempt: a resend is poisoned too), while its own group averages
 
 - ``outer-nan@R``: the first element of every pseudo-gradient becomes NaN;
 - ``outer-scale@R[:F]``: pseudo-gradients times F (default 100);
-- ``outer-flip@R``: pseudo-gradients with their sign flipped.
+- ``outer-flip@R``: pseudo-gradients with their sign flipped;
+- ``outer-split@R``: different deltas to different groups (times 1.5 to odd-numbered workers).
 
 A worker that sends no tensors of that role (the first stage sends no gradients) injects nothing.
 """
@@ -29,7 +30,7 @@ import numpy as np
 
 from fusionllm.core.errors import ConfigError
 
-KINDS = ("nan", "scale", "outer-nan", "outer-scale", "outer-flip")
+KINDS = ("nan", "scale", "outer-nan", "outer-scale", "outer-flip", "outer-split")
 SCALED = {"scale": 1e6, "outer-scale": 100.0}  # the default factor of each scaling kind
 
 
@@ -88,6 +89,6 @@ def tamper_outer(faults: tuple[Fault, ...], round_: int, x: np.ndarray) -> np.nd
             x.reshape(-1)[0] = np.nan
         elif f.kind == "outer-scale":
             x = x * np.float32(f.factor)
-        else:
+        elif f.kind == "outer-flip":
             x = -x
     return x

@@ -36,7 +36,7 @@ from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.runtime.faults import Fault, tamper_outer
-from fusionllm.runtime.outer_check import average, report
+from fusionllm.runtime.outer_check import average, digests, report
 from fusionllm.schedule.hierarchy import Exchange, HierPlan, exchange
 
 Push = Callable[..., Awaitable[None]]  # (destination, header, array, (codec, payload), attempt=None)
@@ -173,7 +173,7 @@ class OuterState:
 
     def _pushed(self, round_: int, encoded: tuple[tuple[str, bytes], np.ndarray]) -> tuple[str, bytes]:
         """What goes out for one parameter: its encoding (a poisoning group's, tampered: tests only)."""
-        if not any(f.outer and f.step == round_ for f in self.faults):
+        if not any(f.outer and f.kind != "outer-split" and f.step == round_ for f in self.faults):
             return encoded[0]
         return encode(tamper_outer(self.faults, round_, encoded[1]), self.codec)
 
@@ -182,11 +182,18 @@ class OuterState:
         for dst, names in frag.exchange.sends.items():
             for n in names:
                 header = {"kind": "outer", "step": round_, "mb": fragment, "edge": n, "src": worker}
-                payload = frag.encoded[round_][n]
+                payload = self._split(round_, frag, n, dst)
                 array = frag.true[round_][n]  # its shape goes with the payload
                 sending = push(dst, header, array, payload) if attempt is None else push(dst, header, array, payload, attempt=attempt)
                 frag.pushes.append(asyncio.create_task(sending))
                 sent_bytes[dst] = sent_bytes.get(dst, 0) + len(payload[1])
+
+    def _split(self, round_: int, frag: _Fragment, name: str, dst: int) -> tuple[str, bytes]:
+        """What goes to ``dst``: the same for every destination, but for a group that equivocates on
+        purpose (tests only: ``outer-split@R``, its delta times 1.5 to odd-numbered workers)."""
+        if dst % 2 == 0 or not any(f.kind == "outer-split" and f.step == round_ for f in self.faults):
+            return frag.encoded[round_][name]
+        return encode(1.5 * frag.sent[round_][name], self.codec)
 
     def resend(self, fragment: int, round_: int, push: Push, worker: int) -> dict[int, int]:
         """Push this fragment's delta of ``round_`` again, as it went out the first time (a checked
@@ -211,7 +218,7 @@ class OuterState:
         return {n: have[n] for n in names}
 
     async def check(self, fragment: int, round_: int, groups: list[int], again: list[int], get: Get,
-                    timeout: float) -> tuple[dict[str, dict[str, float]], dict[str, bool], float]:
+                    timeout: float) -> tuple[dict[str, dict[str, float]], dict[str, bool], float, dict[str, dict[str, str]]]:
         """``report`` on ``groups``' deltas of ``round_`` over the parameters this worker leads, once
         the previous round is applied here (the momentum every group has then). ``again``: groups
         that sent again, read anew."""
@@ -239,7 +246,8 @@ class OuterState:
             lead = [n for n in names if n in ex.leads]
             if g in groups and lead:
                 deltas.setdefault(g, {}).update(await self._received(frag, fragment, round_, g, src, lead, get, timeout))
-        return await asyncio.to_thread(report, deltas, self.momentum, ex.leads)
+        dots, finite, momentum_sq = await asyncio.to_thread(report, deltas, self.momentum, ex.leads)
+        return dots, finite, momentum_sq, await asyncio.to_thread(digests, deltas, ex.leads)
 
     async def _apply(self, frag: _Fragment, fragment: int, avg: Average, get: Get, timeout: float) -> None:
         ex = frag.exchange

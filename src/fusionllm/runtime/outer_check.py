@@ -15,6 +15,8 @@ more: each coordinate's highest and lowest value dropped, the rest averaged alik
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from fusionllm.core.errors import FusionError
@@ -25,6 +27,13 @@ AGGREGATES = ("mean", "clipped", "trimmed")
 def _clean(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     return x if np.isfinite(x).all() else np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def digests(deltas: dict[int, dict[str, np.ndarray]], names: list[str]) -> dict[str, dict[str, str]]:
+    """A short digest of each group's decoded delta per parameter: the groups that received one sender's
+    delta compare them, so a sender that pushes different deltas to different groups is caught."""
+    return {str(g): {n: hashlib.blake2b(np.ascontiguousarray(deltas[g][n], dtype=np.float32).tobytes(), digest_size=8).hexdigest()
+                     for n in names} for g in sorted(deltas)}
 
 
 def report(deltas: dict[int, dict[str, np.ndarray]], momentum: dict[str, np.ndarray],

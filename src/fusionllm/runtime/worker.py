@@ -416,8 +416,9 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         runtime, _, outer = self._outer("OuterCheck", req.fragment)
 
         async def run() -> dict[str, Any]:
-            dots, finite, momentum_sq = await outer.check(req.fragment, req.round, req.groups, req.again, self.inbox.get, runtime.hyper.recv_timeout)
-            return OuterChecked(dots, finite, momentum_sq).to_wire()
+            dots, finite, momentum_sq, digests = await outer.check(req.fragment, req.round, req.groups, req.again, self.inbox.get,
+                                                                    runtime.hyper.recv_timeout)
+            return OuterChecked(dots, finite, momentum_sq, digests).to_wire()
 
         return await self._once("OuterCheck", (req.fragment, req.round, tuple(req.groups), tuple(req.again)), run)
 

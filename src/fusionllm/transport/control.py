@@ -385,6 +385,7 @@ class OuterChecked(Message):
     dots: dict[str, dict[str, float]] = field(default_factory=dict)
     finite: dict[str, bool] = field(default_factory=dict)
     momentum_sq: float = 0.0
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # per sending group, per parameter: its decoded delta's digest
 
 
 @dataclass
