@@ -66,17 +66,18 @@ class Strikes:
         key = (group, step)
         spike = (attempt >= 1 and bool(bad) and signature == self._signatures.get(key) and self.cluster.guard == "retry"
                  and all(math.isfinite(b.ratio) and 0 < b.ratio <= SPIKE_CAP for b in bad) and not self._trusting.get(key))
+        for old in [k for k in self._signatures if k[1] <= step - STRIKE_WINDOW]:  # steps long done: forgotten
+            self._signatures.pop(old, None)
+            self._trusting.pop(old, None)
         self._signatures[key] = signature
         if spike:  # the same finite norms as the attempt before: the data, not a worker (its strikes are taken back)
             self._trusting[key] = True
-            for w in named:
-                address = members[w].address if w in members else f"worker {w}"
-                self.by_address[address] = [s for s in self.by_address.get(address, []) if s != step]
         else:
             self._trusting.pop(key, None)
-            for w in named:
-                address = members[w].address if w in members else f"worker {w}"
-                self.by_address[address] = [s for s in self.by_address.get(address, []) if s > step - STRIKE_WINDOW] + [step]
+        for w in named:
+            address = members[w].address if w in members else f"worker {w}"
+            kept = [s for s in self.by_address.get(address, []) if s > step - STRIKE_WINDOW]
+            self.by_address[address] = [s for s in kept if s != step] if spike else [*kept, step]
         why = "; ".join(sorted({f"{b.kind} {b.edge} from worker {b.suspect}: {b.why}" for b in bad})) or "the gradient norm is not finite"
         event: dict[str, Any] = {
             "event": "bad_step", "step": step, "attempt": attempt, "suspects": named,

@@ -246,8 +246,7 @@ class OuterState:
             lead = [n for n in names if n in ex.leads]
             if g in groups and lead:
                 deltas.setdefault(g, {}).update(await self._received(frag, fragment, round_, g, src, lead, get, timeout))
-        dots, finite, momentum_sq = await asyncio.to_thread(report, deltas, self.momentum, ex.leads)
-        return dots, finite, momentum_sq, await asyncio.to_thread(digests, deltas, ex.leads)
+        return await asyncio.to_thread(lambda: (*report(deltas, self.momentum, ex.leads), digests(deltas, ex.leads)))
 
     async def _apply(self, frag: _Fragment, fragment: int, avg: Average, get: Get, timeout: float) -> None:
         ex = frag.exchange
