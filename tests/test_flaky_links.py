@@ -277,3 +277,38 @@ def test_a_veth_down_for_five_seconds_costs_seconds_not_the_run(tmp_path: Path) 
     assert [r["step"] for r in records if "step" in r] == list(range(TESTBED_STEPS))
     assert [r.get("event") for r in records if r.get("event") not in (None, "plan")] == []  # no recovery, no re-plan
     assert [r["loss"] for r in records if "step" in r] == [r["loss"] for r in _records(ref_out) if "step" in r]
+
+
+def test_an_assignment_is_sent_again_whole_over_a_dropped_link() -> None:
+    """Why it can fail: an Assign whose reply was lost (or whose stream broke) ends the setup and costs
+    a re-plan; one sent again must arrive whole, and the worker takes only a whole one."""
+    from fusionllm.transport.rpc import RpcClient, RpcServer
+
+    async def main() -> None:
+        taken: list[bytes] = []
+
+        async def assign(frames: AsyncIterator[bytes]) -> dict[str, Any]:
+            whole = b"".join([f async for f in frames])  # nothing changes before the whole stream is read
+            taken.append(whole)
+            return {"n": len(whole)}
+
+        server = RpcServer("test.Svc", TOKEN, control={}, streams={"Assign": assign})
+        link = FlakyLink(("127.0.0.1", await server.start("127.0.0.1:0")))
+        await link.start()
+        client = RpcClient(link.address, "test.Svc", TOKEN)
+        frames = [b"head"] + [bytes([i]) * 65536 for i in range(8)]
+        try:
+            link.cut_on_reply()  # the first assignment is taken, its reply lost, and the link stays down a while
+            push = asyncio.create_task(client.push_retrying("Assign", frames, within=60, timeout=30))
+            await link.wait_cut()
+            await link.wait_resets(3)
+            assert not push.done(), f"the push ended while the link was down: {push.exception()}"
+            link.restore()
+            assert (await push)["n"] == sum(map(len, frames))
+            assert taken and all(t == b"".join(frames) for t in taken), [len(t) for t in taken]
+        finally:
+            await client.close()
+            await link.stop()
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -102,3 +102,36 @@ def test_version_mismatch_names_both_versions() -> None:
             await m.register({"version": fusionllm.__version__, "protocol": PROTOCOL_VERSION, "address": "127.0.0.1:2"})
 
     asyncio.run(main())
+
+
+def test_a_worker_refuses_the_coordinator_process_it_left_for_a_newer_one() -> None:
+    """A coordinator cut off (not dead) while a restarted one took its workers over must not drive
+    them: every coordinator call carries its process's incarnation, and a worker refuses one it left.
+    Why it can fail: the incarnation not sent, the fence not consulted, or a worker that refuses the
+    new coordinator's calls made before its registration's answer is back (an incarnation not seen yet)."""
+    from fusionllm.runtime.coordinator_link import CoordinatorLink
+    from fusionllm.transport.control import Registered
+
+    link = CoordinatorLink()
+    link._init_link()
+    link._joined(Registered(0, "aaaa"))
+    assert link.fence("aaaa") is None and link.fence("bbbb") is None  # the one it follows; one it is registering with
+    link._joined(Registered(0, "bbbb"))  # the coordinator restarted: it registered with the new process
+
+    async def main() -> None:
+        async def echo(msg: dict) -> dict:
+            return {"echo": msg["x"]}
+
+        server = RpcServer("test.Svc", TOKEN, control={"Echo": echo}, fence=link.fence)
+        port = await server.start("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        try:
+            with pytest.raises(AuthError, match="left coordinator process aaaa for a newer one"):
+                await RpcClient(address, "test.Svc", TOKEN, incarnation="aaaa").call("Echo", {"x": 1})
+            for incarnation in ("bbbb", "cccc", ""):  # the newest, one not seen yet, a peer worker (no incarnation)
+                assert (await RpcClient(address, "test.Svc", TOKEN, incarnation=incarnation).call("Echo", {"x": 2}))["echo"] == 2
+            assert server.refusals == 1
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

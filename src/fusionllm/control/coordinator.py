@@ -136,7 +136,7 @@ class Coordinator:
         if run is not None:
             for client in run.clients.values():
                 await client.close()
-        clients = [RpcClient(m.address, WORKER_SERVICE, c.token, tls=c.tls) for m in self.membership.members.values()]
+        clients = [RpcClient(m.address, WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation) for m in self.membership.members.values()]
 
         async def tell(client: RpcClient) -> None:
             with contextlib.suppress(FusionError):  # already gone: its heartbeat tells it the rest

@@ -150,7 +150,9 @@ class Pauses:
         began = time.perf_counter()
         index, source = await self.add_group(hr, workers, k0)
         hr.loops[index] = self.groups.start(hr, index)
+        members = self.membership.members
         event = {"event": "group_joined", "group": index, "workers": workers, "round": k0, "source_group": source,
+                 "addresses": {str(w): members[w].address for w in workers if w in members},
                  "seconds": round(time.perf_counter() - began, 3), "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)}
         self.ctx.event(event)
         self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
@@ -177,7 +179,7 @@ class Pauses:
         addresses = {m.id: m.address for m in members.values()}
         clients = src.clients  # one dict, shared by every group's Run
         for w in workers:
-            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls)
+            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
         run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
         await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress))

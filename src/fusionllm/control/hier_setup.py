@@ -166,7 +166,7 @@ class GroupSetup:
         if states is None:
             states = [] if load else [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
-        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
         if c.scheduler and not groups:
             hier = await self.schedule(graph, clients, last - first)

@@ -120,8 +120,11 @@ class Groups:
         async with hr.changed:
             hr.changed.notify_all()
         self.ctx.say(f"group {g} left the run: {exc}")
-        self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
         run = hr.runs[g]
+        members = self.ctx.membership.members
+        self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "workers": sorted(run.plan.workers),
+                        "addresses": {str(w): members[w].address for w in sorted(run.plan.workers) if w in members},
+                        "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
         gone = set(run.plan.workers) if gone is None else gone
         others = [w for w in run.plan.workers if w not in gone]
         if others and hr.alive:  # alive and not to blame: they train on in a new group from the next pause

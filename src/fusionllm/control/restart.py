@@ -232,7 +232,8 @@ async def gather_live(ctx: RunContext, checkpoints: Checkpoints, holders: dict[i
     """Each stage's weights and AdamW state (``outer``: outer weights and momentum) from its holder;
     (states, None) or ([], why not)."""
     c, members = ctx.cluster, ctx.membership.members
-    clients = {w: RpcClient(members[w].address, WORKER_SERVICE, c.token, tls=c.tls) for w in set(holders.values())}
+    clients = {w: RpcClient(members[w].address, WORKER_SERVICE, c.token, tls=c.tls, incarnation=ctx.membership.incarnation)
+               for w in set(holders.values())}
     try:
         states = [await checkpoints.read_pages(clients[w], w, outer=outer) for _, w in sorted(holders.items())]
     except FusionError as exc:

@@ -75,7 +75,7 @@ class Setup:
         if carry is None and load is None:
             states = [await asyncio.to_thread(self.task.initial_state)]
         addresses = {m.id: m.address for m in self.membership.members.values()}
-        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls) for w, a in addresses.items()}
+        clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation) for w, a in addresses.items()}
         replicas = None if recover or len(self.membership.members) != c.workers else c.replicas  # a hand-made layout no longer fits fewer workers
         if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
@@ -141,7 +141,9 @@ class Setup:
                           load=load, program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
                           step=self.ctx.clock.start_step, relayed=through, collective=collective.get(w))
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
-            replies[w] = Assigned.from_wire(await run.clients[w].push("Assign", frames, timeout=c.step_timeout))
+            # made again on a dropped link: a worker changes nothing before it has read the whole assignment, and a repeat
+            # of one it took builds the same stage again
+            replies[w] = Assigned.from_wire(await run.clients[w].push_retrying("Assign", frames, within=c.step_timeout, timeout=c.step_timeout))
             if [Action.parse(a) for a in replies[w].actions] != run.actions[w]:
                 raise FusionError(f"worker {w} runs another program than the one it was sent")
 

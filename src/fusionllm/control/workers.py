@@ -87,7 +87,8 @@ class Liveness:
         for w, client in list(run.clients.items()):
             member = self.membership.members.get(w)
             if member is not None and member.address != client.address:
-                run.clients[w] = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls)
+                run.clients[w] = RpcClient(member.address, WORKER_SERVICE, self.cluster.token, tls=self.cluster.tls,
+                                            incarnation=self.membership.incarnation)
 
     def raise_if_stale(self, run: Run) -> None:
         """WorkerLost for the plan's workers whose heartbeat is older than --dead-after."""

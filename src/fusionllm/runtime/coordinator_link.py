@@ -68,6 +68,7 @@ class CoordinatorLink:
 
     def _init_link(self) -> None:
         self.incarnation = ""  # the coordinator process this worker registered with
+        self.left: set[str] = set()  # coordinator processes it left for a newer one: their calls are refused (``fence``)
         self.live: LiveState | None = None  # the stage held (set by Assign, its step by each completed step)
         self._request: Register | None = None
         self._answered = time.monotonic()  # the coordinator's last answer
@@ -116,6 +117,8 @@ class CoordinatorLink:
                 await asyncio.sleep(0.2 if "refused" in str(exc) else 0.5)
 
     def _joined(self, reply: Registered) -> None:
+        if self.incarnation and reply.incarnation != self.incarnation:
+            self.left.add(self.incarnation)
         self.id, self.incarnation = reply.worker, reply.incarnation
         self.log = get_logger("worker", f"worker {self.id}")
 
@@ -150,6 +153,16 @@ class CoordinatorLink:
                 self.log.warning("the coordinator at %s answers again", self.config.join)
                 self._gone = False
 
+    def fence(self, incarnation: str) -> str | None:
+        """Why a call from coordinator process ``incarnation`` is refused: this worker re-registered with
+        a newer one (a restarted coordinator, and the old one was only cut off, not gone). A call from
+        an incarnation not seen yet is taken: the one this worker is registering with may call before
+        its answer is here."""
+        if incarnation and incarnation in self.left:
+            return (f"this worker left coordinator process {incarnation} for a newer one ({self.incarnation or 'joining'}); "
+                    "the older coordinator must stop")
+        return None
+
     def _went_away(self, how: str) -> None:
         """One line when the coordinator goes away: what this worker keeps, and for how long it waits."""
         if self._gone:
@@ -166,6 +179,8 @@ class CoordinatorLink:
         if self._request is None:
             return
         if restarted:
+            if self.incarnation:  # the old process is done with: a call from it now (it was only cut off) is refused
+                self.left.add(self.incarnation)
             await self._settle_step()  # the step reported is the state held
         else:
             await self._abort_step()  # dropped from the plan: its step cannot finish

@@ -122,7 +122,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
                      "OuterSync": self._on_outer_sync, "OuterCheck": self._on_outer_check, "OuterResend": self._on_outer_resend,
                      "Regroup": self._on_regroup,
                      "Rehome": self._on_rehome},
-            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls,
+            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls, fence=self.fence,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
         self.data_address = ""

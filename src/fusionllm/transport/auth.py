@@ -11,6 +11,7 @@ from fusionllm.core.errors import ConfigError
 
 TOKEN_KEY = "x-fusionllm-token"
 PROTOCOL_KEY = "x-fusionllm-protocol"
+INCARNATION_KEY = "x-fusionllm-incarnation"  # the calling coordinator process (RpcClient, RpcServer.fence)
 
 
 def load_token(path: str | Path, *, create: bool = False) -> str:

@@ -1,7 +1,9 @@
 """gRPC servers and clients with generic byte handlers: no protobuf, no version coupling.
 
 Every call carries the shared token and the protocol version as metadata; servers check both
-before anything else (constant-time token comparison) and log every refusal. Control calls are
+before anything else (constant-time token comparison) and log every refusal. A coordinator's calls
+also carry its incarnation (one per process), and a server may fence them (``fence``: a worker
+refuses a coordinator it has left for a newer one). Control calls are
 msgpack maps in and out; tensor pushes are client streams of frames (``frames.py``).
 
 ``RpcClient.call_retrying`` rides out a link that drops for a few seconds: it calls again, backing off
@@ -21,12 +23,13 @@ import grpc
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError
 from fusionllm.core.logging import get_logger
 from fusionllm.transport import PROTOCOL_VERSION
-from fusionllm.transport.auth import PROTOCOL_KEY, TOKEN_KEY, token_matches
+from fusionllm.transport.auth import INCARNATION_KEY, PROTOCOL_KEY, TOKEN_KEY, token_matches
 from fusionllm.transport.messages import MAX_MESSAGE, pack, unpack
 from fusionllm.transport.tls import TLS_NAME, TlsFiles
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 StreamHandler = Callable[[AsyncIterator[bytes]], Awaitable[dict[str, Any]]]
+Fence = Callable[[str], str | None]  # the caller's incarnation ("" for none) -> why it is refused, or None
 OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -52,8 +55,9 @@ class RpcServer:
     """One gRPC server exposing control methods and stream methods under ``service``."""
 
     def __init__(self, service: str, token: str, *, control: dict[str, ControlHandler], streams: dict[str, StreamHandler] | None = None,
-                 role: str = "server", tls: TlsFiles | None = None) -> None:
+                 role: str = "server", tls: TlsFiles | None = None, fence: Fence | None = None) -> None:
         self.service = service
+        self.fence = fence
         self.token = token
         self.tls = tls
         self.log = get_logger("transport", role)
@@ -98,6 +102,11 @@ class RpcServer:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"refused: peer speaks protocol {meta.get(PROTOCOL_KEY)}, this side speaks {PROTOCOL_VERSION}",
             )
+        why = self.fence(meta.get(INCARNATION_KEY, "")) if self.fence is not None else None
+        if why is not None:
+            self.refusals += 1
+            self.log.warning("refused %s from %s: %s", self.service, peer, why)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {why}")
 
     def _unary(self, fn: ControlHandler) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -130,11 +139,13 @@ class RpcServer:
 class RpcClient:
     """A channel to one peer; counts the bytes it sends."""
 
-    def __init__(self, address: str, service: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None) -> None:
+    def __init__(self, address: str, service: str, token: str, *, protocol: int = PROTOCOL_VERSION, tls: TlsFiles | None = None,
+                 incarnation: str = "") -> None:
+        """``incarnation``: the calling coordinator process's (sent with every call; a worker refuses one it left)."""
         self.address = address
         self.service = service
         self.tls = tls
-        self._meta = ((TOKEN_KEY, token), (PROTOCOL_KEY, str(protocol)))
+        self._meta = ((TOKEN_KEY, token), (PROTOCOL_KEY, str(protocol)), *([(INCARNATION_KEY, incarnation)] if incarnation else []))
         self._chan: grpc.aio.Channel | None = None
         self.bytes_sent = 0
 
@@ -164,12 +175,21 @@ class RpcClient:
         link-level failure is tried again: a refused connection (``Refused``), a refused token and an
         error the peer reports end it at once. The peer may see the call more than once: use it for
         calls that are safe to repeat (a Step is: the worker answers a repeat with the same run)."""
+        return await self._retrying(method, lambda t: self.call(method, msg, timeout=t), within=within, timeout=timeout)
+
+    async def push_retrying(self, method: str, frames: list[bytes], *, within: float, timeout: float | None = 600.0) -> dict[str, Any]:
+        """``push``, the whole stream sent again while the link is down, as ``call_retrying``: for a
+        stream whose receiver changes nothing before it has read all of it (an Assign)."""
+        return await self._retrying(method, lambda t: self.push(method, frames, timeout=t), within=within, timeout=timeout)
+
+    async def _retrying(self, method: str, once: Callable[[float], Awaitable[dict[str, Any]]], *, within: float,
+                        timeout: float | None) -> dict[str, Any]:
         began = time.monotonic()
         delay, down = RETRY_FIRST, False
         while True:
             left = within - (time.monotonic() - began)
             try:
-                reply = await self.call(method, msg, timeout=max(0.05, left if timeout is None else min(timeout, left)))
+                reply = await once(max(0.05, left if timeout is None else min(timeout, left)))
                 break
             except (AuthError, Refused):
                 raise
