@@ -14,16 +14,26 @@ seeded order hits the run, each kind in turn:
 - ``drop``: a worker's link (its veth) goes down for 10 s and comes back;
 - ``slow``: a link between two workers of the plan runs at a tenth of its rate for 60 s;
 - ``nan``: a worker launched with ``--inject-fault nan@K`` (the step the schedule expects at that
-  time) sends a NaN at step K; the step is retried and skipped (a second one evicts that worker).
+  time) sends a NaN at step K; the step is retried and skipped (a second one evicts that worker);
+- ``second``: a second coordinator for the same run is started by mistake (the same checkpoint
+  directory, another port, ``--resume``): it must be refused while the first is alive;
+- ``poison`` (``--mode hierarchical``): a group of one worker pushes a flipped, x100 or NaN
+  pseudo-gradient (``--inject-fault outer-flip@R`` and so on, in turn) from outer round R on; it
+  must be refused and its group evicted, and a healthy worker takes its place as a new group.
+
+``--mode hierarchical`` trains three groups (``soak_modes.py``); a fault that takes a worker takes
+its group, and the fault is over when the replacement's group joined.
 
 Reported per fault: the seconds training lost (the window from the fault to the first step completed
 after the fault was over, less the fault-free time of the steps made in that window), the steps run
 again, and the events the coordinator wrote.
-At the end, every step's loss (the last time it ran) and every weight of the final checkpoint are
-compared with one PyTorch process trained on the same batches that skipped the same steps.
+At the end, synchronous mode: every step's loss (the last time it ran) and every weight of the
+final checkpoint are compared with one PyTorch process trained on the same batches that skipped the
+same steps; hierarchical mode: the final validation loss with a clean run of the same seed.
 
     python benchmarks/soak.py --quick            # 10 minutes (root)
     python benchmarks/soak.py                    # one hour
+    python benchmarks/soak.py --mode hierarchical
 """
 
 from __future__ import annotations
@@ -43,13 +53,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import exit_on_sigterm, results_dir, stop, write  # noqa: E402
+from soak_modes import (  # noqa: E402
+    POISON_SLOT,
+    POISONS,
+    calibrated_step_s,
+    group_addresses,
+    hier_args,
+    joined_with,
+    second_coordinator,
+)
+from soak_report import hier_summary, redone_per_fault, report, sync_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = [sys.executable, "-m", "fusionllm"]
-KINDS = ("kill", "hang", "coordinator", "drop", "slow", "nan")
+KINDS = ("kill", "hang", "coordinator", "drop", "slow", "nan", "second")
+HIER_KINDS = (*KINDS, "poison")
 PORT = 7450
 DROP_S, SLOW_S, SLOW_FACTOR = 10.0, 60.0, 10
 SLOWER = 2.0  # steps under faults (fewer workers after a loss, a slow link) take up to this many times the calibrated one
+
+
+def _poison_at(poison: str, r: int) -> str:
+    """``outer-flip@R`` moved ``r`` rounds on: a poisoner pushes bad deltas three rounds running."""
+    kind, _, at = poison.partition("@")
+    return f"{kind}@{int(at) + r}"
 
 
 @dataclass
@@ -60,6 +87,8 @@ class Proc:
     nan_steps: tuple[int, ...] = ()
     stopped: bool = False
     injected: tuple[int, ...] = ()  # the NaN steps it was started with (kept when an eviction clears nan_steps)
+    poison: str = ""  # --inject-fault outer-...@R it was started with
+    since: int = 0  # the benchmark's records when it started
 
     @property
     def alive(self) -> bool:
@@ -79,12 +108,17 @@ class Fault:
     ok: bool = True
     note: str = ""
     events: list[dict] = field(default_factory=list)
-
+    rate: float = 0.0  # hierarchical: step records per second in the 30 s before the fault
+    redone: int = 0  # steps run again in its window
 
     def lost(self, step_s: float) -> float | None:
         """Seconds of training the fault cost: the window from the fault to the first step after it
         was over, less the time the steps made in that window took before the fault."""
-        return None if self.first_new_step_at is None else round(self.first_new_step_at - self.began - self.progress * (self.step_s or step_s), 2)
+        if self.first_new_step_at is None:
+            return None
+        if self.rate:  # hierarchical: the groups step side by side; the records' rate stands for the run's speed
+            return round(self.first_new_step_at - self.began - self.progress / self.rate, 2)
+        return round(self.first_new_step_at - self.began - self.progress * (self.step_s or step_s), 2)
 
 
 class Metrics:
@@ -118,10 +152,7 @@ class Metrics:
         return max((r["step"] for _, r in steps), default=-1)
 
     def plan_addresses(self) -> list[str]:
-        plans = [r for _, r in self.records if r.get("event") == "plan"]
-        if not plans:
-            return []
-        return [w["address"] for w in plans[-1]["workers"].values() if w.get("in_plan", True)]
+        return group_addresses(self.records)
 
 
 class Soak:
@@ -139,33 +170,46 @@ class Soak:
         self.logs = tmp / "logs"
         self.logs.mkdir()
         self.started = time.monotonic()
+        self.hier = args.mode == "hierarchical"
+        self.eval_every = 0  # hierarchical: the run's steps, so that it evaluates once, at the end
+        self.poisons: list[int] = []  # the rounds the next poisoners push their bad deltas at
+        self.poisoned = 0
 
     # ---- processes -------------------------------------------------------------------------------
     def train_args(self, steps: int) -> list[str]:
         a = self.args
+        mode = hier_args(a.inner_steps, self.eval_every or steps) if self.hier else ["--eval-every", "0"]
         return ["--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed),
-                "--lr", str(a.lr), "--warmup", "20", "--eval-every", "0", "--micro-batches", "4"]
+                "--lr", str(a.lr), "--warmup", "20", "--micro-batches", "2" if self.hier else "4", *mode]
+
+    def coordinator_cmd(self, steps: int, *, resume: bool, ckpt: Path, metrics: Path, port: int = PORT) -> list[str]:
+        every = str(4 * self.args.inner_steps) if self.hier else "1"  # hierarchical: a checkpoint is a pause of every group
+        return [*PY, "coordinator", "--listen", f"{self.host}:{port}", "--token-file", str(self.token), "--workers", str(len(self.tb.slots)),
+                *self.train_args(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", every, "--keep-checkpoints", "3",
+                "--dead-after", str(self.args.dead_after), "--max-recoveries", "1000", "--metrics", str(metrics), "--join-timeout", "600",
+                *(["--resume"] if resume else [])]
 
     def start_coordinator(self, steps: int, *, resume: bool, ckpt: Path) -> None:
         metrics = self.tmp / f"metrics-{self.incarnation}.jsonl"
         self.metrics.files.append(metrics)
-        cmd = [*PY, "coordinator", "--listen", f"{self.host}:{PORT}", "--token-file", str(self.token), "--workers", str(len(self.tb.slots)),
-               *self.train_args(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep-checkpoints", "3",
-               "--dead-after", str(self.args.dead_after), "--max-recoveries", "1000", "--metrics", str(metrics), "--join-timeout", "600",
-               *(["--resume"] if resume else [])]
+        cmd = self.coordinator_cmd(steps, resume=resume, ckpt=ckpt, metrics=metrics)
         log = (self.logs / f"coordinator-{self.incarnation}.log").open("w")
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.incarnation += 1
 
-    def start_worker(self, slot: int, nan_steps: tuple[int, ...] = ()) -> Proc:
+    def start_worker(self, slot: int, nan_steps: tuple[int, ...] = (), *, rank: bool = False, poison: str = "") -> Proc:
+        """``rank``: ask for the slot's worker id (the first workers; the groups are by id);
+        ``poison``: ``outer-...@R``, pushed to the other groups from round R on."""
         s = self.tb.slots[slot]
         port = self.next_port
         self.next_port += 1
         cmd = [*s.command_prefix(), *PY, "worker", "--join", f"{self.host}:{PORT}", "--token-file", str(self.token),
                "--listen", f"{s.address}:{port}", "--threads", str(s.threads()), "--coordinator-timeout", "300",
-               *[x for k in nan_steps for x in ("--inject-fault", f"nan@{k}")]]
+               *[x for k in nan_steps for x in ("--inject-fault", f"nan@{k}")], *(["--rank", str(slot)] if rank else []),
+               *[x for r in range(3) if poison for x in ("--inject-fault", _poison_at(poison, r))]]
         log = (self.logs / f"worker-{slot}-{port}.log").open("w")
-        proc = Proc(slot, port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), nan_steps, injected=nan_steps)
+        proc = Proc(slot, port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), nan_steps, injected=nan_steps, poison=poison,
+                    since=len(self.metrics.records))
         self.workers.append(proc)
         return proc
 
@@ -174,7 +218,7 @@ class Soak:
 
     def in_plan(self, *, avoid_nan: bool = True) -> list[Proc]:
         planned = set(self.metrics.plan_addresses())
-        return [p for p in self.workers if p.alive and not p.stopped and self.address_of(p) in planned and not (avoid_nan and p.nan_steps)]
+        return [p for p in self.workers if p.alive and not p.stopped and self.address_of(p) in planned and not (avoid_nan and (p.nan_steps or p.poison))]
 
     def stop_all(self) -> None:
         stop([p.popen for p in self.workers] + [self.coordinator], grace=20, resume=True)  # a held worker is continued first
@@ -203,7 +247,11 @@ class Soak:
         fault.last_step_before = self.metrics.last_step()
         recent = [r["step_s"] for _, r in self.metrics.steps()[-20:]]
         fault.step_s = statistics.median(recent) if recent else 0.0
+        if self.hier:
+            fault.rate = len([t for t, _ in self.metrics.steps() if t >= fault.began - 30.0]) / 30.0
         n_events = len(self.metrics.events())
+        n_records = len(self.metrics.records)
+        over: float | None = None  # the fault is over (link back, run recovered, new coordinator started, new group joined)
         if fault.kind in ("kill", "hang"):
             victims = self.in_plan()
             if not victims:
@@ -216,11 +264,14 @@ class Soak:
             else:
                 v.popen.send_signal(signal.SIGSTOP)
                 v.stopped = True
-            fault.ok = self.wait_for("recovery", lambda: self.events_since(n_events, "recovery"), 120)
+            lost = "group_left" if self.hier else "recovery"
+            fault.ok = self.wait_for(lost, lambda: self.events_since(n_events, lost), 120)
             if fault.kind == "hang":
                 v.popen.kill()
                 v.popen.wait()
-            self.start_worker(v.slot)  # a new process, a new address: it joins as a spare
+            new = self.start_worker(v.slot)  # a new process, a new address: it joins as a spare
+            if self.hier:
+                over = self.rejoined(fault, new, n_records)
         elif fault.kind == "coordinator":
             assert self.coordinator is not None
             fault.target = f"{self.host}:{PORT}"
@@ -232,6 +283,12 @@ class Soak:
                 self.coordinator.kill()
                 self.coordinator.wait()
             self.start_coordinator(steps, resume=True, ckpt=ckpt)
+        elif fault.kind == "second":
+            fault.target = f"{self.host}:{PORT + 1}"
+            cmd = self.coordinator_cmd(steps, resume=True, ckpt=ckpt, metrics=self.tmp / "metrics-second.jsonl", port=PORT + 1)
+            rc, line = second_coordinator(cmd, self.logs / f"second-{len(self.metrics.records)}.log")
+            fault.note = f"exit {rc}: {line[:160]}"
+            fault.ok = rc not in (None, 0) and "coordinator" in line and self.coordinator is not None and self.coordinator.poll() is None
         elif fault.kind == "drop":
             victims = self.in_plan(avoid_nan=False)
             v = self.rng.choice(victims)
@@ -258,91 +315,133 @@ class Soak:
                     for (i, j), bps in rates.items():
                         set_link_rate(i, j, bps)
         elif fault.kind == "nan":  # the worker sends its NaN at a step fixed when it started: the window is around that step
-            fault.target = ", ".join(self.address_of(p) for p in self.workers if p.nan_steps)
-            nan_at = {k for p in self.workers for k in p.nan_steps}
-            fault.ok = self.wait_for("the bad step", lambda: [e for e in self.metrics.events("bad_step") if e["step"] in nan_at], 1800)
-            k = min((e["step"] for e in self.metrics.events("bad_step") if e["step"] in nan_at), default=None)
-            before = [(t, r) for t, r in self.metrics.steps() if k is not None and r["step"] == k - 1]
-            if before:
-                fault.began, fault.last_step_before = before[-1][0], k - 1
-            if self.wait_for("an eviction", lambda: self.events_since(n_events, "evict") or self.events_since(n_events, "bad_step")[-1:]
-                             and self.events_since(n_events, "bad_step")[-1].get("action") == "skip", 120) and self.events_since(n_events, "evict"):
-                for p in [p for p in self.workers if p.nan_steps]:
-                    p.popen.wait(timeout=60)  # an evicted worker is told to leave
-                    p.nan_steps = ()
-                    self.start_worker(p.slot)  # and a healthy one takes its namespace, as a spare
-        over = time.monotonic()  # the fault is over (link back, run recovered, new coordinator started): the first step after it ends the window
-        if fault.kind == "nan" and fault.last_step_before >= 0:  # its window: from step K-1's record to the first step after K
-            over = fault.began
-        self.wait_for("progress", lambda: any(t >= over and r["step"] > fault.last_step_before for t, r in self.metrics.steps()[-50:])
-                      or self.metrics.last_step() >= steps - 1, 300)
-        end = next(((t, r["step"]) for t, r in self.metrics.steps() if t >= over and r["step"] > fault.last_step_before), None)
+            self.hit_nan(fault, n_events)
+            over = fault.began  # its window: from step K-1's record to the first step after K
+            if self.hier:  # the other groups step on meanwhile: the window ends with the first step after the last bad attempt
+                nan_at = {k for p in self.workers for k in p.injected}
+                over = max((t for t, r in self.metrics.records if r.get("event") == "bad_step" and r["step"] in nan_at), default=fault.began)
+        elif fault.kind == "poison":
+            over = self.hit_poison(fault, n_events, n_records)
+        if over is None:
+            over = time.monotonic()
+        after = -1 if self.hier else fault.last_step_before  # hierarchical: a restarted coordinator counts the records anew
+        self.wait_for("progress", lambda: any(t >= over and r["step"] > after for t, r in self.metrics.steps()[-50:])
+                      or (not self.hier and self.metrics.last_step() >= steps - 1), 300)
+        end = next(((t, r["step"]) for t, r in self.metrics.steps() if t >= over and r["step"] > after), None)
         if end is not None:
             skipped = {e["step"] for e in self.metrics.events("bad_step") if e.get("action") == "skip" and fault.last_step_before < e["step"] < end[1]}
-            fault.first_new_step_at, fault.progress = end[0], end[1] - fault.last_step_before - len(skipped)  # a skipped step is no progress
-        fault.events = [e for e in self.metrics.events()[n_events:]]
+            fault.first_new_step_at = end[0]
+            if self.hier:  # every step record of the window is progress (the groups step side by side)
+                fault.progress = len([t for t, _ in self.metrics.steps() if fault.began <= t < end[0]])
+            else:
+                fault.progress = end[1] - fault.last_step_before - len(skipped)  # a skipped step is no progress
+        fault.events = [e for e in self.metrics.events()[n_events:] if e["event"] not in ("outer", "paused") and (e["event"] != "outer_check" or e["refused"])]
         if fault.kind == "nan":
             nan_at = {k for p in self.workers for k in p.nan_steps} | {k for p in self.workers for k in p.injected}
             fault.events = [e for e in self.metrics.events() if e["event"] in ("bad_step", "evict") and e.get("step", e.get("at_step")) in nan_at]
 
+    def next_poison(self, at_round: int) -> str:
+        """The kind of the next poisoner, in turn, and the first round it poisons."""
+        self.poisoned += 1
+        return f"{POISONS[(self.poisoned - 1) % len(POISONS)]}@{at_round}"
+
+    def rejoined(self, fault: Fault, new: Proc, since: int) -> float | None:
+        """Hierarchical: the time the group holding ``new`` joined (the fault is over then)."""
+        address = self.address_of(new)
+        if not self.wait_for("the new group", lambda: joined_with(self.metrics.records, address, since) is not None, 600):
+            fault.ok, fault.note = False, f"{address} joined no group within 600 s"
+            return None
+        return joined_with(self.metrics.records, address, since)
+
+    def hit_nan(self, fault: Fault, n_events: int) -> None:
+        fault.target = ", ".join(self.address_of(p) for p in self.workers if p.nan_steps)
+        nan_at = {k for p in self.workers for k in p.nan_steps}
+        fault.ok = self.wait_for("the bad step", lambda: [e for e in self.metrics.events("bad_step") if e["step"] in nan_at], 1800)
+        k = min((e["step"] for e in self.metrics.events("bad_step") if e["step"] in nan_at), default=None)
+        before = [(t, r) for t, r in self.metrics.steps() if k is not None and r["step"] == k - 1]
+        if self.hier:  # the data step K is the worker's group's: the window starts at the record before the bad step's event
+            bad_t = next((t for t, r in self.metrics.records if r.get("event") == "bad_step" and r["step"] in nan_at), None)
+            before = [(t, r) for t, r in self.metrics.steps() if bad_t is not None and t < bad_t][-1:]
+            if before:
+                fault.began = before[-1][0]
+        elif before:
+            fault.began, fault.last_step_before = before[-1][0], k - 1
+        def settled() -> list[dict]:  # the bad step's last attempt: skipped, or its worker evicted (the step may have come before the fault's time)
+            return [e for e in self.metrics.events() if (e["event"] == "bad_step" and e["step"] in nan_at and e.get("action") == "skip")
+                    or (e["event"] == "evict" and e.get("at_step", e.get("step")) in nan_at)] or self.events_since(n_events, "evict")
+
+        if self.wait_for("an eviction", settled, 120) and any(e["event"] == "evict" for e in settled()):
+            for p in [p for p in self.workers if p.nan_steps]:
+                p.popen.wait(timeout=60)  # an evicted worker is told to leave
+                p.nan_steps = ()
+                self.start_worker(p.slot)  # and a healthy one takes its namespace, as a spare
+
+    def hit_poison(self, fault: Fault, n_events: int, n_records: int) -> float | None:
+        """The poisoner pushes its bad deltas at rounds fixed when it started: wait for its refusals and
+        its eviction, then a worker takes its place (the next poisoner, if another poison fault follows)."""
+        bad = next((p for p in self.workers if p.poison and p.popen.returncode is None), None)  # (it may have been evicted already)
+        if bad is None:
+            fault.ok, fault.note = False, "no poisoner"
+            return None
+        fault.target = f"{self.address_of(bad)} ({bad.poison})"
+        n_records = bad.since  # its rounds come before the fault's time (they are scheduled early): look from its start
+
+        def since(kind: str) -> list[tuple[float, dict]]:
+            return [(t, r) for t, r in self.metrics.records[n_records:] if r.get("event") == kind]
+
+        if not self.wait_for("a refused pseudo-gradient", lambda: [r for _, r in since("outer_check") if r["refused"]], 1800):
+            fault.ok = False
+            return None
+        fault.began = next(t for t, r in since("outer_check") if r["refused"])
+        fault.ok = self.wait_for("the poisoner's eviction", lambda: since("evict"), 600)
+        checks = [r for _, r in since("outer_check") if r["refused"]]
+        fault.note = f"refused in rounds {sorted({e['round'] for e in checks})}, evicted" if checks else ""
+        try:
+            bad.popen.wait(timeout=60)  # an evicted worker is told to leave
+        except subprocess.TimeoutExpired:
+            bad.popen.kill()
+            bad.popen.wait()
+        nxt = self.poisons.pop(0) if self.poisons else None
+        new = self.start_worker(bad.slot, poison=self.next_poison(nxt) if nxt is not None else "")
+        return self.rejoined(fault, new, n_records)
+
 
 def calibrate(soak: Soak, ckpt: Path, steps: int) -> float:
-    """Median step seconds of a short fault-free run of the same setup."""
+    """Seconds per step of the run's clock in a short fault-free run of the same setup."""
+    soak.eval_every = steps
     soak.start_coordinator(steps, resume=False, ckpt=ckpt)
     for slot in range(len(soak.tb.slots)):
-        soak.start_worker(slot)
+        soak.start_worker(slot, rank=True)
     assert soak.coordinator is not None
     rc = soak.coordinator.wait(timeout=900)
     if rc != 0:
         raise SystemExit(f"calibration run failed (exit {rc}); see {soak.logs}")
     soak.metrics.poll()
-    times = [r["step_s"] for _, r in soak.metrics.steps()][5:]
     soak.stop_all()
-    return statistics.median(times)
-
-
-def reference(args: argparse.Namespace, steps: int, skip: set[int]) -> tuple[list[float], dict]:
-    from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single
-
-    cfg = TrainConfig(model=args.model, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed, warmup=20,
-                      eval_every=0, threads=1)
-    result = train_single(cfg, skip=frozenset(skip))
-    return result.losses, {k: v.detach().clone() for k, v in result.model.state_dict().items()}
-
-
-def final_state(ckpt: Path) -> tuple[int, dict]:
-    from safetensors.torch import load_file
-
-    from fusionllm.core.checkpoints import latest_checkpoint
-
-    last = latest_checkpoint(ckpt)
-    if last is None:
-        raise SystemExit(f"no checkpoint in {ckpt}")
-    state: dict = {}
-    for shard in sorted(last.glob("stage-*.safetensors")):
-        for key, value in load_file(shard).items():
-            if key.startswith("param/"):
-                state.setdefault(key.removeprefix("param/"), value)
-    return int(json.loads((last / "state.json").read_text())["step"]), state
+    soak.workers.clear()
+    return calibrated_step_s([r for _, r in soak.metrics.steps()])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("synchronous", "hierarchical"), default="synchronous")
     ap.add_argument("--quick", action="store_true", help="10 minutes, each fault kind once")
     ap.add_argument("--minutes", type=float, default=None)
-    ap.add_argument("--fault-every", type=float, default=None, help="seconds between faults (default: 300, --quick 85)")
+    ap.add_argument("--fault-every", type=float, default=None, help="seconds between faults (default: 300, --quick 75)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="gpt-micro")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 8; hierarchical 12 (three groups of 4 rows)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--dead-after", type=float, default=12.0)
+    ap.add_argument("--inner-steps", type=int, default=8, help="hierarchical: inner steps per round")
+    ap.add_argument("--dead-after", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=results_dir("soak"))
     args = ap.parse_args()
     exit_on_sigterm()
+    hier = args.mode == "hierarchical"
+    args.batch_size = args.batch_size or (12 if hier else 8)
     minutes = args.minutes or (10.0 if args.quick else 60.0)
-    every = args.fault_every or (85.0 if args.quick else 300.0)
+    every = args.fault_every or (75.0 if args.quick else 300.0)
 
     from fusionllm.cluster.random import ClusterShape, random_cluster
     from fusionllm.testbed.sh import can_emulate
@@ -356,27 +455,37 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fusion-soak-") as tmp_name, Testbed(spec) as tb:
         tmp = Path(tmp_name)
         soak = Soak(args, tb, tmp)
-        step_s = calibrate(soak, tmp / "ckpt-calibrate", 40)
+        step_s = calibrate(soak, tmp / "ckpt-calibrate", 48 if hier else 40)
         soak.metrics = Metrics()
         rng = random.Random(args.seed)
         n_faults = max(1, int(minutes * 60 // every) - 1)
         kinds: list[str] = []
         while len(kinds) < n_faults:
-            cycle = list(KINDS)
+            cycle = list(HIER_KINDS if hier else KINDS)
             rng.shuffle(cycle)
             kinds += cycle
         faults = [Fault(k, every * (i + 1)) for i, k in enumerate(kinds[:n_faults])]
-        busy = sum({"kill": 10, "hang": args.dead_after + 10, "coordinator": 20, "drop": 10, "slow": SLOW_S, "nan": 2}[f.kind] for f in faults)
+        busy = sum({"kill": 10, "hang": args.dead_after + 10, "coordinator": 20, "drop": 10, "slow": SLOW_S, "nan": 2, "second": 5,
+                    "poison": 30}[f.kind] for f in faults)
         steps = int((minutes * 60 - busy) / step_s)
-        nan_steps = tuple(int(f.at / (step_s * SLOWER)) for f in faults if f.kind == "nan")  # reached before its time, even with faults
-        print(f"cluster {spec.name}: {len(tb.slots)} workers; fault-free step {step_s:.3f} s; {steps} steps; "
-              f"faults: {', '.join(f'{f.kind}@{f.at:.0f}s' for f in faults)}; NaN at steps {nan_steps}", flush=True)
+        if hier:
+            steps -= steps % args.inner_steps
+        soak.eval_every = steps
+        groups = 3 if hier else 1
+        # reached before its time, even with faults; hierarchical: the data steps of the three groups' inner step there, one of which is the worker's
+        nan_steps = tuple(int(f.at / (step_s * SLOWER)) * groups + j for f in faults if f.kind == "nan" for j in range(groups))
+        # a poisoner's rounds come close before their fault's time (the rate measured in the calibration run, a little slower),
+        # not in another fault's window; the fault waits for them if the run is slower still
+        soak.poisons = [int(f.at / (step_s * 1.25 * args.inner_steps)) for f in faults if f.kind == "poison"]
+        print(f"cluster {spec.name} ({args.mode}): {len(tb.slots)} workers; fault-free step {step_s:.3f} s; {steps} steps; "
+              f"faults: {', '.join(f'{f.kind}@{f.at:.0f}s' for f in faults)}; NaN at steps {nan_steps}; poison at rounds {soak.poisons}", flush=True)
         ckpt = tmp / "ckpt"
         soak.started = time.monotonic()
         soak.start_coordinator(steps, resume=False, ckpt=ckpt)
-        nan_slot = rng.randrange(len(tb.slots))
+        nan_slot = rng.randrange(2) if hier else rng.randrange(len(tb.slots))  # hierarchical: in the group of two, which sends tensors
+        first_poison = soak.next_poison(soak.poisons.pop(0)) if soak.poisons else ""
         for slot in range(len(tb.slots)):
-            soak.start_worker(slot, nan_steps if slot == nan_slot else ())
+            soak.start_worker(slot, nan_steps if slot == nan_slot else (), rank=True, poison=first_poison if slot == POISON_SLOT else "")
         try:
             for f in faults:
                 while time.monotonic() - soak.started < f.at and soak.coordinator.poll() is None:
@@ -395,57 +504,21 @@ def main() -> int:
             soak.metrics.poll()
             soak.stop_all()
         wall = time.monotonic() - soak.started
-        steps_seen = soak.metrics.steps()
-        last: dict[int, dict] = {}
-        runs: dict[int, int] = {}
-        for _, r in steps_seen:
-            last[r["step"]] = r
-            runs[r["step"]] = runs.get(r["step"], 0) + 1
-        skipped = {e["step"] for e in soak.metrics.events("bad_step") if e.get("action") == "skip"}
-        done_step, state = final_state(ckpt) if rc == 0 else (-1, {})
-        ref_losses, ref_state = reference(args, steps, skipped)
-        ref_steps = [s for s in range(steps) if s not in skipped]
-        loss_err = max((abs(last[s]["loss"] - ref) / abs(ref) for s, ref in zip(ref_steps, ref_losses, strict=True) if s in last), default=float("nan"))
-        per_tensor = {k: (float((state[k].double() - v.double()).norm() / max(float(v.double().norm()), 1e-12)),
-                          float((state[k].double() - v.double()).abs().max())) for k, v in ref_state.items() if k in state and v.is_floating_point()}
-        weight_err = max((e for e, _ in per_tensor.values()), default=float("nan"))
-        worst = sorted(per_tensor.items(), key=lambda kv: -kv[1][0])[:3]
-        missing = [s for s in ref_steps if s not in last]
-        summary = {
-            "cluster": spec.name, "minutes": minutes, "fault_every_s": every, "steps": steps, "fault_free_step_s": step_s, "wall_s": round(wall, 1),
-            "coordinator_exit": rc, "steps_completed": len(last), "steps_missing": missing[:20], "steps_skipped": sorted(skipped),
-            "steps_redone": sum(n - 1 for n in runs.values()), "final_checkpoint_step": done_step,
-            "max_rel_loss_err": loss_err, "max_rel_weight_err": weight_err, "worst_tensors": {k: {"rel_norm_err": e, "max_abs_diff": d} for k, (e, d) in worst},
-            "weights_compared": len(per_tensor), "weights_missing": sorted(k for k in ref_state if k not in state),
-            "weights_expected": len(ref_state), "events": {k: len(soak.metrics.events(k)) for k in ("recovery", "bad_step", "evict", "resume", "replan")},
-        }
-        rows = []
-        for f in faults:
-            lost = f.lost(step_s)
-            rows.append({"kind": f.kind, "at_s": round(f.began - soak.started, 1), "target": f.target, "ok": f.ok, "note": f.note,
-                         "last_step_before": f.last_step_before, "training_lost_s": lost, "events": f.events})
-    table = [f"Cluster `{summary['cluster']}` (random, seed {args.seed}; {len(spec.devices())} CPU workers), {args.model}, batch {args.batch_size} x {args.seq_len}, "
-             f"a checkpoint every step, --dead-after {args.dead_after:g}; a fault every {every:.0f} s over {minutes:.0f} min.", "",
-             f"- steps: {summary['steps_completed']} of {steps} completed (coordinator exit {rc}); skipped (bad tensors): {summary['steps_skipped']}; "
-             f"run again: {summary['steps_redone']}",
-             f"- against one process that skipped the same steps: losses within {loss_err:.2g} (relative), final weights within {weight_err:.2g} "
-             f"(|a - b| / |b| per tensor; {summary['weights_compared']} float tensors; largest: "
-             + ", ".join(f"{k} {e:.2g}" for k, (e, _) in worst) + ")",
-             f"- fault-free step: {step_s:.3f} s; wall {summary['wall_s']:.0f} s", "",
-             "| fault | at (s) | target | training lost (s) | events | note |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ev = ", ".join(e["event"] + (f"/{e.get('action')}" if e["event"] == "bad_step" else "") for e in r["events"]) or "-"
-        table.append(f"| {r['kind']} | {r['at_s']:.0f} | {r['target']} | {r['training_lost_s']} | {ev} | {r['note'] or ('' if r['ok'] else 'FAILED')} |")
-    by_kind: dict[str, list[float]] = {}
-    for r in rows:
-        if r["training_lost_s"] is not None:
-            by_kind.setdefault(r["kind"], []).append(r["training_lost_s"])
-    table += ["", "| fault kind | times | training lost, max (s) | mean (s) |", "|---|---|---|---|"]
-    for k, v in sorted(by_kind.items()):
-        table.append(f"| {k} | {len(v)} | {max(v):.2f} | {statistics.mean(v):.2f} |")
-    name = "soak_quick" if args.quick else "soak"
+        redone_per_fault(faults, soak.metrics.steps())
+        if hier:
+            summary = hier_summary(args, soak, steps, rc, ckpt)
+        else:
+            summary = sync_summary(args, soak, steps, rc, ckpt)
+        summary.update({"mode": args.mode, "cluster": spec.name, "minutes": minutes, "fault_every_s": every, "steps": steps, "fault_free_step_s": step_s,
+                        "wall_s": round(wall, 1), "coordinator_exit": rc,
+                        "events": {k: len(soak.metrics.events(k)) for k in ("recovery", "bad_step", "evict", "resume", "replan", "group_left",
+                                                                            "group_joined", "outer_refused")}})
+        rows = [{"kind": f.kind, "at_s": round(f.began - soak.started, 1), "target": f.target, "ok": f.ok, "note": f.note,
+                 "last_step_before": f.last_step_before, "training_lost_s": f.lost(step_s), "steps_redone": f.redone, "events": f.events} for f in faults]
+    table = report(args, spec, summary, rows, every, minutes)
+    name = ("soak_quick" if args.quick else "soak") + ("_hierarchical" if hier else "")
     write(args.out, name, {"summary": summary, "faults": rows}, table)
-    return 0 if rc == 0 and not missing else 1
+    return 0 if summary["passed"] else 1
 
 
 if __name__ == "__main__":
