@@ -110,6 +110,7 @@ class Fault:
     events: list[dict] = field(default_factory=list)
     rate: float = 0.0  # hierarchical: step records per second in the 30 s before the fault
     redone: int = 0  # steps run again in its window
+    loss_gap: float | None = None  # hierarchical: how much it moved the training loss's gap to the clean run
 
     def lost(self, step_s: float) -> float | None:
         """Seconds of training the fault cost: the window from the fault to the first step after it
@@ -506,7 +507,7 @@ def main() -> int:
         wall = time.monotonic() - soak.started
         redone_per_fault(faults, soak.metrics.steps())
         if hier:
-            summary = hier_summary(args, soak, steps, rc, ckpt)
+            summary = hier_summary(args, soak, steps, rc, ckpt, faults)
         else:
             summary = sync_summary(args, soak, steps, rc, ckpt)
         summary.update({"mode": args.mode, "cluster": spec.name, "minutes": minutes, "fault_every_s": every, "steps": steps, "fault_free_step_s": step_s,
@@ -514,7 +515,7 @@ def main() -> int:
                         "events": {k: len(soak.metrics.events(k)) for k in ("recovery", "bad_step", "evict", "resume", "replan", "group_left",
                                                                             "group_joined", "outer_refused")}})
         rows = [{"kind": f.kind, "at_s": round(f.began - soak.started, 1), "target": f.target, "ok": f.ok, "note": f.note,
-                 "last_step_before": f.last_step_before, "training_lost_s": f.lost(step_s), "steps_redone": f.redone, "events": f.events} for f in faults]
+                 "last_step_before": f.last_step_before, "training_lost_s": f.lost(step_s), "steps_redone": f.redone, "loss_gap": f.loss_gap, "events": f.events} for f in faults]
     table = report(args, spec, summary, rows, every, minutes)
     name = ("soak_quick" if args.quick else "soak") + ("_hierarchical" if hier else "")
     write(args.out, name, {"summary": summary, "faults": rows}, table)

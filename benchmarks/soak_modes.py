@@ -68,15 +68,38 @@ def calibrated_step_s(steps: list[dict]) -> float:
     return (last["elapsed_s"] - first["elapsed_s"]) / max(1, span)
 
 
-def hier_reference(args: object, steps: int, inner_steps: int, eval_every: int) -> float:
-    """The final validation loss of a clean hierarchical run of the same seed, in one process."""
+def hier_reference(args: object, steps: int, inner_steps: int, eval_every: int) -> tuple[float, dict[int, float]]:
+    """The final validation loss of a clean hierarchical run of the same seed, in one process, and its
+    mean training loss per outer round."""
     from fusionllm.core.config import TrainConfig
     from fusionllm.runtime.single_groups import Outer, train_groups_single
 
     cfg = TrainConfig(model=args.model, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed, warmup=20,
                       eval_every=eval_every, threads=1)
-    result = train_groups_single(cfg, Outer(len(GROUPS.split("/")), inner_steps, outer_lr=0.7, outer_momentum=0.9, codec="q4"))
-    return result.val_losses[-1][1]
+    records: list[dict] = []
+    result = train_groups_single(cfg, Outer(len(GROUPS.split("/")), inner_steps, outer_lr=0.7, outer_momentum=0.9, codec="q4"),
+                                 on_step=records.append)
+    return result.val_losses[-1][1], round_losses(records)
+
+
+def round_losses(records: list[dict]) -> dict[int, float]:
+    """The mean training loss of every outer round, over its groups' inner steps (each step's last run)."""
+    last = {(r["group"], r["inner_step"]): r for r in records if "inner_step" in r}
+    by_round: dict[int, list[float]] = {}
+    for r in last.values():
+        by_round.setdefault(r["round"], []).append(r["loss"])
+    return {k: sum(v) / len(v) for k, v in sorted(by_round.items())}
+
+
+def gap_around(soak: dict[int, float], clean: dict[int, float], at_round: int, span: int = 20) -> float | None:
+    """How much the run's training loss gap to the clean run (relative, per round) grew across a
+    fault: its mean over the ``span`` rounds after ``at_round`` less its mean over the ``span`` before."""
+    def mean_gap(rounds: range) -> float | None:
+        gaps = [(soak[k] - clean[k]) / clean[k] for k in rounds if k in soak and k in clean]
+        return sum(gaps) / len(gaps) if gaps else None
+
+    before, after = mean_gap(range(at_round - span, at_round)), mean_gap(range(at_round + 1, at_round + 1 + span))
+    return None if before is None or after is None else round(after - before, 5)
 
 
 def second_coordinator(cmd: list[str], log: Path, timeout: float = 120.0) -> tuple[int | None, str]:

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from soak_modes import hier_reference, step_key
+from soak_modes import gap_around, hier_reference, round_losses, step_key
 
 
 def reference(args: argparse.Namespace, steps: int, skip: set[int]) -> tuple[list[float], dict]:
@@ -72,19 +72,26 @@ def sync_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None
             "passed": rc == 0 and not missing}
 
 
-def hier_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None, ckpt: Path) -> dict:
-    """The final validation loss against a clean run of the same seed."""
+def hier_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None, ckpt: Path, faults: list[Any] = ()) -> dict:
+    """The final validation loss against a clean run of the same seed, and how much each fault moved
+    the training loss's gap to it (``gap_around``; the fault's ``loss_gap``)."""
     runs: dict[tuple[int, int], int] = {}
     for _, r in soak.metrics.steps():
         runs[step_key(r)] = runs.get(step_key(r), 0) + 1
     evals = soak.metrics.events("eval")
     final = evals[-1]["val_loss"] if evals else float("nan")
-    clean = hier_reference(args, steps, args.inner_steps, steps)
+    clean, clean_rounds = hier_reference(args, steps, args.inner_steps, steps)
     rel = (final - clean) / clean
+    mine = round_losses([r for _, r in soak.metrics.steps()])
+    for f in faults:
+        at = [r["round"] for t, r in soak.metrics.steps() if t <= f.began and "round" in r][-1:]
+        f.loss_gap = gap_around(mine, clean_rounds, at[0]) if at else None
+    ends = [k for k in sorted(mine) if k in clean_rounds][-20:]
     slowest = {g: max(i for (gg, i) in runs if gg == g) for g, _ in runs}
     return {"steps_completed": len(runs), "steps_redone": sum(n - 1 for n in runs.values()), "groups_seen": len(slowest),
             "steps_skipped": sorted({e["step"] for e in soak.metrics.events("bad_step") if e.get("action") == "skip"}),
             "final_val_loss": final, "clean_val_loss": clean, "val_rel_diff": rel, "last_inner_step": max(slowest.values(), default=-1),
+            "train_loss_gap_last_20_rounds": round(sum((mine[k] - clean_rounds[k]) / clean_rounds[k] for k in ends) / len(ends), 5) if ends else None,
             "passed": rc == 0 and abs(rel) <= 0.01}
 
 
@@ -98,7 +105,8 @@ def report(args: argparse.Namespace, spec: object, summary: dict, rows: list[dic
                   f"- inner steps recorded: {s['steps_completed']}, run again: {s['steps_redone']}, groups seen: {s['groups_seen']}; "
                   f"skipped (bad tensors): {s['steps_skipped']}",
                   f"- final validation loss {s['final_val_loss']:.4f} against a clean run of the same seed {s['clean_val_loss']:.4f}: "
-                  f"{100 * s['val_rel_diff']:+.2f}%"]
+                  f"{100 * s['val_rel_diff']:+.2f}%; training loss over the last 20 rounds {100 * (s['train_loss_gap_last_20_rounds'] or 0):+.2f}% "
+                  "(per fault, 'loss gap moved': the training loss's gap to the clean run over the 20 rounds after the fault less over the 20 before)"]
     else:
         worst = s["worst_tensors"]
         table += [f"- a checkpoint every step; steps: {s['steps_completed']} of {s['steps']} completed (coordinator exit {s['coordinator_exit']}); "
@@ -107,10 +115,11 @@ def report(args: argparse.Namespace, spec: object, summary: dict, rows: list[dic
                   f"{s['max_rel_weight_err']:.2g} (|a - b| / |b| per tensor; {s['weights_compared']} float tensors; largest: "
                   + ", ".join(f"{k} {v['rel_norm_err']:.2g}" for k, v in worst.items()) + ")"]
     table += [f"- fault-free step: {s['fault_free_step_s']:.3f} s; wall {s['wall_s']:.0f} s", "",
-              "| fault | at (s) | target | training lost (s) | steps redone | events | note |", "|---|---|---|---|---|---|---|"]
+              "| fault | at (s) | target | training lost (s) | steps redone | loss gap moved | events | note |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ev = ", ".join(e["event"] + (f"/{e.get('action')}" if e["event"] == "bad_step" else "") for e in r["events"] if e["event"] != "outer_check") or "-"
-        table.append(f"| {r['kind']} | {r['at_s']:.0f} | {r['target']} | {r['training_lost_s']} | {r['steps_redone']} | {ev} | "
+        gap = "-" if r.get("loss_gap") is None else f"{100 * r['loss_gap']:+.2f}%"
+        table.append(f"| {r['kind']} | {r['at_s']:.0f} | {r['target']} | {r['training_lost_s']} | {r['steps_redone']} | {gap} | {ev} | "
                      f"{r['note'] or ('' if r['ok'] else 'FAILED')}{'' if r['ok'] or not r['note'] else ' (FAILED)'} |")
     by_kind: dict[str, list[dict]] = {}
     for r in rows:
