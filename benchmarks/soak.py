@@ -219,7 +219,10 @@ class Soak:
 
     def in_plan(self, *, avoid_nan: bool = True) -> list[Proc]:
         planned = set(self.metrics.plan_addresses())
-        return [p for p in self.workers if p.alive and not p.stopped and self.address_of(p) in planned and not (avoid_nan and (p.nan_steps or p.poison))]
+        # hierarchical: the NaN worker's group must stay as it is until its bad step (a group that joins again reads other batches)
+        kept = {q.slot for q in self.workers if q.nan_steps} | ({0, 1} if self.hier and any(q.nan_steps for q in self.workers) else set())
+        return [p for p in self.workers if p.alive and not p.stopped and self.address_of(p) in planned
+                and not (avoid_nan and (p.nan_steps or p.poison or p.slot in kept))]
 
     def stop_all(self) -> None:
         stop([p.popen for p in self.workers] + [self.coordinator], grace=20, resume=True)  # a held worker is continued first
