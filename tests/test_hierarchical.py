@@ -281,7 +281,7 @@ def test_a_group_that_dies_is_left_out_and_the_others_finish() -> None:
         return result, c
 
     result, c = asyncio.run(main())
-    assert any("group 2 left the run" in line for line in c.lines), c.lines
+    assert any("group 2 left the run" in line for line in c.lines), "\n".join(c.lines)
     groups = {g: [r for r in c.steps if r["group"] == g] for g in range(3)}
     assert len(groups[0]) == len(groups[1]) == 12 and len(groups[2]) < 12
     a, b = (w.outer.anchor for w in c.workers[:2])
@@ -464,6 +464,47 @@ def test_a_worker_that_hangs_in_a_pause_checkpoint_takes_its_group_out_and_anoth
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == ["step-000008", "step-000016"]  # (and coordinator.lock)
     state = json.loads((ckpt / "step-000008" / "state.json").read_text())
     assert state["round"] == 4 and state["step"] == 8
+
+
+def test_a_worker_that_hangs_in_an_outer_check_takes_its_group_out_within_dead_after(tmp_path) -> None:
+    """A worker that hangs after its group sent a round (found by the hierarchical soak: a run stalled
+    for minutes): the coordinator asks every sending group's workers for their reports, and a hung
+    one never answers. Its heartbeat stops, so its group gives no report and leaves the run after
+    --dead-after; the others go on. Before that watch every group waited for the report until the
+    step timeout (an hour here: the test would time out)."""
+    train = TrainConfig(model="gpt-nano", steps=16, batch_size=4, seq_len=16, eval_every=0, warmup=0)
+    cluster = cluster_config(3, sync="hierarchical", groups=[[0], [1], [2]], inner_steps=2, fragments=1, micro_batches=2,
+                             dead_after_s=3.0, step_timeout=3600.0)
+
+    async def main() -> InProcessCluster:
+        async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:
+            run = asyncio.create_task(c.run())
+            while not c.steps:  # the workers exist
+                assert not run.done(), run.exception()
+                await asyncio.sleep(0.02)
+            worker, frozen, hung = c.workers[2], asyncio.Event(), [False]  # frozen is never set
+            real_call, real_once = worker.coordinator.call, worker._once
+
+            async def call(method: str, msg: dict, **kw: object) -> dict:  # its heartbeats stop once it hangs
+                if hung[0]:
+                    await frozen.wait()
+                return await real_call(method, msg, **kw)
+
+            async def once(method: str, key: object, work: object) -> dict:  # from its first outer check on it answers nothing
+                if method == "OuterCheck" or hung[0]:
+                    hung[0] = True
+                    await frozen.wait()
+                return await real_once(method, key, work)
+
+            worker.coordinator.call, worker._once = call, once
+            await asyncio.wait_for(run, timeout=300)
+            assert hung[0], "the worker never hung in an outer check"
+        return c
+
+    c = asyncio.run(main())
+    assert any("group 2 left the run" in line for line in c.lines), "\n".join(c.lines)
+    assert any("did not report" in line and "no heartbeat" in line for line in c.lines), c.lines
+    assert all(len([r for r in c.steps if r["group"] == g]) == 16 for g in (0, 1))
 
 
 def test_a_worker_of_one_group_that_sends_nan_and_garbage_is_retried_skipped_and_evicted_as_in_a_synchronous_run(tmp_path) -> None:

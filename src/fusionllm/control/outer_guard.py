@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fusionllm.core.errors import FusionError
+from fusionllm.core.errors import FusionError, TransportError
 from fusionllm.transport.control import OuterCheck, OuterChecked, OuterResend
 
 from .config import Evict
@@ -66,7 +66,8 @@ class OuterGuard:
         for g in senders:
             run = hr.runs[g]
             for w in run.plan.workers:
-                calls[(g, w)] = run.clients[w].call_retrying("OuterCheck", msg, within=self.ctx.cluster.step_timeout, timeout=self.ctx.cluster.step_timeout)
+                calls[(g, w)] = self.answer(w, run.clients[w].call_retrying("OuterCheck", msg, within=self.ctx.cluster.step_timeout,
+                                                                            timeout=self.ctx.cluster.step_timeout))
         replies = await asyncio.gather(*calls.values(), return_exceptions=True)
         by_group: dict[int, list[OuterChecked]] = {}
         failed: set[int] = set()
@@ -85,10 +86,30 @@ class OuterGuard:
                     add_report(out, g, rep.dots, rep.finite, rep.momentum_sq, rep.digests)
         return out
 
+    async def answer(self, w: int, call: Any) -> Any:
+        """``call``'s reply, unless worker ``w`` stops heart-beating for --dead-after meanwhile (hung:
+        its connection stays open, so only its heartbeat tells): then a TransportError, and its group
+        gives no report, instead of every group waiting for it until the step timeout. Its group's own
+        loop finds it lost."""
+        task = asyncio.ensure_future(call)
+        dead_after = self.ctx.cluster.dead_after_s
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=1.0)
+                if done:
+                    return task.result()
+                if w in self.ctx.membership.stale(dead_after) or w not in self.ctx.membership.members:
+                    raise TransportError(f"worker {w} stopped answering (no heartbeat for {dead_after:.0f} s)")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def resend(self, hr: HierRun, f: int, r: int, groups: list[int]) -> bool:
         """Ask ``groups``' workers to push their deltas of round ``r`` again; False when one could not."""
         msg = OuterResend(f, r).to_wire()
-        calls = [hr.runs[g].clients[w].call_retrying("OuterResend", msg, within=self.ctx.cluster.step_timeout, timeout=self.ctx.cluster.step_timeout)
+        calls = [self.answer(w, hr.runs[g].clients[w].call_retrying("OuterResend", msg, within=self.ctx.cluster.step_timeout,
+                                                                    timeout=self.ctx.cluster.step_timeout))
                  for g in groups for w in hr.runs[g].plan.workers]
         replies = await asyncio.gather(*calls, return_exceptions=True)
         failed = [x for x in replies if isinstance(x, BaseException)]
