@@ -58,6 +58,7 @@ from soak_modes import (  # noqa: E402
     POISONS,
     calibrated_step_s,
     group_addresses,
+    group_of,
     hier_args,
     joined_with,
     second_coordinator,
@@ -390,15 +391,19 @@ class Soak:
         fault.target = f"{self.address_of(bad)} ({bad.poison})"
         n_records = bad.since  # its rounds come before the fault's time (they are scheduled early): look from its start
 
-        def since(kind: str) -> list[tuple[float, dict]]:
-            return [(t, r) for t, r in self.metrics.records[n_records:] if r.get("event") == kind]
+        address = self.address_of(bad)
 
-        if not self.wait_for("a refused pseudo-gradient", lambda: [r for _, r in since("outer_check") if r["refused"]], 1800):
+        def since(kind: str) -> list[tuple[float, dict]]:  # the poisoner's group's refusals and eviction (not another group's)
+            g = str(group_of(self.metrics.records, address))
+            return [(t, r) for t, r in self.metrics.records[n_records:] if r.get("event") == kind
+                    and (g in r.get("refused", {}) or address in r.get("addresses", {}).values())]
+
+        if not self.wait_for("a refused pseudo-gradient", lambda: since("outer_check"), 1800):
             fault.ok = False
             return None
-        fault.began = next(t for t, r in since("outer_check") if r["refused"])
+        fault.began = since("outer_check")[0][0]
         fault.ok = self.wait_for("the poisoner's eviction", lambda: since("evict"), 600)
-        checks = [r for _, r in since("outer_check") if r["refused"]]
+        checks = [r for _, r in since("outer_check")]
         fault.note = f"refused in rounds {sorted({e['round'] for e in checks})}, evicted" if checks else ""
         try:
             bad.popen.wait(timeout=60)  # an evicted worker is told to leave

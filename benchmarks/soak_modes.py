@@ -45,6 +45,18 @@ def group_addresses(records: list[tuple[float, dict]]) -> list[str]:
     return sorted(set().union(*groups.values())) if groups else []
 
 
+def group_of(records: list[tuple[float, dict]], address: str) -> int | None:
+    """The index of the group that ``address`` joined last (the first plan's, or a ``group_joined``)."""
+    found = None
+    for _, r in records:
+        if r.get("event") == "plan" and r.get("sync") == "hierarchical":
+            ids = [w for w, x in r["workers"].items() if x["address"] == address]
+            found = next((g["group"] for g in r["groups"] if ids and int(ids[0]) in g["workers"]), found)
+        elif r.get("event") == "group_joined" and address in r.get("addresses", {}).values():
+            found = r["group"]
+    return found
+
+
 def joined_with(records: list[tuple[float, dict]], address: str, since: int) -> float | None:
     """When (the benchmark clock) a group holding ``address`` joined, among the records from ``since``."""
     return next((t for t, r in records[since:] if r.get("event") == "group_joined" and address in r.get("addresses", {}).values()), None)

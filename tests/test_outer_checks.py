@@ -62,6 +62,21 @@ def test_a_poisoned_pseudo_gradient_is_refused_and_only_it(groups: int, fault: s
     assert {"nan": "not finite", "scale": "norm", "flip": "points against"}[fault] in v.refused[1]
 
 
+def test_a_direction_is_judged_only_while_the_others_clearly_agree() -> None:
+    """Late in a run the honest groups' deltas are mostly their own noise: cosines with the momentum
+    of 0.05-0.15, and a group that joined with a fresh AdamW state at -0.07 to -0.09 (the hierarchical
+    soak evicted one such honest group when 0.05 of agreement was enough). Why it can fail: a floor of
+    agreement so low that noise refuses honest groups, or so high that a flip of a clear direction passes."""
+    for seed in range(20):
+        deltas, momentum = _deltas(3, seed, noise=6.0)  # the shared direction drowned in each group's own noise
+        deltas[2] = {n: -0.3 * momentum[n] + x for n, x in deltas[2].items()}  # a little against the momentum, as the fresh group was
+        v = _verdict(deltas, momentum)
+        assert v.refused == {}, (seed, v.cosines, v.refused)
+    deltas, momentum = _deltas(3, seed=1, noise=1.0)  # clear agreement: a flip is refused
+    deltas[2] = {n: -x for n, x in deltas[2].items()}
+    assert sorted(_verdict(deltas, momentum).refused) == [2]
+
+
 def test_a_flip_before_there_is_a_momentum_is_caught_by_three_groups_not_by_two() -> None:
     """The first round has no momentum: only the others' agreement tells a flipped delta, which two
     groups cannot (each is the other's only reference: docs/reliability.md's threat model)."""

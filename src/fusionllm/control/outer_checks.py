@@ -14,10 +14,15 @@ A delta is refused (``judge``) when:
   a sender that equivocates would move the honest groups' outer weights apart);
 - its norm is over ``NORM_FACTOR`` times the median of the other senders' norms this round (the
   only sender: over ``NORM_FACTOR`` times its own running estimate);
-- it points against the outer momentum while the others point along it (cosine under
-  ``-DIRECTION_FLOOR`` and under minus half the others' median, which is over ``DIRECTION_FLOOR``);
+- it points against the outer momentum while the others point clearly along it (cosine under
+  ``-DIRECTION_FLOOR`` and under minus half the others' median, which is over ``AGREE_FLOOR``);
 - it points against the sum of the others while they agree among themselves (three groups or
   more; the same thresholds): this also covers the first round, before there is a momentum.
+
+Late in a run the honest groups' cosines with the momentum fall to 0.05-0.15, where a group that
+joined with a fresh AdamW state reads -0.07 to -0.09 for rounds (measured in the hierarchical
+soak, where such a group was evicted with a floor of 0.05): below ``AGREE_FLOOR`` of agreement a
+direction says nothing, and only the norm rules hold.
 
 With ``--numeric-guard retry`` a refused group sends its delta again once (a corruption on the way
 is gone then; a bad delta comes back the same), and a delta refused twice is a strike against its
@@ -35,7 +40,8 @@ import statistics
 from dataclasses import dataclass, field
 
 NORM_FACTOR = 10.0
-DIRECTION_FLOOR = 0.05
+DIRECTION_FLOOR = 0.05  # a refused direction points against the others' at least this much
+AGREE_FLOOR = 0.2  # ... and only while the others agree at least this much
 CLIP_FACTOR = 2.0
 STRIKE_ROUNDS = 20  # outer rounds a strike counts for
 ESTIMATE_DECAY = 0.8  # the running norm estimate: old * decay + new * (1 - decay)
@@ -129,7 +135,7 @@ def judge(senders: list[int], reports: Reports, estimates: dict[int, float], agg
         others_cos = [v.cosines[x] for x in senders if x != g and x in v.cosines and x not in v.refused]
         if others_cos:
             med = statistics.median(others_cos)
-            if med > DIRECTION_FLOOR and v.cosines[g] < -DIRECTION_FLOOR and v.cosines[g] < -0.5 * med:
+            if med > AGREE_FLOOR and v.cosines[g] < -DIRECTION_FLOOR and v.cosines[g] < -0.5 * med:
                 v.refused[g] = f"points against the outer momentum (cosine {v.cosines[g]:.2f}, the others' {med:.2f})"
     for g in senders:
         others = [x for x in senders if x != g and x not in v.refused]
@@ -139,7 +145,7 @@ def judge(senders: list[int], reports: Reports, estimates: dict[int, float], agg
         c = _cos(sum(reports.median(g, x) for x in others), v.norms[g], math.sqrt(max(0.0, sum_sq)))
         pairs = [_cos(reports.median(a, b), v.norms[a], v.norms[b]) for i, a in enumerate(others) for b in others[i + 1:]]
         agree = statistics.median([p for p in pairs if p is not None] or [0.0])
-        if c is not None and agree > DIRECTION_FLOOR and c < -DIRECTION_FLOOR and c < -0.5 * agree:
+        if c is not None and agree > AGREE_FLOOR and c < -DIRECTION_FLOOR and c < -0.5 * agree:
             v.refused[g] = f"points against the other groups' sum (cosine {c:.2f}; they agree at {agree:.2f})"
     kept = [g for g in senders if g not in v.refused]
     med_norm = statistics.median([v.norms[g] for g in kept]) if kept else 0.0
