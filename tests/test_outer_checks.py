@@ -75,6 +75,14 @@ def test_a_direction_is_judged_only_while_the_others_clearly_agree() -> None:
     deltas, momentum = _deltas(3, seed=1, noise=1.0)  # clear agreement: a flip is refused
     deltas[2] = {n: -x for n, x in deltas[2].items()}
     assert sorted(_verdict(deltas, momentum).refused) == [2]
+    caught = 0  # weak agreement (about 0.2, as late in the soak), no momentum: the others' sum still tells most flips
+    for seed in range(40):
+        deltas, momentum = _deltas(3, seed, noise=2.0)
+        deltas[2] = {n: -x for n, x in deltas[2].items()}
+        refused = _verdict(deltas, {n: 0 * x for n, x in momentum.items()}).refused
+        assert set(refused) <= {2}, (seed, refused)
+        caught += 2 in refused
+    assert caught >= 30, caught  # 33 of 40 with SUM_FLOOR 0.1; 15 with 0.2
 
 
 def test_a_flip_before_there_is_a_momentum_is_caught_by_three_groups_not_by_two() -> None:

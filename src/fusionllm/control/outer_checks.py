@@ -17,7 +17,9 @@ A delta is refused (``judge``) when:
 - it points against the outer momentum while the others point clearly along it (cosine under
   ``-DIRECTION_FLOOR`` and under minus half the others' median, which is over ``AGREE_FLOOR``);
 - it points against the sum of the others while they agree among themselves (three groups or
-  more; the same thresholds): this also covers the first round, before there is a momentum.
+  more; cosine under ``-SUM_FLOOR`` and under minus half their agreement, which is over
+  ``SUM_FLOOR``): this also covers the first round, before there is a momentum, and the late rounds
+  whose agreement with the momentum is under ``AGREE_FLOOR``.
 
 Late in a run the honest groups' cosines with the momentum fall to 0.05-0.15, where a group that
 joined with a fresh AdamW state reads -0.07 to -0.09 for rounds (measured in the hierarchical
@@ -41,7 +43,8 @@ from dataclasses import dataclass, field
 
 NORM_FACTOR = 10.0
 DIRECTION_FLOOR = 0.05  # a refused direction points against the others' at least this much
-AGREE_FLOOR = 0.2  # ... and only while the others agree at least this much
+AGREE_FLOOR = 0.2  # ... and only while the others agree at least this much with the momentum
+SUM_FLOOR = 0.1  # ... or among themselves (three groups or more), and it against their sum by this much
 CLIP_FACTOR = 2.0
 STRIKE_ROUNDS = 20  # outer rounds a strike counts for
 ESTIMATE_DECAY = 0.8  # the running norm estimate: old * decay + new * (1 - decay)
@@ -145,7 +148,7 @@ def judge(senders: list[int], reports: Reports, estimates: dict[int, float], agg
         c = _cos(sum(reports.median(g, x) for x in others), v.norms[g], math.sqrt(max(0.0, sum_sq)))
         pairs = [_cos(reports.median(a, b), v.norms[a], v.norms[b]) for i, a in enumerate(others) for b in others[i + 1:]]
         agree = statistics.median([p for p in pairs if p is not None] or [0.0])
-        if c is not None and agree > AGREE_FLOOR and c < -DIRECTION_FLOOR and c < -0.5 * agree:
+        if c is not None and agree > SUM_FLOOR and c < -SUM_FLOOR and c < -0.5 * agree:
             v.refused[g] = f"points against the other groups' sum (cosine {c:.2f}; they agree at {agree:.2f})"
     kept = [g for g in senders if g not in v.refused]
     med_norm = statistics.median([v.norms[g] for g in kept]) if kept else 0.0
