@@ -328,6 +328,7 @@ class Soak:
         elif fault.kind == "poison":
             over = self.hit_poison(fault, n_events, n_records)
         if over is None:
+            self.metrics.poll()  # what a stopped coordinator wrote last is not progress after the fault
             over = time.monotonic()
         after = -1 if self.hier else fault.last_step_before  # hierarchical: a restarted coordinator counts the records anew
         self.wait_for("progress", lambda: any(t >= over and r["step"] > after for t, r in self.metrics.steps()[-50:])
