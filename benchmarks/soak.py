@@ -405,7 +405,7 @@ class Soak:
         fault.began = since("outer_check")[0][0]
         fault.ok = self.wait_for("the poisoner's eviction", lambda: since("evict"), 600)
         checks = [r for _, r in since("outer_check")]
-        fault.note = f"refused in rounds {sorted({e['round'] for e in checks})}, evicted" if checks else ""
+        fault.note = (f"refused in rounds {sorted({e['round'] for e in checks})}, " + ("evicted" if fault.ok else "not evicted: killed by the soak")) if checks else ""
         try:
             bad.popen.wait(timeout=60)  # an evicted worker is told to leave
         except subprocess.TimeoutExpired:
