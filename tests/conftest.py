@@ -132,6 +132,29 @@ def hang_in_checkpoint(worker: Any) -> list[bool]:
     return hung
 
 
+def hang_in_outer_check(worker: Any) -> list[bool]:
+    """As ``hang_in_checkpoint``, from the first OuterCheck on: that call and every later one it is
+    asked (its steps too) never answer, and neither do its heartbeats."""
+    import asyncio
+
+    frozen, hung = asyncio.Event(), [False]  # never set
+    real_call, real_once = worker.coordinator.call, worker._once
+
+    async def call(method: str, msg: dict, **kw: object) -> dict:
+        if hung[0]:
+            await frozen.wait()
+        return await real_call(method, msg, **kw)
+
+    async def once(method: str, key: object, work: object) -> dict:
+        if method == "OuterCheck" or hung[0]:
+            hung[0] = True
+            await frozen.wait()
+        return await real_once(method, key, work)
+
+    worker.coordinator.call, worker._once = call, once
+    return hung
+
+
 def two_site_cluster(path: Path) -> Path:
     """A cluster file of two sites of two CPUs each (20 and 10 TFLOP/s devices) behind 20 Mbit/s, written to ``path``."""
     path.write_text('name = "two"\n[sites.a]\ndevices = 2\ncpus = 1\ndevice_flops = "20tflops"\nbandwidth = "10gbit"\n'

@@ -26,7 +26,7 @@ from fusionllm.schedule.hierarchy import (
     sync_offsets,
 )
 from fusionllm.schedule.plan import Plan, StagePlan
-from tests.conftest import assert_group_eviction, hang_in_checkpoint
+from tests.conftest import assert_group_eviction, hang_in_checkpoint, hang_in_outer_check
 
 
 @pytest.fixture(scope="module")
@@ -482,21 +482,7 @@ def test_a_worker_that_hangs_in_an_outer_check_takes_its_group_out_within_dead_a
             while not c.steps:  # the workers exist
                 assert not run.done(), run.exception()
                 await asyncio.sleep(0.02)
-            worker, frozen, hung = c.workers[2], asyncio.Event(), [False]  # frozen is never set
-            real_call, real_once = worker.coordinator.call, worker._once
-
-            async def call(method: str, msg: dict, **kw: object) -> dict:  # its heartbeats stop once it hangs
-                if hung[0]:
-                    await frozen.wait()
-                return await real_call(method, msg, **kw)
-
-            async def once(method: str, key: object, work: object) -> dict:  # from its first outer check on it answers nothing
-                if method == "OuterCheck" or hung[0]:
-                    hung[0] = True
-                    await frozen.wait()
-                return await real_once(method, key, work)
-
-            worker.coordinator.call, worker._once = call, once
+            hung = hang_in_outer_check(c.workers[2])
             await asyncio.wait_for(run, timeout=300)
             assert hung[0], "the worker never hung in an outer check"
         return c
