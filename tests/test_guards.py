@@ -154,7 +154,7 @@ def test_strikes_are_forgotten_after_the_window_and_evict_within_it() -> None:
 
     events: list[dict] = []
     membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
-    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
     def attempt(step: int, n: int) -> int:
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "norm 0.0651 is 169x its running estimate")])
@@ -183,7 +183,7 @@ def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> 
 
     events: list[dict] = []
     membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
-    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
     def attempt(step: int, n: int, ratio: float) -> int:
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, f"norm is {ratio:.3g}x its running estimate", ratio)])
@@ -198,7 +198,7 @@ def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> 
         attempt(18, 1, 151.0)
     assert strikes.count(1) == 3 and not strikes.data_spike(18)
     for step, ratio in ((30, math.inf), (40, 1e6)):  # a NaN or a flipped exponent bit, however often the same
-        fresh = Strikes(SimpleNamespace(guard="retry", evict_after=0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+        fresh = Strikes(SimpleNamespace(guard="retry", evict_after=0, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "bad", ratio)])
         assert fresh.judge(step, 0, {0: reply}) == 1 and fresh.judge(step, 1, {0: reply}) == -1 and fresh.count(1) == 2
 
@@ -221,3 +221,75 @@ def test_a_trusted_attempt_refuses_only_non_finite_values_and_learns_the_new_nor
     assert bad is not None and "non-finite" in bad.why
     guard.trust_norms = False
     assert guard.estimates[("grad", "e", 1)].mean > 0.1  # the next steps are judged against the new norm
+
+
+# ---- blame that follows the source --------------------------------------------------------------------
+def _reply(received: dict[str, dict[int, float]] | None = None, sent: dict[str, float] | None = None, bad: list | None = None):
+    from fusionllm.transport.control import StepDone
+
+    return StepDone(skipped=True, bad=bad or [], sent_excess=sent or {},
+                    received_excess={k: {str(w): r for w, r in per.items()} for k, per in (received or {}).items()})
+
+
+def test_a_spike_that_grew_along_the_pipeline_is_blamed_where_it_started_and_nobody_can_pass_on_the_blame() -> None:
+    """The CI spike: a gradient 11x at the last stage (3), 50x one stage earlier, 169x the next,
+    refused there. Why it can fail: the blame stays on the stage that crossed the factor (1), stops
+    short, follows a claim its sender does not confirm (a worker framing an honest one), or goes
+    round in a loop."""
+    from fusionllm.control.blame import source, sources, threshold
+    from fusionllm.transport.control import BadTensor
+
+    refused = BadTensor(1, 0, "grad", "n7.0", 0, "norm is 169x its running estimate", 169.0)
+    honest = {
+        0: _reply(bad=[refused]),
+        1: _reply({"act": {0: 1.1}, "grad": {2: 50.0}}, {"act": 1.0, "grad": 169.0}),
+        2: _reply({"act": {1: 0.9}, "grad": {3: 11.0}}, {"act": 1.2, "grad": 50.0}),
+        3: _reply({"act": {2: 1.3}}, {"grad": 11.0}),
+    }
+    assert threshold(100.0) == 10.0
+    assert source(refused, honest, 10.0) == 3
+    assert source(refused, honest, 20.0) == 2  # 11x is under a limit of 20: the spike counts from stage 2
+    assert sources([refused], {0: honest[0], 1: honest[1]}, 100.0) == [1]  # no report from upstream: as the guard said
+
+    # worker 1 claims a 50x gradient from worker 2, whose own report says it sent nothing unusual: worker 1 keeps the blame
+    framing = {**honest, 2: _reply({"act": {1: 0.9}}, {"act": 1.2, "grad": 1.1})}
+    assert source(refused, framing, 10.0) == 1
+    # a gradient's spike that grew from the forward pass: stage 3's gradients came from stage 2's outsized activations
+    forward = {**honest, 3: _reply({"act": {2: 30.0}}, {"grad": 11.0}), 2: _reply({"act": {1: 0.9}, "grad": {3: 11.0}}, {"act": 30.0, "grad": 50.0})}
+    assert source(refused, forward, 10.0) == 2
+    # a loop of claims (each confirms the other) ends, at a worker on it
+    loop = {1: _reply({"grad": {2: 50.0}}, {"grad": 50.0}), 2: _reply({"grad": {1: 50.0}}, {"grad": 50.0})}
+    assert source(refused, loop, 10.0) == 2
+
+
+def test_the_sender_measures_what_it_sends_against_its_own_estimate() -> None:
+    from fusionllm.runtime.guards import SentNorms
+
+    norms = SentNorms(factor=100.0, warmup=2)
+    ones = np.ones(16, dtype=np.float32)
+    assert norms.measure(("grad", "e", 1), ones, "float32") == 0.0  # warming up
+    assert norms.measure(("grad", "e", 1), ones, "float32") == 0.0
+    assert norms.measure(("grad", "e", 1), ones * 20, "float32") == pytest.approx(20.0)
+    assert norms.measure(("grad", "e", 2), ones * 20, "float32") == 0.0  # per destination
+    assert norms.measure(("grad", "e", 1), ones * np.float32(np.nan), "float32") == math.inf
+    assert norms.measure(("act", "t", 1), np.arange(4), "int64") == 0.0  # token ids: not measured
+    before = norms.estimates[("grad", "e", 1)].mean
+    assert norms.measure(("grad", "e", 1), ones * 1e6, "float32") > 100  # what a receiver refuses does not teach the estimate
+    assert norms.estimates[("grad", "e", 1)].mean == before
+
+
+def test_a_spike_that_grows_along_a_real_pipeline_is_blamed_on_the_stage_it_started_at(tmp_path: Path) -> None:
+    """Three workers; at step 5 the last stage (2) sends gradients 50x their size (accepted by stage 1:
+    under the factor of 100) and stage 1 multiplies what it sends by 10 more: stage 0 refuses them.
+    Why it can fail: without the workers' excess reports the guard names stage 1, which only made a
+    spike larger that stage 2 started."""
+    metrics = tmp_path / "m.jsonl"
+    train = _train(metrics)
+    cluster = cluster_config(3, micro_batches=2, step_timeout=STEP_TIMEOUT, evict_after=0)
+    run_in_process(train, cluster, worker_options=[{}, {"faults": (parse_fault("scale@5:10"),)}, {"faults": (parse_fault("scale@5:50"),)}])
+    bad = [e for e in _events(metrics, "bad_step") if e["step"] == 5]
+    assert bad and bad[0]["attempt"] == 0, bad
+    first = bad[0]
+    assert {b["suspect"] for b in first["bad"]} == {1} and {b["detector"] for b in first["bad"]} == {0}, first  # the guard's view
+    assert first["suspects"] == [2] and {b["source"] for b in first["bad"]} == {2}, first  # the blame's
+    assert all(e["suspects"] == [2] for e in bad), bad

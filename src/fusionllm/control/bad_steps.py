@@ -1,8 +1,9 @@
 """Bad steps: what the coordinator does when the workers' numeric guards refused a tensor.
 
 The workers have already made sure that nobody applied the step (``runtime/guards.py``). Here the
-coordinator names the suspect (the sender of each refused tensor), counts strikes against it (by
-its address, which outlives a renumbering), and follows ``--numeric-guard``:
+coordinator names the suspect (the sender of each refused tensor, or the worker upstream where its
+spike started: ``blame.py``), counts strikes against it (by its address, which outlives a
+renumbering), and follows ``--numeric-guard``:
 
 - ``retry``: run the step once more from the same state (same batch, same learning rate, same
   dropout masks); a second bad attempt skips the step (its batch is not used, the next step
@@ -29,6 +30,7 @@ from typing import Any
 from fusionllm.core.errors import FusionError
 from fusionllm.transport.control import StepDone
 
+from .blame import sources
 from .config import ClusterConfig, Evict, Say
 from .membership import Membership
 
@@ -45,6 +47,7 @@ class Strikes:
         self.by_address: dict[str, list[int]] = {}  # per worker address: the steps of the bad tensors blamed on it lately
         self._signatures: dict[tuple[int | None, int], list[tuple]] = {}  # (group, step) -> its last attempt's bad tensors
         self._trusting: dict[tuple[int | None, int], bool] = {}  # (group, step) -> its next attempt trusts the norms
+        self._blamed: dict[tuple[int | None, int], list[int]] = {}  # (group, step) -> per bad tensor of its last attempt, the worker blamed
 
     def count(self, w: int) -> int:
         """Worker ``w``'s strikes within the window."""
@@ -59,16 +62,22 @@ class Strikes:
         if not all(rep.skipped for rep in replies.values()):
             applied = sorted(w for w, rep in replies.items() if not rep.skipped)
             raise FusionError(f"step {step}: workers {applied} applied a step others refused; the stages have diverged (resume from a checkpoint)")
-        bad = [b for rep in replies.values() for b in rep.bad]
-        named = sorted({b.suspect for b in bad})
+        bad = sorted((b for rep in replies.values() for b in rep.bad), key=lambda b: (b.suspect, b.kind, b.edge, b.mb, b.detector))
         members = self.membership.members
         signature = sorted((b.suspect, b.kind, b.edge, b.mb, f"{b.ratio:.6g}") for b in bad)
         key = (group, step)
+        # where each refused tensor's spike started (blame.py); an attempt that meets the same tensors names the same
+        # workers: the first attempt's estimates had not yet learnt the spike's accepted part (a retry's have)
+        same = attempt >= 1 and signature == self._signatures.get(key) and len(self._blamed.get(key, [])) == len(bad)
+        blamed = self._blamed[key] if same else sources(bad, replies, c.guard_factor)
+        self._blamed[key] = blamed
+        named = sorted(set(blamed))
         spike = (attempt >= 1 and bool(bad) and signature == self._signatures.get(key) and self.cluster.guard == "retry"
                  and all(math.isfinite(b.ratio) and 0 < b.ratio <= SPIKE_CAP for b in bad) and not self._trusting.get(key))
         for old in [k for k in self._signatures if k[1] <= step - STRIKE_WINDOW]:  # steps long done: forgotten
             self._signatures.pop(old, None)
             self._trusting.pop(old, None)
+            self._blamed.pop(old, None)
         self._signatures[key] = signature
         if spike:  # the same finite norms as the attempt before: the data, not a worker (its strikes are taken back)
             self._trusting[key] = True
@@ -78,12 +87,14 @@ class Strikes:
             address = members[w].address if w in members else f"worker {w}"
             kept = [s for s in self.by_address.get(address, []) if s > step - STRIKE_WINDOW]
             self.by_address[address] = [s for s in kept if s != step] if spike else [*kept, step]
-        why = "; ".join(sorted({f"{b.kind} {b.edge} from worker {b.suspect}: {b.why}" for b in bad})) or "the gradient norm is not finite"
+        why = "; ".join(sorted({f"{b.kind} {b.edge} from worker {b.suspect}: {b.why}" + (f" (a spike that started at worker {w})" if w != b.suspect else "")
+                                for b, w in zip(bad, blamed, strict=True)})) or "the gradient norm is not finite"
         event: dict[str, Any] = {
             "event": "bad_step", "step": step, "attempt": attempt, "suspects": named,
             "addresses": {str(w): members[w].address for w in named if w in members},
             "strikes": {str(w): self.count(w) for w in named if w in members},
-            "bad": [{"suspect": b.suspect, "detector": b.detector, "kind": b.kind, "edge": b.edge, "mb": b.mb, "why": b.why} for b in bad],
+            "bad": [{"suspect": b.suspect, "detector": b.detector, "kind": b.kind, "edge": b.edge, "mb": b.mb, "why": b.why, "source": w}
+                    for b, w in zip(bad, blamed, strict=True)],
         }
         if group is not None:
             event["group"] = group

@@ -22,6 +22,13 @@ that only rare tokens touch) is near zero for hundreds of steps and then not, an
 measured one at 1,120x its running estimate in a healthy run. A replica that sends a scaled chunk
 is still caught, one step later in the pipeline of checks: the sum it poisons enters the owner's
 share of the gradient norm, which is norm-tested (the blame then falls on that owner).
+
+A spike can grow along the pipeline: a stage's gradients 11x their usual size become 50x one stage
+further and 169x the next, where the guard refuses them and names the stage that sent the 169x. To
+let the coordinator follow it back (``control/blame.py``), every worker also reports how far the
+tensors it accepted exceeded their estimates (``StepState.received_excess``, per kind and sender)
+and how far the tensors it sent exceeded its own estimate of what it sends (``SentNorms``,
+``StepState.sent_excess``, per kind).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class NumericGuard:
     estimates: dict[tuple, Estimate] = field(default_factory=dict)
     trust_norms: bool = False  # this attempt: only non-finite values are refused (a data spike seen twice: control/bad_steps.py)
     last_ratio: float = 0.0  # the ratio of the last tensor refused
+    last_seen: float = 0.0  # the ratio of the last tensor accepted (0: its estimate is still warming up)
 
     def why_bad(self, key: tuple, norm: float) -> str | None:
         """The reason a tensor of this norm is refused on ``key`` (None: accepted, estimate updated)."""
@@ -85,7 +93,9 @@ class NumericGuard:
         if key[0] not in NORM_TESTED:
             return None
         est = self.estimates.setdefault(key, Estimate())
-        if not self.trust_norms and est.count >= self.warmup and est.mean > 0 and norm > self.factor * est.mean:
+        warm = est.count >= self.warmup and est.mean > 0
+        self.last_seen = norm / est.mean if warm else 0.0
+        if not self.trust_norms and warm and norm > self.factor * est.mean:
             self.last_ratio = norm / est.mean
             return f"norm {norm:.3g} is {norm / est.mean:.3g}x its running estimate {est.mean:.3g} (limit {self.factor:g}x)"
         est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
@@ -94,6 +104,7 @@ class NumericGuard:
 
     def check(self, kind: str, edge: str, mb: int, src: int, array: np.ndarray | None, dtype: str) -> BadTensor | None:
         """``array`` received from ``src``: a BadTensor naming ``src`` when it is refused."""
+        self.last_seen = 0.0
         if array is None:
             return None
         x = as_float(array, dtype)
@@ -106,6 +117,42 @@ class NumericGuard:
         """A worker's share of the squared gradient norm (its own gradients, which nobody else sees)."""
         why = self.why_bad(("norm", "sq", src), math.sqrt(sq) if sq >= 0 else math.nan)
         return None if why is None else BadTensor(src, self.worker, "norm", "sq", 0, why, self.last_ratio)
+
+
+@dataclass
+class SentNorms:
+    """What a worker sends, measured against its own running estimate per (kind, edge, destination):
+    the sender's side of the excess the coordinator follows back along the pipeline (``control/blame.py``).
+    The estimate learns from every tensor under ``factor`` times it (what the receiver would accept)."""
+
+    factor: float = 100.0
+    warmup: int = 4
+    alpha: float = 0.2
+    estimates: dict[tuple, Estimate] = field(default_factory=dict)
+
+    def measure(self, key: tuple, array: np.ndarray | None, dtype: str) -> float:
+        """How many times its estimate this tensor's norm is (0: not a float, or still warming up; inf: not finite)."""
+        x = None if array is None else as_float(array, dtype)
+        if x is None:
+            return 0.0
+        norm = norm_of(x)
+        if not math.isfinite(norm):
+            return math.inf
+        est = self.estimates.setdefault(key, Estimate())
+        ratio = norm / est.mean if est.count >= self.warmup and est.mean > 0 else 0.0
+        if ratio <= self.factor:
+            est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
+            est.count += 1
+        return ratio
+
+
+def note(excess: dict, kind: str, ratio: float, src: int | None = None) -> None:
+    """Keep the largest ratio per kind (and per sender, with ``src``) in a step's excess record."""
+    if src is None:
+        excess[kind] = max(excess.get(kind, 0.0), ratio)
+    else:
+        per = excess.setdefault(kind, {})
+        per[src] = max(per.get(src, 0.0), ratio)
 
 
 def suspects(bad: list[BadTensor]) -> list[int]:

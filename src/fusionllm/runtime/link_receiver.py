@@ -18,7 +18,7 @@ import numpy as np
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import Edge
 from fusionllm.runtime.backend import StageBackend
-from fusionllm.runtime.guards import NumericGuard
+from fusionllm.runtime.guards import NumericGuard, note
 from fusionllm.runtime.link_sender import carried, world_tag
 from fusionllm.runtime.peers import Inbox
 from fusionllm.runtime.step import StepState
@@ -65,6 +65,8 @@ class LinkReceiver:
             log.warning("w%d step %d: refused %s %s (micro-batch %d) from worker %d: %s", self.worker, st.step, kind, name, mb, src, bad.why)
             st.bad.append(bad)
             st.poisoned = True
+        elif self.guard.last_seen > 0:  # accepted: how far over its estimate, for the blame of a spike further on
+            note(st.received_excess, kind, self.guard.last_seen, src)
         return x
 
     async def _uncarry(self, st: StepState, key: tuple) -> Any:

@@ -7,6 +7,8 @@ Every tensor a stage sends goes through one ``LinkSender``: an activation or gra
 - is stamped ``taint`` when the step is poisoned (a bad tensor arrived: ``runtime/guards.py``),
   so that the receiver neither trusts nor blames it;
 - is corrupted on purpose at the steps a faulty worker was told (``runtime/faults.py``, tests);
+- is measured, an activation or gradient, against the worker's own estimate of what it sends on
+  that edge (``SentNorms``, where the numeric guards are on: the blame of a spike, ``control/blame.py``);
 - is encoded with the run's codec where its role (act, grad, reduce) is compressed, per
   destination for AdaTopK (``ratios``, byte targets set by the coordinator each step; the codec
   within the role's error budget, ``compress/budget.py``); a gradient's or a
@@ -31,6 +33,7 @@ from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.graph.ir import Edge
 from fusionllm.runtime.backend import StageBackend
 from fusionllm.runtime.faults import Fault, tamper
+from fusionllm.runtime.guards import SentNorms, note
 from fusionllm.runtime.peers import PeerNet
 from fusionllm.runtime.step import StepState
 from fusionllm.runtime.world_link import in_daemon_thread
@@ -65,14 +68,18 @@ class LinkSender:
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
         self.world: Any = None  # the worker's world (runtime/collective.py), where it has one
         self.carried_to: dict[int, int] = {}  # bytes sent point to point through the world, per destination
+        self.norms = SentNorms(hyper.guard_factor) if hyper.guard != "off" else None
 
     # ---- what leaves ---------------------------------------------------------------------------------
-    def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str) -> tuple[dict, np.ndarray | None]:
-        """Stamp a poisoned step's tensors as tainted; a faulty worker (tests) corrupts them here."""
+    def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int) -> tuple[dict, np.ndarray | None]:
+        """Stamp a poisoned step's tensors as tainted; a faulty worker (tests) corrupts them here; measure them."""
         if st.poisoned:
             header = {**header, "taint": 1}
         if self.faults and x is not None:
             x = tamper(self.faults, st.step, role, x)
+        if self.norms is not None and st.step >= 0 and role in ("act", "grad") and x is not None:
+            dtype = self.edges[header["edge"]].meta.dtype if header.get("edge") in self.edges else "float32"
+            note(st.sent_excess, role, self.norms.measure((role, header.get("edge"), dst), x, dtype))
         return header, x
 
     def ratio(self, dst: int) -> float | None:
@@ -116,7 +123,7 @@ class LinkSender:
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
-        header, x = self.outgoing(st, header, x, role)
+        header, x = self.outgoing(st, header, x, role, dst)
         if not self.compressed(x, dtype, dst, role):
             await self.peers.push(dst, header, x, self.timeout, dtype=dtype)
             return x
@@ -145,16 +152,17 @@ class LinkSender:
 
     async def push_plain(self, st: StepState, dst: int, header: dict, x: np.ndarray, role: str) -> None:
         """Send one array raw, whatever the codec (a ring chunk that must reach every member as it is)."""
-        stamped, sent = self.outgoing(st, header, x, role)
+        stamped, sent = self.outgoing(st, header, x, role, dst)
         await self.peers.push(dst, stamped, sent, self.timeout)
 
     async def _carry(self, st: StepState, dst: int, kind: str, mb: int, edge: str, t: Any) -> None:
         """Send a backend tensor to ``dst`` through the world, uncompressed, a poisoned step's tainted."""
         from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
 
-        if self.faults and t is not None:  # a faulty worker (tests) corrupts what it sends
-            _, x = self.outgoing(st, {}, self.host(t), kind)
-            t = None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
+        if (self.faults or self.norms is not None) and t is not None:  # a faulty worker (tests) corrupts what it sends; measured
+            _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst)
+            if self.faults:
+                t = None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
         tag = world_tag(self.edge_index, edge, mb, self.micro_batches, kind)
         started = time.perf_counter()
         nbytes = await in_daemon_thread(carrier.send, self.world, dst, tag, t, st.poisoned)

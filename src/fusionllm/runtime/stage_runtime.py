@@ -191,6 +191,8 @@ class StageRuntime:
             codecs=self.sender.chooser.chosen_by_destination(),
             world_stats={str(k): [float(x) for x in v] for k, v in self.peers.world_stats().items()},
             bad=st.bad, skipped=st.skipped,
+            received_excess={k: {str(w): r for w, r in per.items()} for k, per in st.received_excess.items()},
+            sent_excess=dict(st.sent_excess),
         )
 
     def _keep(self) -> tuple[dict[str, Any], Any]:

@@ -43,5 +43,7 @@ class StepState:
     accum_sq: list[float] = field(default_factory=list)  # after each micro-batch's backward: the squared norm so far (planning/noise_scale.py)
     poisoned: bool = False  # a bad tensor was received (or made here): the update is skipped everywhere
     bad: list[BadTensor] = field(default_factory=list)
+    received_excess: dict[str, dict[int, float]] = field(default_factory=dict)  # per kind, per sender: the largest norm/estimate accepted
+    sent_excess: dict[str, float] = field(default_factory=dict)  # per kind: the largest norm/estimate this worker sent (runtime/guards.py)
     skipped: bool = False
     rerun: bool = False  # the step runs again (the numeric guards' retry)

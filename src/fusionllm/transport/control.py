@@ -328,6 +328,8 @@ class StepDone(Message):
     rss_peak: int = 0  # peak - base is what the stage holds at its busiest (benchmarks/memory.py)
     bad: list[BadTensor] = field(default_factory=list)  # tensors the numeric guards refused in this attempt
     skipped: bool = False  # no optimizer update was applied (a bad tensor anywhere in the step)
+    received_excess: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind, per sender: the largest norm/estimate accepted
+    sent_excess: dict[str, float] = field(default_factory=dict)  # per kind: the largest norm/estimate sent (its own estimate; control/blame.py)
 
 
 @dataclass
