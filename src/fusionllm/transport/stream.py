@@ -35,6 +35,17 @@ until the push's deadline, and sends the message again. The peer may have filed 
 (only its ack was lost), so the receiver files a byte-identical copy of a delivered message as a
 no-op (``Inbox.receive``). The client logs one warning when a link starts failing and one when it
 carries a message again, with the outage's length.
+
+A link that goes *silent* (packets dropped, nothing reset) fails nothing by itself: TCP retransmits,
+backing off, and after an outage of 13 s its next try may come 12 s after the link is back. So while a
+push waits, the client watches its connection (Linux: ``TCP_INFO``): data sent and nothing at all
+acknowledged for ``STALL`` seconds is a silent link, and the connection is dropped and made again
+like one that was reset. The peer's acknowledgements keep coming while it is merely slow (a link
+at a tenth of its rate acknowledges a packet every few milliseconds) or busy (its kernel acknowledges
+what its process has not read, and answers window probes when its buffer is full), so neither is
+taken for silence. Idle connections carry TCP keepalives at both ends (``KEEPALIVE``): a peer that
+vanished without a reset is found before the next push needs it, and a connection's half left at a
+server is closed.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import socket
 import struct
 import time
 from collections import deque
@@ -65,6 +77,10 @@ TAG = 32
 _STATUS = struct.Struct("<BI")
 HANDSHAKE_TIMEOUT = 10.0
 RETRY_FIRST, RETRY_MAX = 0.1, 1.0  # seconds between tries (connections) of a push whose link dropped: doubling, capped
+STALL = 5.0  # seconds of data sent and nothing acknowledged: the link went silent (above)
+WATCH = 1.0  # seconds between looks at a waiting push's connection
+KEEPALIVE = (10, 2, 5)  # an idle connection is probed after 10 s, every 2 s; 5 unanswered probes close it
+_TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux; elsewhere a silent link waits for TCP's own retransmissions
 Handler = Callable[[AsyncIterator[bytes]], Awaitable[Any]]
 
 
@@ -80,6 +96,34 @@ def _tagger(key: bytes, seq: int, head: bytes) -> Any:
     h = hmac.new(key, struct.pack("<QI", seq, len(head)), hashlib.sha256)
     h.update(head)
     return h
+
+
+def keep_alive(sock: Any) -> None:
+    """Turn on TCP keepalives (``KEEPALIVE``) where the platform has them."""
+    if sock is None:
+        return
+    idle, interval, count = KEEPALIVE
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+
+
+def silent_for(sock: Any) -> float:
+    """Seconds since the peer last acknowledged anything while sent data waits for an acknowledgement
+    (0: nothing waits, or the platform does not say). ``struct tcp_info``: unacked segments at byte 24,
+    milliseconds since the last ACK at byte 56."""
+    if _TCP_INFO is None or sock is None:
+        return 0.0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
+    except (OSError, AttributeError):
+        return 0.0
+    if len(info) < 60:
+        return 0.0
+    unacked, last_ack_ms = struct.unpack_from("<I", info, 24)[0], struct.unpack_from("<I", info, 56)[0]
+    return last_ack_ms / 1000.0 if unacked else 0.0
 
 
 def _status(code: int, text: str = "") -> bytes:
@@ -126,6 +170,7 @@ class DataServer:
         if task is not None:
             self._conns.add(task)
         peer = writer.get_extra_info("peername")
+        keep_alive(writer.get_extra_info("socket"))
         try:
             key = await self._admit(reader, writer, peer)
             if key is not None:
@@ -241,6 +286,7 @@ class DataClient:
         self.bytes_sent = 0
         self.retries = 0  # pushes sent again after their link dropped
         self.outages = 0  # times the link dropped and came back
+        self.stalls = 0  # connections dropped because the link went silent (STALL)
         self.log = get_logger("transport", role)
         self._down_since: float | None = None  # when the link started failing (None: it works)
         self._writer: asyncio.StreamWriter | None = None
@@ -271,6 +317,7 @@ class DataClient:
             if code != 0:
                 writer.close()
                 raise AuthError(f"{self.address} {why}")
+            keep_alive(writer.get_extra_info("socket"))
             self._writer = writer
             self._key, self._seq = (_message_key(self.token, nonce) if self.mac else b""), 0
             self._reader_task = asyncio.create_task(self._read_acks(reader))
@@ -347,15 +394,39 @@ class DataClient:
             writer.write(tag.digest())
             self.bytes_sent += TAG
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved also when drain() fails first
+        end = None if timeout is None else time.monotonic() + timeout
         try:
-            await asyncio.wait_for(writer.drain(), timeout)
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            await self._watched(writer, writer.drain(), end)
+            await self._watched(writer, asyncio.shield(fut), end)
         except asyncio.TimeoutError:
             self._fail(TransportError(f"no ack from {self.address} within {timeout:.0f} s"))
             raise TransportError(f"pushing a tensor to {self.address}: no ack within {timeout:.0f} s") from None
         except OSError as exc:
             self._fail(_LinkDown(f"the data connection to {self.address} broke: {exc}"))
             raise _LinkDown(f"pushing a tensor to {self.address}: {exc}") from None
+
+    async def _watched(self, writer: asyncio.StreamWriter, aw: Awaitable[Any], end: float | None) -> None:
+        """Wait for ``aw`` until ``end`` (TimeoutError), looking at the connection every ``WATCH`` seconds:
+        a silent one (``STALL``) is dropped, and the push goes again on a new one (``_LinkDown``)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise asyncio.TimeoutError
+                done, _ = await asyncio.wait({task}, timeout=WATCH if left is None else min(WATCH, left))
+                if done:
+                    task.result()
+                    return
+                silent = silent_for(writer.get_extra_info("socket"))
+                if silent >= STALL:
+                    self.stalls += 1
+                    why = f"nothing acknowledged for {silent:.1f} s: the link went silent"
+                    self._fail(_LinkDown(f"the data connection to {self.address}: {why}"))
+                    raise _LinkDown(f"pushing a tensor to {self.address}: {why}")
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _link_failed(self, exc: Exception) -> None:
         if self._down_since is None:
