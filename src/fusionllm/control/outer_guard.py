@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from fusionllm.core.errors import FusionError, TransportError
+from fusionllm.core.watch import watched
 from fusionllm.transport.control import OuterCheck, OuterChecked, OuterResend
 
 from .config import Evict
@@ -91,19 +92,13 @@ class OuterGuard:
         its connection stays open, so only its heartbeat tells): then a TransportError, and its group
         gives no report, instead of every group waiting for it until the step timeout. Its group's own
         loop finds it lost."""
-        task = asyncio.ensure_future(call)
         dead_after = self.ctx.cluster.dead_after_s
-        try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=1.0)
-                if done:
-                    return task.result()
-                if w in self.ctx.membership.stale(dead_after) or w not in self.ctx.membership.members:
-                    raise TransportError(f"worker {w} stopped answering (no heartbeat for {dead_after:.0f} s)")
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+
+        def look() -> None:
+            if w in self.ctx.membership.stale(dead_after) or w not in self.ctx.membership.members:
+                raise TransportError(f"worker {w} stopped answering (no heartbeat for {dead_after:.0f} s)")
+
+        return await watched(call, look)
 
     async def resend(self, hr: HierRun, f: int, r: int, groups: list[int]) -> bool:
         """Ask ``groups``' workers to push their deltas of round ``r`` again; False when one could not."""

@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from fusionllm.core.errors import FusionError, TransportError
+from fusionllm.core.watch import watched
 from fusionllm.transport.control import WORKER_SERVICE, Aborted, Step, StepDone
 from fusionllm.transport.rpc import RpcClient
 
@@ -67,20 +68,11 @@ class Liveness:
         """Evaluation and checkpoints talk to workers too: a dead one there is a lost worker, and so
         is a hung one (its connection stays open, so only its stale heartbeat tells; without this
         watch a checkpoint would wait for it until the step timeout)."""
-        task = asyncio.ensure_future(work)
         try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=1.0)
-                if done:
-                    return task.result()
-                self.raise_if_stale(run)
+            return await watched(work, lambda: self.raise_if_stale(run))
         except TransportError as exc:
             await self.raise_if_lost(run, str(exc))
             raise
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
 
     def readdressed(self, run: Run) -> None:
         """Clients to workers behind NAT that moved to another relay (their old relay went away)."""

@@ -64,6 +64,7 @@ from typing import Any
 
 from fusionllm.core.errors import AuthError, FusionError, TransportError, WireError
 from fusionllm.core.logging import get_logger
+from fusionllm.core.watch import watched
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.frames import CHUNK, MAX_HEADER
 from fusionllm.transport.messages import unpack
@@ -396,8 +397,8 @@ class DataClient:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved also when drain() fails first
         end = None if timeout is None else time.monotonic() + timeout
         try:
-            await self._watched(writer, writer.drain(), end)
-            await self._watched(writer, asyncio.shield(fut), end)
+            await watched(writer.drain(), lambda: self._look(writer), every=WATCH, until=end)
+            await watched(asyncio.shield(fut), lambda: self._look(writer), every=WATCH, until=end)
         except asyncio.TimeoutError:
             self._fail(TransportError(f"no ack from {self.address} within {timeout:.0f} s"))
             raise TransportError(f"pushing a tensor to {self.address}: no ack within {timeout:.0f} s") from None
@@ -405,28 +406,14 @@ class DataClient:
             self._fail(_LinkDown(f"the data connection to {self.address} broke: {exc}"))
             raise _LinkDown(f"pushing a tensor to {self.address}: {exc}") from None
 
-    async def _watched(self, writer: asyncio.StreamWriter, aw: Awaitable[Any], end: float | None) -> None:
-        """Wait for ``aw`` until ``end`` (TimeoutError), looking at the connection every ``WATCH`` seconds:
-        a silent one (``STALL``) is dropped, and the push goes again on a new one (``_LinkDown``)."""
-        task = asyncio.ensure_future(aw)
-        try:
-            while True:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise asyncio.TimeoutError
-                done, _ = await asyncio.wait({task}, timeout=WATCH if left is None else min(WATCH, left))
-                if done:
-                    task.result()
-                    return
-                silent = silent_for(writer.get_extra_info("socket"))
-                if silent >= STALL:
-                    self.stalls += 1
-                    why = f"nothing acknowledged for {silent:.1f} s: the link went silent"
-                    self._fail(_LinkDown(f"the data connection to {self.address}: {why}"))
-                    raise _LinkDown(f"pushing a tensor to {self.address}: {why}")
-        finally:
-            if not task.done():
-                task.cancel()
+    def _look(self, writer: asyncio.StreamWriter) -> None:
+        """A silent connection (``STALL``) is dropped, and the push goes again on a new one (``_LinkDown``)."""
+        silent = silent_for(writer.get_extra_info("socket"))
+        if silent >= STALL:
+            self.stalls += 1
+            why = f"nothing acknowledged for {silent:.1f} s: the link went silent"
+            self._fail(_LinkDown(f"the data connection to {self.address}: {why}"))
+            raise _LinkDown(f"pushing a tensor to {self.address}: {why}")
 
     def _link_failed(self, exc: Exception) -> None:
         if self._down_since is None:
