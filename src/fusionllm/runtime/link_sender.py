@@ -159,7 +159,8 @@ class LinkSender:
         """Send a backend tensor to ``dst`` through the world, uncompressed, a poisoned step's tainted."""
         from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
 
-        if (self.faults or self.norms is not None) and t is not None:  # a faulty worker (tests) corrupts what it sends; measured
+        on_host = getattr(getattr(t, "device", None), "type", "cpu") == "cpu"  # a GPU tensor is not copied out to be measured
+        if t is not None and (self.faults or (self.norms is not None and on_host)):  # a faulty worker (tests) corrupts what it sends; measured
             _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst)
             if self.faults:
                 t = None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
