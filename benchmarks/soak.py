@@ -112,6 +112,7 @@ class Fault:
     rate: float = 0.0  # hierarchical: step records per second in the 30 s before the fault
     redone: int = 0  # steps run again in its window
     loss_gap: float | None = None  # hierarchical: how much it moved the training loss's gap to the clean run
+    nan_step: int | None = None  # a nan fault: the step whose NaN it reports
 
     def lost(self, step_s: float) -> float | None:
         """Seconds of training the fault cost: the window from the fault to the first step after it
@@ -176,6 +177,7 @@ class Soak:
         self.eval_every = 0  # hierarchical: the run's steps, so that it evaluates once, at the end
         self.poisons: list[int] = []  # the rounds the next poisoners push their bad deltas at
         self.poisoned = 0
+        self.nan_done: set[int] = set()  # NaN steps already reported by a fault
 
     # ---- processes -------------------------------------------------------------------------------
     def train_args(self, steps: int) -> list[str]:
@@ -343,7 +345,7 @@ class Soak:
                 fault.progress = end[1] - fault.last_step_before - len(skipped)  # a skipped step is no progress
         fault.events = [e for e in self.metrics.events()[n_events:] if e["event"] not in ("outer", "paused") and (e["event"] != "outer_check" or e["refused"])]
         if fault.kind == "nan":
-            nan_at = {k for p in self.workers for k in p.nan_steps} | {k for p in self.workers for k in p.injected}
+            nan_at = {fault.nan_step} if fault.nan_step is not None else {k for p in self.workers for k in (*p.nan_steps, *p.injected)}
             fault.events = [e for e in self.metrics.events() if e["event"] in ("bad_step", "evict") and e.get("step", e.get("at_step")) in nan_at]
 
     def next_poison(self, at_round: int) -> str:
@@ -361,9 +363,12 @@ class Soak:
 
     def hit_nan(self, fault: Fault, n_events: int) -> None:
         fault.target = ", ".join(self.address_of(p) for p in self.workers if p.nan_steps)
-        nan_at = {k for p in self.workers for k in p.nan_steps}
+        nan_at = {k for p in self.workers for k in p.nan_steps} - self.nan_done  # a NaN step an earlier fault reported is not this one's
         fault.ok = self.wait_for("the bad step", lambda: [e for e in self.metrics.events("bad_step") if e["step"] in nan_at], 1800)
         k = min((e["step"] for e in self.metrics.events("bad_step") if e["step"] in nan_at), default=None)
+        if k is not None:
+            self.nan_done.add(k)
+            fault.nan_step = k
         before = [(t, r) for t, r in self.metrics.steps() if k is not None and r["step"] == k - 1]
         if self.hier:  # the data step K is the worker's group's: the window starts at the record before the bad step's event
             bad_t = next((t for t, r in self.metrics.records if r.get("event") == "bad_step" and r["step"] in nan_at), None)

@@ -59,7 +59,14 @@ def sync_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None
     done_step, state = final_state(ckpt) if rc == 0 else (-1, {})
     ref_losses, ref_state = reference(args, steps, skipped)
     ref_steps = [s for s in range(steps) if s not in skipped]
-    loss_err = max((abs(last[s]["loss"] - ref) / abs(ref) for s, ref in zip(ref_steps, ref_losses, strict=True) if s in last), default=float("nan"))
+    errors = [(s, abs(last[s]["loss"] - ref) / abs(ref), last[s]["loss"], ref) for s, ref in zip(ref_steps, ref_losses, strict=True) if s in last]
+    loss_err = max((e for _, e, _, _ in errors), default=float("nan"))
+    # when the two drifted apart (summation orders differ after a re-plan; benchmarks/drift.py), and whether the
+    # losses stayed alike in the mean: per 1,000 steps, the largest relative difference and both mean losses
+    drift = [{"from_step": errors[i][0], "max_rel_loss_err": max(e for _, e, _, _ in errors[i : i + 1000]),
+              "mean_loss": statistics.fmean(a for _, _, a, _ in errors[i : i + 1000]),
+              "mean_loss_reference": statistics.fmean(b for _, _, _, b in errors[i : i + 1000])} for i in range(0, len(errors), 1000)]
+    first_over = {f"1e{k}": next((s for s, e, _, _ in errors if e > 10.0**k), None) for k in (-5, -3, -2)}
     per_tensor = {k: (float((state[k].double() - v.double()).norm() / max(float(v.double().norm()), 1e-12)),
                       float((state[k].double() - v.double()).abs().max())) for k, v in ref_state.items() if k in state and v.is_floating_point()}
     weight_err = max((e for e, _ in per_tensor.values()), default=float("nan"))
@@ -67,7 +74,7 @@ def sync_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None
     missing = [s for s in ref_steps if s not in last]
     return {"steps_completed": len(last), "steps_missing": missing[:20], "steps_skipped": sorted(skipped),
             "steps_redone": sum(n - 1 for n in runs.values()), "final_checkpoint_step": done_step,
-            "max_rel_loss_err": loss_err, "max_rel_weight_err": weight_err, "worst_tensors": {k: {"rel_norm_err": e, "max_abs_diff": d} for k, (e, d) in worst},
+            "max_rel_loss_err": loss_err, "first_step_over": first_over, "drift": drift, "max_rel_weight_err": weight_err, "worst_tensors": {k: {"rel_norm_err": e, "max_abs_diff": d} for k, (e, d) in worst},
             "weights_compared": len(per_tensor), "weights_missing": sorted(k for k in ref_state if k not in state), "weights_expected": len(ref_state),
             "passed": rc == 0 and not missing}
 
@@ -114,6 +121,11 @@ def report(args: argparse.Namespace, spec: object, summary: dict, rows: list[dic
                   f"- against one process that skipped the same steps: losses within {s['max_rel_loss_err']:.2g} (relative), final weights within "
                   f"{s['max_rel_weight_err']:.2g} (|a - b| / |b| per tensor; {s['weights_compared']} float tensors; largest: "
                   + ", ".join(f"{k} {v['rel_norm_err']:.2g}" for k, v in worst.items()) + ")"]
+        if s.get("first_step_over"):
+            table += ["- the losses drifted apart (first step over a relative difference of "
+                      + ", ".join(f"{k}: {v}" for k, v in s["first_step_over"].items()) + "); per 1,000 steps, the largest difference "
+                      "and the mean loss against the reference's: "
+                      + "; ".join(f"{d['from_step']}: {d['max_rel_loss_err']:.1g}, {d['mean_loss']:.4f}/{d['mean_loss_reference']:.4f}" for d in s["drift"])]
     table += [f"- fault-free step: {s['fault_free_step_s']:.3f} s; wall {s['wall_s']:.0f} s", "",
               "| fault | at (s) | target | training lost (s) | steps redone | loss gap moved | events | note |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
