@@ -42,7 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, pyplot, read_metrics, results_dir, training_steps, write  # noqa: E402
+from common import (  # noqa: E402
+    commit,
+    exit_on_sigterm,
+    pyplot,
+    read_metrics,
+    results_dir,
+    stop,
+    training_steps,
+    write,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 1e9  # links at least this fast are not "slow links"
@@ -129,9 +138,14 @@ def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, 
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", str(args.warmup),
            "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics),
            "--run-dir", str(tmp / f"run-{name}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=3600)
+    finally:  # stopped (SIGTERM) or timed out: the run is told to stop, and takes its testbed down
+        if proc.poll() is None:
+            stop([proc], grace=60.0)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} {codec} seed {seed}: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"{name} {codec} seed {seed}: {err[-2000:]}")
     rec = read_metrics(metrics).steps
     slow = slow_links(path)
     # a training step's bytes: the step after an evaluation also carries the evaluation's forward passes
@@ -310,6 +324,7 @@ def main() -> int:
     ap.add_argument("--codecs", nargs="+", default=["none", "adatopk"])
     ap.add_argument("--fresh", action="store_true", help="do not merge with the clusters already in convergence.json")
     args = ap.parse_args()
+    exit_on_sigterm()
     if args.model is None:
         args.model = "gpt-micro" if args.task == "lm" else "resnet18"
     if args.out is None:
