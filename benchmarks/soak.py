@@ -483,6 +483,8 @@ def main() -> int:
         busy = sum({"kill": 10, "hang": args.dead_after + 10, "coordinator": 20, "drop": 10, "slow": SLOW_S, "nan": 2, "second": 5,
                     "poison": 30}[f.kind] for f in faults)
         steps = int((minutes * 60 - busy) / step_s)
+        # faults that cost less than their budget must not end the run before the last one: it runs a minute past it at least
+        steps = max(steps, int((faults[-1].at + 60) / step_s))
         if hier:
             steps -= steps % args.inner_steps
         soak.eval_every = steps
