@@ -68,11 +68,11 @@ class Strikes:
         key = (group, step)
         # where each refused tensor's spike started (blame.py); an attempt that meets the same tensors names the same
         # workers: the first attempt's estimates had not yet learnt the spike's accepted part (a retry's have)
-        same = attempt >= 1 and signature == self._signatures.get(key) and len(self._blamed.get(key, [])) == len(bad)
-        blamed = self._blamed[key] if same else sources(bad, replies, c.guard_factor)
+        repeated = attempt >= 1 and signature == self._signatures.get(key)  # the same refused tensors as the attempt before
+        blamed = self._blamed[key] if repeated else sources(bad, replies, c.guard_factor)
         self._blamed[key] = blamed
         named = sorted(set(blamed))
-        spike = (attempt >= 1 and bool(bad) and signature == self._signatures.get(key) and self.cluster.guard == "retry"
+        spike = (repeated and bool(bad) and self.cluster.guard == "retry"
                  and all(math.isfinite(b.ratio) and 0 < b.ratio <= SPIKE_CAP for b in bad) and not self._trusting.get(key))
         for old in [k for k in self._signatures if k[1] <= step - STRIKE_WINDOW]:  # steps long done: forgotten
             self._signatures.pop(old, None)

@@ -71,6 +71,14 @@ class Estimate:
     mean: float = 0.0
     count: int = 0
 
+    def ratio(self, norm: float, warmup: int) -> float:
+        """``norm`` over the estimate (0: still warming up)."""
+        return norm / self.mean if self.count >= warmup and self.mean > 0 else 0.0
+
+    def learn(self, norm: float, alpha: float) -> None:
+        self.mean = norm if self.count == 0 else (1 - alpha) * self.mean + alpha * norm
+        self.count += 1
+
 
 @dataclass
 class NumericGuard:
@@ -93,13 +101,11 @@ class NumericGuard:
         if key[0] not in NORM_TESTED:
             return None
         est = self.estimates.setdefault(key, Estimate())
-        warm = est.count >= self.warmup and est.mean > 0
-        self.last_seen = norm / est.mean if warm else 0.0
-        if not self.trust_norms and warm and norm > self.factor * est.mean:
-            self.last_ratio = norm / est.mean
-            return f"norm {norm:.3g} is {norm / est.mean:.3g}x its running estimate {est.mean:.3g} (limit {self.factor:g}x)"
-        est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
-        est.count += 1
+        self.last_seen = est.ratio(norm, self.warmup)
+        if not self.trust_norms and self.last_seen > self.factor:
+            self.last_ratio = self.last_seen
+            return f"norm {norm:.3g} is {self.last_seen:.3g}x its running estimate {est.mean:.3g} (limit {self.factor:g}x)"
+        est.learn(norm, self.alpha)
         return None
 
     def check(self, kind: str, edge: str, mb: int, src: int, array: np.ndarray | None, dtype: str) -> BadTensor | None:
@@ -139,10 +145,9 @@ class SentNorms:
         if not math.isfinite(norm):
             return math.inf
         est = self.estimates.setdefault(key, Estimate())
-        ratio = norm / est.mean if est.count >= self.warmup and est.mean > 0 else 0.0
+        ratio = est.ratio(norm, self.warmup)
         if ratio <= self.factor:
-            est.mean = norm if est.count == 0 else (1 - self.alpha) * est.mean + self.alpha * norm
-            est.count += 1
+            est.learn(norm, self.alpha)
         return ratio
 
 

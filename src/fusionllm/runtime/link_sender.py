@@ -71,14 +71,14 @@ class LinkSender:
         self.norms = SentNorms(hyper.guard_factor) if hyper.guard != "off" else None
 
     # ---- what leaves ---------------------------------------------------------------------------------
-    def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int) -> tuple[dict, np.ndarray | None]:
+    def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int,
+                 dtype: str = "float32") -> tuple[dict, np.ndarray | None]:
         """Stamp a poisoned step's tensors as tainted; a faulty worker (tests) corrupts them here; measure them."""
         if st.poisoned:
             header = {**header, "taint": 1}
         if self.faults and x is not None:
             x = tamper(self.faults, st.step, role, x)
         if self.norms is not None and st.step >= 0 and role in ("act", "grad") and x is not None:
-            dtype = self.edges[header["edge"]].meta.dtype if header.get("edge") in self.edges else "float32"
             note(st.sent_excess, role, self.norms.measure((role, header.get("edge"), dst), x, dtype))
         return header, x
 
@@ -123,7 +123,7 @@ class LinkSender:
 
         With ``keep_decoded``, returns what the receiver will decode (for the all-reduce)."""
         role = "reduce" if header.get("kind") == "reduce" else ("grad" if feedback_key is not None else "act")
-        header, x = self.outgoing(st, header, x, role, dst)
+        header, x = self.outgoing(st, header, x, role, dst, dtype)
         if not self.compressed(x, dtype, dst, role):
             await self.peers.push(dst, header, x, self.timeout, dtype=dtype)
             return x
@@ -161,7 +161,7 @@ class LinkSender:
 
         on_host = getattr(getattr(t, "device", None), "type", "cpu") == "cpu"  # a GPU tensor is not copied out to be measured
         if t is not None and (self.faults or (self.norms is not None and on_host)):  # a faulty worker (tests) corrupts what it sends; measured
-            _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst)
+            _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst, self.edges[edge].meta.dtype)
             if self.faults:
                 t = None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
         tag = world_tag(self.edge_index, edge, mb, self.micro_batches, kind)
