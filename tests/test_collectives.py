@@ -73,10 +73,26 @@ def test_compressed_or_slow_links_or_numpy_workers_split_worlds(graph) -> None:
     assert _worlds(graph, 2, {w: replace(i, pid=7) for w, i in _infos(2).items()}) == []
 
 
-def test_nccl_only_when_every_member_is_on_cuda(graph) -> None:
-    cuda = {"device": DeviceInfo("cuda")}
-    assert _worlds(graph, 2, _infos(2, w0=cuda, w1=cuda))[0].backend == "nccl"
-    assert _worlds(graph, 2, _infos(2, w0=cuda))[0].backend == "gloo"
+def test_nccl_only_when_every_member_is_on_a_cuda_device_of_its_own(graph) -> None:
+    def cuda(gpu: str, **more: str) -> dict:
+        return {"device": DeviceInfo("cuda", gpu=gpu), **more}
+
+    assert _worlds(graph, 2, _infos(2, w0=cuda("GPU-a"), w1=cuda("GPU-b")))[0].backend == "nccl"
+    assert _worlds(graph, 2, _infos(2, w0=cuda("GPU-a")))[0].backend == "gloo"
+    # three processes on one GPU (local:3 --device cuda on a one-GPU machine): NCCL would refuse the
+    # group ("Duplicate GPU detected"), as it did on the H200 before this rule
+    assert _worlds(graph, 2, _infos(2, w0=cuda("GPU-a"), w1=cuda("GPU-a")))[0].backend == "gloo"
+    assert _worlds(graph, 2, _infos(2, w0=cuda(""), w1=cuda("")))[0].backend == "gloo"  # not known: not assumed
+    # the same PCI address on two hosts is two GPUs
+    pci = "pci:0:1:0"
+    assert _worlds(graph, 2, _infos(2, w0=cuda(pci), w1=cuda(pci, hostname="g")), hosts=False,
+                   bps=lambda a, b: 1e10)[0].backend == "nccl"
+
+
+def test_a_device_report_names_its_gpu_and_a_long_one_is_cut() -> None:
+    assert DeviceInfo.from_map({"kind": "cuda", "gpu": "GPU-1234"}).gpu == "GPU-1234"
+    assert DeviceInfo.from_map({"kind": "cuda"}).gpu == ""
+    assert len(DeviceInfo.from_map({"kind": "cuda", "gpu": "x" * 10_000}).gpu) == 128
 
 
 def test_the_prefix_needs_the_token_and_differs_per_epoch_and_group() -> None:
@@ -139,3 +155,13 @@ def test_workers_of_two_torch_versions_are_in_no_world_together(graph) -> None:
         mixed[w] = replace(mixed[w], software={"torch": "2.13.0"})
     # a pipeline 0 -> 1 -> 2 whose middle worker runs another torch: only the tied weight's holders (0, 2) share a world
     assert [(w.workers, w.carries) for w in _worlds(graph, 3, mixed)] == [((0, 2), ())]
+
+
+def test_a_gpu_is_known_by_its_uuid_else_its_pci_address() -> None:
+    from types import SimpleNamespace
+
+    from fusionllm.runtime.torch_backend import gpu_identity
+
+    assert gpu_identity(SimpleNamespace(uuid="GPU-1", pci_bus_id=3)) == "GPU-1"
+    assert gpu_identity(SimpleNamespace(uuid="", pci_domain_id=0, pci_bus_id=3, pci_device_id=0)) == "pci:0:3:0"
+    assert gpu_identity(SimpleNamespace()) == ""

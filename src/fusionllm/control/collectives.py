@@ -121,6 +121,13 @@ def same_torch(infos: Mapping[int, WorkerInfo], a: int, b: int) -> bool:
     return version(a) == version(b)
 
 
+def own_gpus(infos: Mapping[int, WorkerInfo], members: tuple[int, ...]) -> bool:
+    """Every member on a CUDA device of its own: NCCL refuses a group with two ranks on one GPU
+    ("Duplicate GPU detected"), so workers that share one (or whose GPU is not known) make a gloo world."""
+    gpus = [(infos[w].hostname, infos[w].device.gpu) for w in members if infos[w].device.kind == "cuda" and infos[w].device.gpu]
+    return len(gpus) == len(members) and len(set(gpus)) == len(gpus)
+
+
 def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]], infos: Mapping[int, WorkerInfo], *,
                 compress: str = "none", ratios: Mapping[tuple[int, int], float] | None = None,
                 bps: Any = None, min_bps: float = FAST_BPS, hosts: bool = True) -> list[World]:
@@ -163,9 +170,8 @@ def find_worlds(graph: OpGraph, plan: Plan, programs: Mapping[int, list[Action]]
     for members in sorted((tuple(m) for m in components.values() if len(m) >= 2), key=lambda m: m[0]):
         inside = set(members)
         reduce = tuple(g for g in groups if set(g) <= inside and all(joins(a, b) for i, a in enumerate(g) for b in g[i + 1 :]))
-        cuda = all(infos[w].device.kind == "cuda" for w in members)
         carries = tuple(sorted((a, b) for a, b in sends if a in inside and b in inside))
-        worlds.append(World(len(worlds), members, "nccl" if cuda else "gloo", reduce, carries))
+        worlds.append(World(len(worlds), members, "nccl" if own_gpus(infos, members) else "gloo", reduce, carries))
     return worlds
 
 
@@ -197,5 +203,6 @@ def planned_worlds(graph: OpGraph, plan: Plan, hw: Any, **kw: Any) -> list[World
     worker in a process of its own, links judged by the file's rates, an accelerator on CUDA."""
     from fusionllm.schedule.validate import validate_plan
 
-    infos = {w: WorkerInfo(backend="torch", pid=w + 1, device=DeviceInfo("cuda" if hw.devices[w].flops else "cpu")) for w in range(len(hw))}
+    infos = {w: WorkerInfo(backend="torch", pid=w + 1, device=DeviceInfo("cuda" if hw.devices[w].flops else "cpu", gpu=f"planned-{w}"))
+             for w in range(len(hw))}
     return find_worlds(graph, plan, validate_plan(graph, plan), infos, bps=hw.bps, hosts=False, **kw)

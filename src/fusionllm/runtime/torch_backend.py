@@ -129,7 +129,7 @@ class TorchBackend:
                 raise FusionError(f"--device {device}: this machine has no CUDA device visible to torch {torch.__version__}")
             idx = torch.device(device).index or 0
             props = torch.cuda.get_device_properties(idx)
-            return {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory)}
+            return {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory), "gpu": gpu_identity(props)}
         return cpu_info()
 
     def set_threads(self, threads: int) -> None:
@@ -157,3 +157,13 @@ class TorchBackend:
 
 
 BACKEND = TorchBackend()
+
+
+def gpu_identity(props: Any) -> str:
+    """A CUDA device's UUID (torch's device properties), else its PCI address, else "": two workers whose
+    identities are equal share one GPU, and NCCL refuses a group whose ranks do."""
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        return uuid
+    bus = getattr(props, "pci_bus_id", None)
+    return f"pci:{getattr(props, 'pci_domain_id', 0)}:{bus}:{getattr(props, 'pci_device_id', 0)}" if bus is not None else ""

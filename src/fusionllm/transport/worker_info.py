@@ -27,6 +27,7 @@ class DeviceInfo:
     name: str = ""
     memory_bytes: int | None = None  # None: not reported (the planner assumes a default)
     cores: int | None = None
+    gpu: str = ""  # a CUDA device's identity (its UUID, else its PCI address); "" where not known
 
     @classmethod
     def from_map(cls, raw: Mapping[str, object]) -> DeviceInfo:
@@ -34,7 +35,8 @@ class DeviceInfo:
             value = raw.get(key)
             return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
-        return cls(str(raw.get("kind") or "cpu"), str(raw.get("name") or ""), number("memory_bytes"), number("cores"))
+        return cls(str(raw.get("kind") or "cpu"), str(raw.get("name") or ""), number("memory_bytes"), number("cores"),
+                   str(raw.get("gpu") or "")[:128])
 
 
 @dataclass(frozen=True)
