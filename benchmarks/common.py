@@ -45,14 +45,17 @@ def results_dir(script: str, *variant: str) -> Path:
 
 # ---- what a result records ------------------------------------------------------------------------
 def commit() -> str:
-    """The checkout's commit, with ``-dirty`` if tracked files had changes. Outside git (a copy of the
-    tree on another machine), ``$FUSIONLLM_COMMIT`` with "(copy)" after it when set, else "unknown"."""
+    """The checkout's commit, with ``-dirty`` if tracked files had changes; "unknown" outside git.
+    ``$FUSIONLLM_COMMIT``, when set, wins, with "(copy)" after it: a copy of the tree on another machine
+    (the GPU machine) may carry a stale ``.git`` that names an older commit."""
+    copied = os.environ.get("FUSIONLLM_COMMIT", "").strip()
+    if copied:
+        return f"{copied} (copy)"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        copied = os.environ.get("FUSIONLLM_COMMIT", "").strip()
-        return f"{copied} (copy)" if copied else "unknown"
+        return "unknown"
     return head + ("-dirty" if dirty else "")
 
 
