@@ -3,7 +3,9 @@
 
 For 1M to 64M elements: top-k at ratios 0.001 to 0.3 (exact below 1M elements, a sampled threshold
 above: the table reports how far its k is from the exact k), per-token top-k, fp16, bf16, per-token
-q8 / q4, the rotated tile quantisers hq4 / hq3 / hq2 with nearest and stochastic rounding, and eq:0.7.
+q8 / q4, the rotated tile quantisers hq4 / hq3 / hq2 with nearest and stochastic rounding, eq:0.7, and
+klt:0.25 on rows in 32 of their 768 directions (plus a little noise), in a basis learnt from another
+such tensor; its time counts learning the next basis from the tensor too, as the sender does.
 One core: BLAS and torch limited to one thread before NumPy loads. The goal line: every codec's
 encode plus decode at least 125 MB/s of float32 input (a 1 Gbit/s link's rate: compressing never
 costs more time than sending the raw tensor over such a link would).
@@ -29,17 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.compress.codecs import decode, encode, parse_codec  # noqa: E402
+from fusionllm.compress.subspace import Subspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK_MB_S = 125.0  # 1 Gbit/s
 
 
-def bench(x: np.ndarray, spec: str, reps: int) -> dict:
+def bench(x: np.ndarray, spec: str, reps: int, sub: Subspace | None = None) -> dict:
+    """``sub``: klt's basis, learnt again from ``x`` after each encode (counted in the encode's time)."""
     codec = parse_codec(spec)
     enc, dec = [], []
+    basis = None if sub is None else sub.basis
     for _ in range(reps):
         t0 = time.perf_counter()
-        tag, payload = encode(x, codec)
+        tag, payload = encode(x, codec, basis=basis)
+        if sub is not None:
+            Subspace(sub.keep).learn(x)  # a fresh learner: the timed basis stays the one learnt before
         t1 = time.perf_counter()
         y = decode(tag, payload, x.shape)
         t2 = time.perf_counter()
@@ -69,6 +76,10 @@ def main() -> int:
         for spec in specs:
             rows.append(bench(x, spec, 2 if n >= 64 << 20 else 3))
             print(rows[-1], flush=True)
+        sub = Subspace()
+        sub.learn(low_rank(rng, x.shape[0]))
+        rows.append(bench(low_rank(rng, x.shape[0]), "klt:0.25", 2 if n >= 64 << 20 else 3, sub))
+        print(rows[-1], flush=True)
     table = ["| codec | elements | MB/s (dense in, encode + decode) | encode (s) | decode (s) | bytes ratio | kept k / exact k | relative error |",
              "|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['codec']} | {r['elements']:,} | {r['mb_per_s']} | {r['encode_s']} | {r['decode_s']} | {r['bytes_ratio']} | {r['k_vs_exact']} | {r['rel_error']} |" for r in rows]
@@ -83,6 +94,13 @@ def main() -> int:
     write(args.out, "codec_speed", rows, table)
     _plot(rows, args.out / "codec_speed.png")
     return 0
+
+
+def low_rank(rng: np.random.Generator, n: int, cols: int = 768, rank: int = 32) -> np.ndarray:
+    """``n`` rows in ``rank`` fixed directions of ``cols`` (the same for every call), plus noise 1e-3."""
+    basis = np.linalg.qr(np.random.default_rng(7).standard_normal((cols, rank)))[0].astype(np.float32)
+    coords = rng.standard_normal((n, rank), dtype=np.float32) * np.linspace(3.0, 0.2, rank, dtype=np.float32)
+    return coords @ basis.T + np.float32(1e-3) * rng.standard_normal((n, cols), dtype=np.float32)
 
 
 def _plot(rows: list[dict], path: Path) -> None:

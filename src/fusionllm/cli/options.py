@@ -47,7 +47,7 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the wor
 StopTimeoutOpt = Annotated[float, typer.Option("--stop-timeout", min=1.0, help="On Ctrl+C or SIGTERM: seconds for the step in flight to end and the final checkpoint to be written before the coordinator stops regardless (the workers wait for a restart; a second Ctrl+C stops at once).")]
 SchedulerOpt = Annotated[str | None, typer.Option(help="opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages balanced by parameters).")]
 CollectivesOpt = Annotated[str, typer.Option("--collectives", help="auto: torch workers joined by fast links with uncompressed traffic form a torch.distributed group (gloo on CPUs, NCCL on GPUs) and all-reduce replicas and tied weights through it; off: every tensor on the project's own data plane.")]
-CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
+CompressOpt = Annotated[str, typer.Option(help="Codec between stages: none, fp16, bf16, q8..q2, eq:STEP, klt:STEP, topk:RATIO, topk-token:RATIO or adatopk (per link, slow links only).")]
 HardwareOpt = Annotated[str | None, typer.Option(help="Plan with this cluster file's rates instead of probing the workers.")]
 DEFAULT_PLAN_CANDIDATES = 12  # fusionllm.planning.schedulers.DEFAULT_CANDIDATES (not imported: the CLI starts fast)
 CandidatesOpt = Annotated[int, typer.Option("--plan-candidates", min=1, help="Plans OP-Fence simulates after ranking them all (the search is bounded by this, not by time: the same inputs give the same plan anywhere).")]

@@ -26,6 +26,10 @@ gradients need milder compression). The measurement also catches what a fixed la
 float16 cast flushes a gradient of about 1e-8 per value to subnormals, and is then not chosen.
 Top-k is never a candidate: at equal bytes quantisation is far more accurate (top-k at 10% of the
 values leaves a relative error of 0.67-0.82 here).
+
+Activations also have ``klt`` candidates (``KLT_CANDIDATES``) once their sender holds a basis learnt
+from the tensors it sent before (``subspace.py``); they are measured on every tensor, with the basis
+the tensor will be sent in, since the basis changes with every tensor.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 
 from fusionllm.compress.codecs import CodecSpec, decode, encode, parse_codec
 from fusionllm.compress.sparse import row_len
+from fusionllm.compress.subspace import fits
 
 BUDGET = {"act": 0.15, "grad": 0.21, "reduce": 0.21}  # the most relative error a role may carry
 # Not the rotated hq codecs: on the testbed they cost more than their error says (hq4, error 0.10:
@@ -44,6 +49,7 @@ CANDIDATES = tuple(parse_codec(c) for c in ("fp16", "q8", "q6", "q5", "eq:0.5", 
 # finer steps for the budgets compressed cuts share (``scale`` < 1). Only there: with them on a single cut,
 # the live slow-down test saw the coordinator's byte target go raw after an 80x slowdown (not yet understood)
 SHARED_CANDIDATES = tuple(parse_codec(c) for c in ("eq:0.25", "eq:0.3", "eq:0.4")) + CANDIDATES
+KLT_CANDIDATES = tuple(parse_codec(c) for c in ("klt:0.15", "klt:0.25", "klt:0.35"))
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
 
@@ -66,12 +72,12 @@ def sample_of(x: np.ndarray, size: int = SAMPLE) -> np.ndarray:
     return np.ascontiguousarray(rows[:: rows.shape[0] // want][:want])
 
 
-def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES) -> list[Measured]:
-    """Bytes per value and relative error of each candidate on ``sample``."""
+def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, basis: np.ndarray | None = None) -> list[Measured]:
+    """Bytes per value and relative error of each candidate on ``sample`` (``klt`` in ``basis``)."""
     norm = float(np.linalg.norm(sample))
     out = []
     for spec in candidates:
-        tag, payload = encode(sample, spec)
+        tag, payload = encode(sample, spec, basis=basis)
         back = decode(tag, payload, sample.shape)
         err = float(np.linalg.norm(back - sample)) / norm if norm > 0 else 0.0
         out.append(Measured(spec, len(payload) / (4 * sample.size), err if np.isfinite(err) else float("inf")))
@@ -99,15 +105,20 @@ class BudgetChooser:
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
     chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
 
-    def choose(self, x: np.ndarray, dst: int, role: str, byte_target: float) -> CodecSpec:
-        """The codec for ``x`` on its way to ``dst`` in ``role``, for a link whose target is ``byte_target``."""
+    def choose(self, x: np.ndarray, dst: int, role: str, byte_target: float, basis: np.ndarray | None = None) -> CodecSpec:
+        """The codec for ``x`` on its way to ``dst`` in ``role``, for a link whose target is ``byte_target``;
+        ``basis``: the one ``klt`` would send ``x`` in (activations only)."""
         if byte_target >= 1.0 or x.size == 0:
             return CodecSpec("none")
         key = (dst, role)
         shape, age, table = self.tables.get(key, ((), self.remeasure, []))
+        sample = None
         if shape != tuple(x.shape) or age >= self.remeasure:
-            shape, age, table = tuple(x.shape), 0, measure(sample_of(x), SHARED_CANDIDATES if self.scale < 1 else CANDIDATES)
+            sample = sample_of(x)
+            shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES)
         self.tables[key] = (shape, age + 1, table)
+        if role == "act" and fits(x, basis):
+            table = table + measure(sample_of(x) if sample is None else sample, KLT_CANDIDATES, basis)
         limit = self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0)
         spec = pick(table, limit, byte_target)
         self.chosen[key] = str(spec)

@@ -7,7 +7,8 @@ the largest magnitude (values in fp16, indices in the most compact form, see ``s
 rotation, with per-tile scales (``rotated.py``; ``-sr``: stochastic rounding, unbiased, for gradients);
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
 quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
-(``entropy.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
+(``entropy.py``); ``klt:STEP`` sends each token's coordinates in a basis of few directions learnt from
+the tensors sent before on the link, then as ``eq:STEP`` (``subspace.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
 training (``policy.py``) with the most accurate codec that fits and whose error, measured on the
 tensor, stays within its role's budget (``budget.py``).
 Everything here is NumPy: a worker without torch can encode and decode.
@@ -36,6 +37,7 @@ from fusionllm.compress.sparse import (
     from_bf16_bits,
     to_bf16_bits,
 )
+from fusionllm.compress.subspace import decode_klt, encode_klt, fits
 from fusionllm.core.errors import ConfigError, WireError
 
 ROTATED = tuple(f"hq{b}{sr}" for b in BITS for sr in ("", "-sr"))
@@ -45,13 +47,13 @@ SAMPLE = 1 << 16
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | klt | topk | topk-token | adatopk
     ratio: float = 1.0
-    step: float = 0.0  # eq: the quantisation step in units of each row's RMS
+    step: float = 0.0  # eq, klt: the quantisation step in units of each row's RMS
 
     def __str__(self) -> str:
-        if self.kind == "eq":
-            return f"eq:{self.step:g}"
+        if self.kind in ("eq", "klt"):
+            return f"{self.kind}:{self.step:g}"
         return f"{self.kind}:{self.ratio:g}" if self.kind in ("topk", "topk-token") else self.kind
 
     @property
@@ -65,20 +67,20 @@ class CodecSpec:
 
 
 def parse_codec(text: str) -> CodecSpec:
-    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
+    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `klt:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
     if kind in ("q8", "q6", "q5", "q4", "q3", "q2", *ROTATED) and not arg:
         return CodecSpec(kind)
-    if kind == "eq":
+    if kind in ("eq", "klt"):
         try:
             step = float(arg)
         except ValueError:
             step = -1.0
         if not MIN_STEP <= step <= MAX_STEP:
-            raise ConfigError(f"--compress {text!r}: the step must be in [{MIN_STEP}, {MAX_STEP}] (times each token's RMS), e.g. eq:0.7")
-        return CodecSpec("eq", step=step)
+            raise ConfigError(f"--compress {text!r}: the step must be in [{MIN_STEP}, {MAX_STEP}] (times each token's RMS), e.g. {kind}:0.5")
+        return CodecSpec(kind, step=step)
     if kind in ("topk", "topk-token"):
         try:
             ratio = float(arg)
@@ -87,7 +89,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, klt:STEP, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -123,17 +125,23 @@ def select_topk_rows(x: np.ndarray, ratio: float) -> np.ndarray:
     return (idx + (np.arange(rows.shape[0]) * d)[:, None]).reshape(-1)
 
 
-def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None) -> tuple[str, bytes]:
-    """(codec tag, payload) of a float32 array; ``ratio`` overrides the spec's (adatopk)."""
+def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None, basis: np.ndarray | None = None) -> tuple[str, bytes]:
+    """(codec tag, payload) of a float32 array; ``ratio`` overrides the spec's (adatopk). ``basis``:
+    the directions ``klt`` codes in, learnt from earlier tensors (``subspace.Subspace``); without one
+    that fits, ``klt:STEP`` sends ``eq:STEP``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     r = spec.ratio if ratio is None else ratio
     if spec.kind == "none" or (spec.sparse and r >= 1.0):
         return "raw", x.astype("<f4").tobytes()
+    if spec.kind == "klt" and fits(x, basis):
+        assert basis is not None
+        payload = encode_klt(x, basis, spec.step)
+        return ("klt", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.kind == "fp16":
         return "fp16", x.astype("<f2").tobytes()
     if spec.kind == "bf16":
         return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
-    if spec.kind == "eq":
+    if spec.kind in ("eq", "klt"):
         payload = encode_eq(x, spec.step)  # outliers cost 12 bytes each: never send more than raw
         return ("eq", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.rotated_bits:
@@ -173,6 +181,11 @@ def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, 
         if out.shape != shape:
             raise WireError(f"entropy-coded payload has shape {list(out.shape)}, the header says {list(shape)}")
         return out
+    if tag == "klt":
+        out = decode_klt(payload, max_elements=max(n, 1))
+        if out.shape != shape:
+            raise WireError(f"subspace-coded payload has shape {list(out.shape)}, the header says {list(shape)}")
+        return out
     if tag == "topk":
         out = decode_sparse(payload, max_elements=max(n, 1))
         if out.shape != shape:
@@ -188,7 +201,7 @@ def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
         return 1.0
     if spec.kind in ("fp16", "bf16"):
         return 0.5
-    if spec.kind == "eq":
+    if spec.kind in ("eq", "klt"):  # klt: at most eq's (what it sends without a basis); its bytes depend on the basis
         return min(1.0, (bits_for_step(spec.step) + 0.125) / 32)
     if spec.rotated_bits:
         return rotated_byte_ratio(spec.rotated_bits)

@@ -30,6 +30,7 @@ import numpy as np
 from fusionllm.compress.budget import BudgetChooser
 from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
+from fusionllm.compress.subspace import Subspace
 from fusionllm.graph.ir import Edge
 from fusionllm.runtime.backend import StageBackend
 from fusionllm.runtime.faults import Fault, tamper
@@ -63,6 +64,7 @@ class LinkSender:
         self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
         self.feedback = ErrorFeedback()
         self.chooser = BudgetChooser()  # adatopk: the codec per tensor within its role's error budget
+        self.subspaces: dict[tuple[int, str, str], Subspace] = {}  # klt: a basis per (destination, edge, role)
         self.faults = faults
         self.micro_batches = micro_batches
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
@@ -130,12 +132,19 @@ class LinkSender:
         assert x is not None
         spec, ratio = self.codec, self.ratio(dst)
 
+        # klt's basis: learnt from what this sender sent before on the edge, never from the tensor it codes
+        sub = self.subspaces.setdefault((dst, str(header.get("edge", "")), role), Subspace()) \
+            if role == "act" and spec.kind in ("klt", "adatopk") else None
+
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             nonlocal spec, ratio
+            basis = None if sub is None else sub.basis
             if spec.kind == "adatopk":  # the link's byte target -> a codec within the role's error budget
-                spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0), None
+                spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0, basis), None
             if feedback_key is None:
-                encoded = encode(x, spec, ratio)
+                encoded = encode(x, spec, ratio, basis)
+                if sub is not None:
+                    sub.learn(x)  # for the next tensor, after this one is encoded
                 return encoded, (decode(*encoded, x.shape) if keep_decoded else None)
             out: list[tuple[str, bytes]] = []
 

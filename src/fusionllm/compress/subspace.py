@@ -1,0 +1,139 @@
+"""Subspace-coded quantisation (``klt:STEP``): the rows in a basis learnt from earlier tensors, then ``eq``.
+
+A pipeline's activations at a cut fill few directions of their space: on gpt-mini's residual stream
+(192 wide), 16 directions learnt from one micro-batch hold 99.9% of the next one's energy
+(docs/compression.md). ``eq`` spends its bits on every one of the 192 values of a token alike, and
+its error lands on every direction alike, most of it in directions the activations never take. This
+codec sends each row's coordinates in an orthonormal basis of ``r`` directions (a Karhunen-Loeve
+transform), those ``r`` coordinates coded by ``eq:STEP``, and the basis itself with the tensor, so
+the receiver keeps no state:
+
+    b"FK" + version (u8, 1) + u8 rank | u64 rows | u64 cols | u32 r | rank x u64 shape
+    | cols x r bfloat16 basis (row-major) | an ``FE`` payload (entropy.py) of the rows x r coordinates
+
+The decoded rows are ``coordinates @ basis.T``: what lies outside the basis is dropped.
+
+**The basis never comes from the tensor it codes.** A basis fitted to the tensor being sent would
+make each token's decoded values depend on the other tokens of the message, later ones included,
+and a model learns to read such a leak (docs/compression.md, "No codec may mix tokens"). The
+sender learns it (``Subspace.learn``) from what it sent before on the same link, role and edge (other
+micro-batches, other samples), after it has encoded the current one. Without a basis yet (a link's
+first tensor) the tensor goes as ``eq:STEP``.
+
+A basis keeps the fewest leading directions of a sample of up to ``LEARN_ROWS`` rows whose energy
+reaches ``KEEP`` of the sample's; where that needs more than ``MAX_FRACTION`` of the row's width the
+rows fill their space and there is no basis (``eq`` is as good and cheaper).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from fusionllm.compress.entropy import decode_eq, encode_eq
+from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
+from fusionllm.core.errors import WireError
+
+_HEAD = struct.Struct("<2sBBQQI")
+VERSION = 1
+KEEP = 1.0 - 1e-4  # energy of the learnt rows the basis keeps
+MAX_FRACTION = 0.5  # a basis wider than this fraction of a row is not worth sending
+LEARN_ROWS = 512  # rows of a tensor the basis is learnt from (an even stride over its rows)
+MAX_COLS = 4096  # rows wider than this are not learnt (the decomposition's cost grows as cols^2)
+
+
+class Subspace:
+    """One sender's basis for one link, role and edge, learnt from the tensors it sent there.
+
+    The basis is found by a randomized range finder (one power iteration, started from the last
+    basis), widened until it holds ``keep`` of the learnt rows' energy: its cost grows with the rows'
+    width times the basis's, not with the width squared, so a 768-wide activation is learnt in
+    milliseconds. The random directions are seeded: a run learns the same bases every time."""
+
+    def __init__(self, keep: float = KEEP) -> None:
+        self.keep = keep
+        self.basis: np.ndarray | None = None  # (cols, r) float32, every value a bfloat16
+        self.learnt = 0
+
+    def learn(self, x: np.ndarray) -> None:
+        """The basis for the next tensor, from ``x`` (which has been encoded already)."""
+        cols = row_len(tuple(x.shape))
+        rows = np.asarray(x, dtype=np.float32).reshape(-1, cols) if x.size else np.zeros((0, cols), np.float32)
+        if rows.shape[0] < 2 or cols < 2 or cols > MAX_COLS:
+            self.basis = None
+            return
+        rows = np.ascontiguousarray(rows[:: max(1, rows.shape[0] // LEARN_ROWS)][:LEARN_ROWS])
+        if not np.isfinite(rows).all():
+            return  # a poisoned tensor teaches nothing: keep the basis learnt before it
+        self.learnt += 1
+        self.basis = _range(rows, self.keep, self.basis, np.random.default_rng(self.learnt))
+
+
+def _range(rows: np.ndarray, keep: float, last: np.ndarray | None, rng: np.random.Generator) -> np.ndarray | None:
+    """The fewest directions holding ``keep`` of ``rows``' energy (bfloat16 values), or None where
+    that takes over ``MAX_FRACTION`` of the width."""
+    n, cols = rows.shape
+    total = float(np.einsum("ij,ij->", rows, rows, dtype=np.float64))
+    limit = int(MAX_FRACTION * cols)
+    if total <= 0 or not np.isfinite(total) or limit < 1:
+        return None
+    start = last.shape[1] if last is not None and last.shape[0] == cols else 0
+    k = min(limit, max(8, start + 8))
+    while True:
+        probe = rng.standard_normal((cols, k)).astype(np.float32)
+        if start and start <= k:
+            probe[:, :start] = last  # start from the last basis: it moves little between tensors
+        q, _ = np.linalg.qr(rows.T @ (rows @ probe))  # one power iteration
+        _, s, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
+        held = np.cumsum(s * s) / total
+        if held[-1] >= keep:
+            r = int(np.searchsorted(held, keep) + 1)
+            if r > limit:
+                return None
+            return from_bf16_bits(to_bf16_bits(np.ascontiguousarray(q @ vt[:r].T, dtype=np.float32))).reshape(cols, r)
+        if k >= limit:
+            return None
+        k = min(limit, 2 * k)
+
+
+def fits(x: np.ndarray, basis: np.ndarray | None) -> bool:
+    """Whether ``basis`` can code ``x``: as wide as its rows."""
+    return basis is not None and x.size > 0 and basis.ndim == 2 and basis.shape[0] == row_len(tuple(x.shape))
+
+
+def encode_klt(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
+    """``x``'s rows in ``basis`` (cols x r, bfloat16 values), the coordinates as ``eq:step``."""
+    shape = tuple(x.shape)
+    cols, r = basis.shape
+    rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
+    coords = np.ascontiguousarray(rows2d @ basis, dtype=np.float32)
+    head = _HEAD.pack(b"FK", VERSION, len(shape), rows2d.shape[0], cols, r)
+    return b"".join((head, struct.pack(f"<{len(shape)}Q", *shape), to_bf16_bits(basis).astype("<u2").tobytes(), encode_eq(coords, step)))
+
+
+def decode_klt(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
+    """The rows back from an ``FK`` payload; every size is checked before anything is allocated."""
+    view = memoryview(buf)
+    if len(view) < _HEAD.size:
+        raise WireError("subspace-coded tensor truncated")
+    magic, version, rank, rows, cols, r = _HEAD.unpack_from(view, 0)
+    if magic != b"FK" or version != VERSION or rank > 16:
+        raise WireError("not a subspace-coded tensor (bad magic, version or rank)")
+    off = _HEAD.size + 8 * rank
+    if len(view) < off:
+        raise WireError("subspace-coded tensor truncated inside its shape")
+    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
+    n = math.prod(shape)
+    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or not 1 <= r <= cols:
+        raise WireError(f"subspace-coded tensor declares shape {list(shape)} as {rows} x {cols} in {r} directions: inconsistent or too large")
+    end = off + 2 * cols * r
+    if len(view) < end:
+        raise WireError(f"subspace-coded tensor is {len(view)} bytes, its basis alone needs {end}")
+    basis = from_bf16_bits(np.frombuffer(view[off:end], dtype="<u2")).reshape(cols, r)
+    coords = decode_eq(view[end:], max_elements=rows * r)
+    if coords.shape != (rows, r):
+        raise WireError(f"subspace-coded tensor: coordinates of shape {list(coords.shape)}, the header says {[rows, r]}")
+    with np.errstate(over="ignore", invalid="ignore"):  # a corrupt basis may overflow: the numeric guards refuse what is not finite
+        return (coords.reshape(rows, r) @ basis.T).astype(np.float32, copy=False).reshape(shape)
