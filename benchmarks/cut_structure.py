@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""What crosses a pipeline cut: how many directions an LM's activations fill, and what each codec costs on them.
+
+One process trains an LM (gpt-mini by default: 6 blocks, 192 wide; batch 8 x 128, lr 3e-3, 4
+micro-batches) and records, at a few steps, the activations after block ``--cut`` (the residual
+stream a two-stage pipeline sends across its cut) and their gradients, for the first two
+micro-batches. For the second micro-batch it reports:
+
+- the share of each row's energy in its largest channel and in its four largest;
+- the share of the energy inside the leading 1, 4 and 16 directions of the *first* micro-batch (what
+  a sender knows before it sends the second);
+- for ``eq:0.5`` and ``klt`` at several steps (``klt``'s basis learnt from the first micro-batch, as
+  the sender learns it): bytes per value and the relative error, over the whole tensor.
+
+    python benchmarks/cut_structure.py [--model gpt-mini] [--cut 2] [--steps 240] [--at 60 200 239]
+
+Writes cut_structure.json/.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import exit_on_sigterm, results_dir, write  # noqa: E402
+
+CODECS = ("eq:0.5", "eq:0.25", "klt:0.35", "klt:0.25", "klt:0.15")
+
+
+def structure(x: np.ndarray, before: np.ndarray, role: str) -> dict:
+    """The measurements above for ``x`` (rows, width), knowing ``before`` (rows sent earlier)."""
+    from fusionllm.compress.codecs import decode, encode, parse_codec
+    from fusionllm.compress.subspace import Subspace
+
+    energy = x.astype(np.float64) ** 2
+    ordered = np.sort(energy, axis=1)
+    out: dict = {"role": role, "width": x.shape[1], "top1_channel": float(ordered[:, -1].sum() / energy.sum()),
+                 "top4_channels": float(ordered[:, -4:].sum() / energy.sum())}
+    _, _, vt = np.linalg.svd(before.astype(np.float64), full_matrices=False)
+    for r in (1, 4, 16):
+        inside = x @ vt[:r].T
+        out[f"energy_in_{r}_directions"] = float(np.sum(inside**2) / energy.sum())
+    sub = Subspace()
+    sub.learn(before)
+    out["klt_directions"] = None if sub.basis is None else int(sub.basis.shape[1])
+    for codec in CODECS:
+        tag, payload = encode(x, parse_codec(codec), basis=sub.basis)
+        back = decode(tag, payload, x.shape)
+        out[codec] = {"sent_as": tag, "bytes_ratio": round(len(payload) / (4 * x.size), 4),
+                      "rel_error": round(float(np.linalg.norm(back - x) / np.linalg.norm(x)), 4)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-mini")
+    ap.add_argument("--cut", type=int, default=2, help="the block whose output crosses the cut")
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--at", type=int, nargs="+", default=[60, 200, 239])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=results_dir("cut_structure"))
+    args = ap.parse_args()
+    exit_on_sigterm()
+    import torch
+
+    from fusionllm.core.config import TrainConfig, lr_at
+    from fusionllm.data import Batcher
+    from fusionllm.data.lm_tokens import load_lm_tokens
+    from fusionllm.models.loss import lm_loss
+    from fusionllm.models.spec import build_lm, lm_tokenizer
+    from fusionllm.runtime.optim import make_adamw
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(model=args.model, steps=args.steps, batch_size=8, seq_len=128, lr=3e-3, seed=args.seed)
+    tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
+    batches = Batcher(tokens.train, 8, 128, args.seed)
+    model = build_lm(args.model, tokens.vocab_size, seed=args.seed)
+    blocks = getattr(model, "h", None)
+    if blocks is None or not 0 <= args.cut < len(blocks):
+        raise SystemExit(f"--cut {args.cut}: {args.model} has {0 if blocks is None else len(blocks)} blocks in .h; choose one of them")
+    optimizer = make_adamw(model.named_parameters(), cfg.lr, cfg.weight_decay)
+    seen: list[torch.Tensor] = []
+    blocks[args.cut].register_forward_hook(lambda _m, _i, out: (out.retain_grad(), seen.append(out))[-1] and None)
+    rows = []
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, lr=cfg.lr, steps=args.steps, warmup=10)
+        x, y = batches.get(step)
+        optimizer.zero_grad(set_to_none=True)
+        seen.clear()
+        for mb in range(4):
+            (lm_loss(model(x[mb * 2 : mb * 2 + 2]).float(), y[mb * 2 : mb * 2 + 2]) / 4).backward()
+        if step in args.at:
+            act = [t.detach().reshape(-1, t.shape[-1]).numpy().astype(np.float32) for t in seen[:2]]
+            grad = [t.grad.reshape(-1, t.shape[-1]).numpy().astype(np.float32) for t in seen[:2]]
+            for role, (first, second) in (("activations", act), ("gradients", grad)):
+                rows.append({"step": step, **structure(second, first, role)})
+                print(rows[-1], flush=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+    table = ["| step | tensor | largest channel | 4 largest | in 1 / 4 / 16 directions of the micro-batch before | klt's directions | "
+             + " | ".join(f"{c}: bytes, error" for c in CODECS) + " |", "|---" * (6 + len(CODECS)) + "|"]
+    for r in rows:
+        cells = [f"{r[c]['bytes_ratio']:.3f}, {r[c]['rel_error']:.3f}" + ("" if r[c]["sent_as"] == c.split(":")[0] else f" (as {r[c]['sent_as']})")
+                 for c in CODECS]
+        table.append(f"| {r['step']} | {r['role']} | {r['top1_channel']:.1%} | {r['top4_channels']:.1%} | "
+                     f"{r['energy_in_1_directions']:.1%} / {r['energy_in_4_directions']:.1%} / {r['energy_in_16_directions']:.2%} | "
+                     f"{r['klt_directions']} | " + " | ".join(cells) + " |")
+    table += ["", f"{args.model}, the output of block {args.cut} of {len(blocks)}, batch 8 x 128 in 4 micro-batches, seed {args.seed}, "
+              "lr 3e-3 (warmup 10, cosine); the second micro-batch of the step, klt's basis learnt from the first."]
+    write(args.out, "cut_structure", rows, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
