@@ -169,3 +169,20 @@ def test_the_sender_codes_each_activation_in_the_basis_of_the_ones_before() -> N
     np.testing.assert_allclose(got[1], decode(*encode(second, parse_codec("klt:0.25"), basis=learnt.basis), second.shape), atol=1e-6)
     assert rel(got[1], second) < 0.1
     asyncio.run(asyncio.sleep(0))
+
+
+def test_klt_bytes_count_the_basis_once_per_tensor_not_once_per_sample() -> None:
+    """The chooser measures a sample of about 4,096 values: a 192-wide tensor's sample is 21 rows, whose
+    own bytes the basis would outweigh. On the testbed that kept gpt-mini's activations on eq:0.5."""
+    from fusionllm.compress.budget import measure, sample_of
+
+    basis_dirs = np.linalg.qr(np.random.default_rng(5).standard_normal((192, 12)))[0]
+    sub = Subspace()
+    sub.learn(low_rank(0, rows=1024, cols=192, rank=12, basis=basis_dirs))
+    x = low_rank(1, rows=1024, cols=192, rank=12, basis=basis_dirs)
+    (m,) = measure(sample_of(x), (parse_codec("klt:0.25"),), sub.basis, x.size)
+    tag, payload = encode(x, parse_codec("klt:0.25"), basis=sub.basis)
+    assert tag == "klt"
+    # within half of what the tensor costs (the sample's own headers still count whole): not the 3x the basis alone would add
+    assert len(payload) / x.nbytes <= m.bytes_per_value < 1.5 * len(payload) / x.nbytes
+    assert BudgetChooser().choose(x, 1, "act", 0.065, sub.basis).kind == "klt"

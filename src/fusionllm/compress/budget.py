@@ -72,15 +72,21 @@ def sample_of(x: np.ndarray, size: int = SAMPLE) -> np.ndarray:
     return np.ascontiguousarray(rows[:: rows.shape[0] // want][:want])
 
 
-def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, basis: np.ndarray | None = None) -> list[Measured]:
-    """Bytes per value and relative error of each candidate on ``sample`` (``klt`` in ``basis``)."""
+def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, basis: np.ndarray | None = None,
+            whole: int = 0) -> list[Measured]:
+    """Bytes per value and relative error of each candidate on ``sample`` (``klt`` in ``basis``).
+    ``whole``: the values of the tensor the sample came from. A ``klt`` message carries its basis
+    once, so the basis's bytes are spread over the whole tensor, not over the sample."""
     norm = float(np.linalg.norm(sample))
     out = []
     for spec in candidates:
         tag, payload = encode(sample, spec, basis=basis)
         back = decode(tag, payload, sample.shape)
         err = float(np.linalg.norm(back - sample)) / norm if norm > 0 else 0.0
-        out.append(Measured(spec, len(payload) / (4 * sample.size), err if np.isfinite(err) else float("inf")))
+        size = len(payload) / (4 * sample.size)
+        if tag == "klt" and basis is not None:
+            size += 2 * basis.size * (1 / (4 * max(whole, sample.size)) - 1 / (4 * sample.size))
+        out.append(Measured(spec, size, err if np.isfinite(err) else float("inf")))
     return out
 
 
@@ -118,7 +124,7 @@ class BudgetChooser:
             shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES)
         self.tables[key] = (shape, age + 1, table)
         if role == "act" and fits(x, basis):
-            table = table + measure(sample_of(x) if sample is None else sample, KLT_CANDIDATES, basis)
+            table = table + measure(sample_of(x) if sample is None else sample, KLT_CANDIDATES, basis, x.size)
         limit = self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0)
         spec = pick(table, limit, byte_target)
         self.chosen[key] = str(spec)
