@@ -210,23 +210,27 @@ def test_entropy_coded_outliers_are_exact_and_sizes_follow_the_step() -> None:
     assert len(coarse) * 8 / x.size < 2.6  # about log2(4.13) + Huffman's overhead bits per value
 
 
+def corrupted(data: st.DataObject, payload: bytes) -> bytes:
+    """``payload`` truncated, extended, or with one byte flipped, as hypothesis draws it."""
+    buf = bytearray(payload)
+    how = data.draw(st.sampled_from(["truncate", "flip", "extend"]))
+    if how == "truncate":
+        return bytes(buf[: data.draw(st.integers(0, len(buf) - 1))])
+    if how == "extend":
+        return bytes(buf + bytes(data.draw(st.integers(1, 9))))
+    i = data.draw(st.integers(0, len(buf) - 1))
+    buf[i] ^= data.draw(st.integers(1, 255))
+    return bytes(buf)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_corrupt_entropy_coded_payloads_raise_wire_error(data: st.DataObject) -> None:
     x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal((6, 10)).astype(np.float32)
     x[2, 3] = 1e6  # one outlier
     _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["eq:0.3", "eq:1.0"]))))
-    buf = bytearray(payload)
-    how = data.draw(st.sampled_from(["truncate", "flip", "extend"]))
-    if how == "truncate":
-        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
-    elif how == "extend":
-        buf += bytes(data.draw(st.integers(1, 9)))
-    else:
-        i = data.draw(st.integers(0, len(buf) - 1))
-        buf[i] ^= data.draw(st.integers(1, 255))
     try:
-        y = decode("eq", bytes(buf), x.shape)
+        y = decode("eq", corrupted(data, payload), x.shape)
     except WireError:
         return
     assert y.shape == x.shape

@@ -19,6 +19,7 @@ from fusionllm.compress.budget import KLT_CANDIDATES, BudgetChooser
 from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.subspace import MAX_FRACTION, Subspace
 from fusionllm.core.errors import ConfigError, WireError
+from tests.test_compress import corrupted
 
 
 def low_rank(seed: int, rows: int = 256, cols: int = 64, rank: int = 6, noise: float = 1e-3, basis: np.ndarray | None = None) -> np.ndarray:
@@ -117,17 +118,8 @@ def test_corrupt_subspace_coded_payloads_raise_wire_error(data: st.DataObject) -
     x[2, 3] = 1e6  # an outlier among the coordinates
     tag, payload = encode(x, parse_codec(data.draw(st.sampled_from(["klt:0.25", "klt:1.0"]))), basis=sub.basis)
     assert tag == "klt"
-    buf = bytearray(payload)
-    how = data.draw(st.sampled_from(["truncate", "flip", "extend"]))
-    if how == "truncate":
-        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
-    elif how == "extend":
-        buf += bytes(data.draw(st.integers(1, 9)))
-    else:
-        i = data.draw(st.integers(0, len(buf) - 1))
-        buf[i] ^= data.draw(st.integers(1, 255))
     try:
-        y = decode("klt", bytes(buf), x.shape)
+        y = decode("klt", corrupted(data, payload), x.shape)
     except WireError:
         return
     assert y.shape == x.shape

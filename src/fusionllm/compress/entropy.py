@@ -79,6 +79,14 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
     ))
 
 
+def read_shape(view: memoryview, start: int, rank: int, what: str) -> tuple[tuple[int, ...], int]:
+    """The ``rank`` u64 dimensions at ``start`` and their element count; ``what`` names the tensor in the error."""
+    if len(view) < start + 8 * rank:
+        raise WireError(f"{what} truncated inside its shape")
+    shape = struct.unpack_from(f"<{rank}Q", view, start)
+    return shape, math.prod(shape)
+
+
 def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
     view = memoryview(buf)
     if len(view) < _HEAD.size:
@@ -86,11 +94,8 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
     magic, version, rank, rows, cols, n_out, body_len = _HEAD.unpack_from(view, 0)
     if magic != b"FE" or version != VERSION or rank > 16:
         raise WireError("not an entropy-coded tensor (bad magic, version or rank)")
+    shape, n = read_shape(view, _HEAD.size, rank, "entropy-coded tensor")
     off = _HEAD.size + 8 * rank
-    if len(view) < off:
-        raise WireError("entropy-coded tensor truncated inside its shape")
-    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
-    n = math.prod(shape)
     if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or n_out > n:
         raise WireError(f"entropy-coded tensor declares shape {list(shape)} as {rows} x {cols} with {n_out} outliers: inconsistent or too large")
     need = off + 2 * rows + 12 * n_out + body_len

@@ -27,12 +27,11 @@ rows fill their space and there is no basis (``eq`` is as good and cheaper).
 
 from __future__ import annotations
 
-import math
 import struct
 
 import numpy as np
 
-from fusionllm.compress.entropy import decode_eq, encode_eq
+from fusionllm.compress.entropy import decode_eq, encode_eq, read_shape
 from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
 from fusionllm.core.errors import WireError
 
@@ -83,7 +82,7 @@ def _range(rows: np.ndarray, keep: float, last: np.ndarray | None, rng: np.rando
     k = min(limit, max(8, start + 8))
     while True:
         probe = rng.standard_normal((cols, k)).astype(np.float32)
-        if start and start <= k:
+        if start:
             probe[:, :start] = last  # start from the last basis: it moves little between tensors
         q, _ = np.linalg.qr(rows.T @ (rows @ probe))  # one power iteration
         _, s, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
@@ -121,11 +120,8 @@ def decode_klt(buf: bytes | bytearray | memoryview, max_elements: int) -> np.nda
     magic, version, rank, rows, cols, r = _HEAD.unpack_from(view, 0)
     if magic != b"FK" or version != VERSION or rank > 16:
         raise WireError("not a subspace-coded tensor (bad magic, version or rank)")
+    shape, n = read_shape(view, _HEAD.size, rank, "subspace-coded tensor")
     off = _HEAD.size + 8 * rank
-    if len(view) < off:
-        raise WireError("subspace-coded tensor truncated inside its shape")
-    shape = struct.unpack_from(f"<{rank}Q", view, _HEAD.size)
-    n = math.prod(shape)
     if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or not 1 <= r <= cols:
         raise WireError(f"subspace-coded tensor declares shape {list(shape)} as {rows} x {cols} in {r} directions: inconsistent or too large")
     end = off + 2 * cols * r
