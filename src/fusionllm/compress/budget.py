@@ -52,6 +52,7 @@ CANDIDATES = tuple(parse_codec(c) for c in ("fp16", "q8", "q6", "q5", "eq:0.5", 
 # the live slow-down test saw the coordinator's byte target go raw after an 80x slowdown (not yet understood)
 SHARED_CANDIDATES = tuple(parse_codec(c) for c in ("eq:0.25", "eq:0.3", "eq:0.4")) + CANDIDATES
 KLT_CANDIDATES = tuple(parse_codec(c) for c in ("klt:0.15", "klt:0.25", "klt:0.35"))
+KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1"))
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
 
@@ -76,18 +77,23 @@ def sample_of(x: np.ndarray, size: int = SAMPLE) -> np.ndarray:
 
 def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, basis: np.ndarray | None = None,
             whole: int = 0) -> list[Measured]:
-    """Bytes per value and relative error of each candidate on ``sample`` (``klt`` in ``basis``).
-    ``whole``: the values of the tensor the sample came from. A ``klt`` message carries its basis
-    once, so the basis's bytes are spread over the whole tensor, not over the sample."""
+    """Bytes per value and relative error of each candidate on ``sample`` (``klt``, ``kltr`` in ``basis``).
+    ``whole``: the values of the tensor the sample came from. A message's fixed bytes (its headers, a
+    basis) are paid once per tensor, not once per sample: the sample and its first half are both
+    encoded, and the bytes are extrapolated, fixed part and per-row part, to the whole tensor."""
     norm = float(np.linalg.norm(sample))
+    rows = sample.shape[0]
+    half = sample[: rows // 2] if whole > sample.size and rows >= 2 else None
     out = []
     for spec in candidates:
         tag, payload = encode(sample, spec, basis=basis)
         back = decode(tag, payload, sample.shape)
         err = float(np.linalg.norm(back - sample)) / norm if norm > 0 else 0.0
         size = len(payload) / (4 * sample.size)
-        if tag == "klt" and basis is not None:
-            size += 2 * basis.size * (1 / (4 * max(whole, sample.size)) - 1 / (4 * sample.size))
+        if half is not None:
+            per_row = (len(payload) - len(encode(half, spec, basis=basis)[1])) / (rows - half.shape[0])
+            fixed = max(0.0, len(payload) - per_row * rows)
+            size = (fixed + per_row * whole / sample.shape[1]) / (4 * whole)
         out.append(Measured(spec, size, err if np.isfinite(err) else float("inf")))
     return out
 
@@ -112,7 +118,7 @@ class BudgetChooser:
     scale: float = 1.0  # activations' and gradients' budgets times this: the run's compressed cuts share them
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
     chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
-    klt: tuple[CodecSpec, ...] = ()  # candidates for activations in a learnt basis: none by default (measured worse)
+    klt: tuple[CodecSpec, ...] = KLTR_CANDIDATES  # candidates for activations in a learnt basis (klt: measured worse)
 
     def choose(self, x: np.ndarray, dst: int, role: str, byte_target: float, basis: np.ndarray | None = None) -> CodecSpec:
         """The codec for ``x`` on its way to ``dst`` in ``role``, for a link whose target is ``byte_target``;
@@ -124,7 +130,7 @@ class BudgetChooser:
         sample = None
         if shape != tuple(x.shape) or age >= self.remeasure:
             sample = sample_of(x)
-            shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES)
+            shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES, whole=x.size)
         self.tables[key] = (shape, age + 1, table)
         if self.klt and role == "act" and fits(x, basis):
             table = table + measure(sample_of(x) if sample is None else sample, self.klt, basis, x.size)

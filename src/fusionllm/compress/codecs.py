@@ -8,7 +8,8 @@ rotation, with per-tile scales (``rotated.py``; ``-sr``: stochastic rounding, un
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
 quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
 (``entropy.py``); ``klt:STEP`` sends each token's coordinates in a basis of few directions learnt from
-the tensors sent before on the link, then as ``eq:STEP`` (``subspace.py``); ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
+the tensors sent before on the link, then as ``eq:STEP`` (``subspace.py``); ``kltr:STEP`` adds what lies outside
+the basis as ``eq:STEP``; ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
 training (``policy.py``) with the most accurate codec that fits and whose error, measured on the
 tensor, stays within its role's budget (``budget.py``).
 Everything here is NumPy: a worker without torch can encode and decode.
@@ -37,9 +38,10 @@ from fusionllm.compress.sparse import (
     from_bf16_bits,
     to_bf16_bits,
 )
-from fusionllm.compress.subspace import decode_klt, encode_klt, fits
+from fusionllm.compress.subspace import decode_klt, decode_kltr, encode_klt, encode_kltr, fits
 from fusionllm.core.errors import ConfigError, WireError
 
+STEPPED = ("eq", "klt", "kltr")  # codecs with a step
 ROTATED = tuple(f"hq{b}{sr}" for b in BITS for sr in ("", "-sr"))
 EXACT_BELOW = 1 << 20  # exact top-k (argpartition) below this many elements; a sampled threshold above
 SAMPLE = 1 << 16
@@ -47,12 +49,12 @@ SAMPLE = 1 << 16
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | klt | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | klt | kltr | topk | topk-token | adatopk
     ratio: float = 1.0
-    step: float = 0.0  # eq, klt: the quantisation step in units of each row's RMS
+    step: float = 0.0  # eq, klt, kltr: the quantisation step in units of each row's RMS
 
     def __str__(self) -> str:
-        if self.kind in ("eq", "klt"):
+        if self.kind in STEPPED:
             return f"{self.kind}:{self.step:g}"
         return f"{self.kind}:{self.ratio:g}" if self.kind in ("topk", "topk-token") else self.kind
 
@@ -67,13 +69,13 @@ class CodecSpec:
 
 
 def parse_codec(text: str) -> CodecSpec:
-    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `klt:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
+    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `klt:STEP`, `kltr:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
     if kind in ("q8", "q6", "q5", "q4", "q3", "q2", *ROTATED) and not arg:
         return CodecSpec(kind)
-    if kind in ("eq", "klt"):
+    if kind in STEPPED:
         try:
             step = float(arg)
         except ValueError:
@@ -89,7 +91,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, klt:STEP, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, klt:STEP, kltr:STEP, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -133,15 +135,15 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None, basis: np
     r = spec.ratio if ratio is None else ratio
     if spec.kind == "none" or (spec.sparse and r >= 1.0):
         return "raw", x.astype("<f4").tobytes()
-    if spec.kind == "klt" and fits(x, basis):
+    if spec.kind in ("klt", "kltr") and fits(x, basis):
         assert basis is not None
-        payload = encode_klt(x, basis, spec.step)
-        return ("klt", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
+        payload = (encode_klt if spec.kind == "klt" else encode_kltr)(x, basis, spec.step)
+        return (spec.kind, payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.kind == "fp16":
         return "fp16", x.astype("<f2").tobytes()
     if spec.kind == "bf16":
         return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
-    if spec.kind in ("eq", "klt"):
+    if spec.kind in STEPPED:
         payload = encode_eq(x, spec.step)  # outliers cost 12 bytes each: never send more than raw
         return ("eq", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.rotated_bits:
@@ -181,8 +183,8 @@ def decode(tag: str, payload: bytes | bytearray | memoryview, shape: tuple[int, 
         if out.shape != shape:
             raise WireError(f"entropy-coded payload has shape {list(out.shape)}, the header says {list(shape)}")
         return out
-    if tag == "klt":
-        out = decode_klt(payload, max_elements=max(n, 1))
+    if tag in ("klt", "kltr"):
+        out = (decode_klt if tag == "klt" else decode_kltr)(payload, max_elements=max(n, 1))
         if out.shape != shape:
             raise WireError(f"subspace-coded payload has shape {list(out.shape)}, the header says {list(shape)}")
         return out
@@ -201,7 +203,7 @@ def byte_ratio(spec: CodecSpec, ratio: float | None = None) -> float:
         return 1.0
     if spec.kind in ("fp16", "bf16"):
         return 0.5
-    if spec.kind in ("eq", "klt"):  # klt: at most eq's (what it sends without a basis); its bytes depend on the basis
+    if spec.kind in STEPPED:  # klt, kltr: about eq's (what it sends without a basis); its bytes depend on the basis
         return min(1.0, (bits_for_step(spec.step) + 0.125) / 32)
     if spec.rotated_bits:
         return rotated_byte_ratio(spec.rotated_bits)

@@ -134,7 +134,7 @@ class LinkSender:
 
         # klt's basis: learnt from what this sender sent before on the edge, never from the tensor it codes
         sub = self.subspaces.setdefault((dst, str(header.get("edge", "")), role), Subspace()) \
-            if role == "act" and (spec.kind == "klt" or (spec.kind == "adatopk" and self.chooser.klt)) else None
+            if role == "act" and (spec.kind in ("klt", "kltr") or (spec.kind == "adatopk" and self.chooser.klt)) else None
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             nonlocal spec, ratio

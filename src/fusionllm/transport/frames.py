@@ -21,7 +21,7 @@ from fusionllm.transport.messages import pack, unpack
 FRAME_VERSION = 1
 CHUNK = 2 << 20  # 2 MiB
 MAX_HEADER = 64 << 10
-CODECS = ("raw", "fp16", "bf16", "quant", "hq", "eq", "klt", "topk")
+CODECS = ("raw", "fp16", "bf16", "quant", "hq", "eq", "klt", "kltr", "topk")
 
 
 def tensor_frames(header: dict[str, Any], payload: bytes | memoryview | None) -> Iterator[bytes]:
