@@ -4,14 +4,14 @@
 For 1M to 64M elements: top-k at ratios 0.001 to 0.3 (exact below 1M elements, a sampled threshold
 above: the table reports how far its k is from the exact k), per-token top-k, fp16, bf16, per-token
 q8 / q4, the rotated tile quantisers hq4 / hq3 / hq2 with nearest and stochastic rounding, eq:0.7, and
-klt:0.25 on rows in 32 of their 768 directions (plus a little noise), in a basis learnt from another
-such tensor; its time counts learning the next basis from the tensor too, as the sender does.
+klt:0.25 and kltr:1 on rows in 32 of their 768 directions (plus a little noise), in a basis learnt from
+another such tensor; their time counts learning the next basis from the tensor too, as the sender does.
 One core: BLAS and torch limited to one thread before NumPy loads. The goal line: every codec's
 encode plus decode at least 125 MB/s of float32 input (a 1 Gbit/s link's rate: compressing never
 costs more time than sending the raw tensor over such a link would).
 Writes codec_speed.json/.md/.png.
 
-    python benchmarks/codec_speed.py [--quick] [--out benchmarks/results/codec_speed]
+    python benchmarks/codec_speed.py [--quick] [--codecs eq:0.7 kltr:1 ...] [--out benchmarks/results/codec_speed]
 """
 
 from __future__ import annotations
@@ -65,10 +65,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=results_dir("codec_speed"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--codecs", nargs="+", default=None, help="only these codecs (default: every one)")
     args = ap.parse_args()
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     specs = ["topk:0.001", "topk:0.01", "topk:0.1", "topk:0.3", "topk-token:0.01", "fp16", "bf16", "q8", "q4",
              "hq4", "hq3", "hq2", "hq4-sr", "hq3-sr", "hq2-sr", "eq:0.7"]
+    learnt = ["klt:0.25", "kltr:1"]  # on rows in few directions, in a basis learnt from another such tensor
+    if args.codecs:
+        specs, learnt = [c for c in specs if c in args.codecs], [c for c in learnt if c in args.codecs]
     rng = np.random.default_rng(0)
     rows = []
     for n in sizes:
@@ -76,10 +80,11 @@ def main() -> int:
         for spec in specs:
             rows.append(bench(x, spec, 2 if n >= 64 << 20 else 3))
             print(rows[-1], flush=True)
-        sub = Subspace()
-        sub.learn(low_rank(rng, x.shape[0]))
-        rows.append(bench(low_rank(rng, x.shape[0]), "klt:0.25", 2 if n >= 64 << 20 else 3, sub))
-        print(rows[-1], flush=True)
+        for spec in learnt:
+            sub = Subspace()
+            sub.learn(low_rank(rng, x.shape[0]))
+            rows.append(bench(low_rank(rng, x.shape[0]), spec, 2 if n >= 64 << 20 else 3, sub))
+            print(rows[-1], flush=True)
     table = ["| codec | elements | MB/s (dense in, encode + decode) | encode (s) | decode (s) | bytes ratio | kept k / exact k | relative error |",
              "|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['codec']} | {r['elements']:,} | {r['mb_per_s']} | {r['encode_s']} | {r['decode_s']} | {r['bytes_ratio']} | {r['k_vs_exact']} | {r['rel_error']} |" for r in rows]

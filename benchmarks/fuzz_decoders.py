@@ -98,7 +98,7 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
 
     sub = Subspace()
     sub.learn((rng.standard_normal((64, 3)) @ rng.standard_normal((3, 16))).astype(np.float32))  # klt's basis: 3 directions
-    for codec in ("none", "fp16", "bf16", "q8", "q4", "hq4", "hq3-sr", "hq2", "eq:0.7", "klt:0.25", "topk:0.1"):
+    for codec in ("none", "fp16", "bf16", "q8", "q4", "hq4", "hq3-sr", "hq2", "eq:0.7", "klt:0.25", "kltr:0.5", "topk:0.1"):
         tag, payload = encode(x, parse_codec(codec), basis=sub.basis)
         shape = x.shape
 
