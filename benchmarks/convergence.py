@@ -144,15 +144,16 @@ def at_rate(text: str, rate: str) -> str:
 
 def run(name: str, path: Path, codec: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     metrics = tmp / f"{name}-{codec.replace(':', '_')}-{seed}.jsonl"
-    train_path = path
+    train_path, extra = path, []
     if codec == "none" and args.reference_rate:  # the same computation, sooner: see --reference-rate
         train_path = tmp / f"{name}-at-{args.reference_rate}.toml"
         train_path.write_text(at_rate(path.read_text(), args.reference_rate))
+        extra = ["--collectives", "off"]  # fast links would carry it through torch.distributed, whose bytes the data plane does not count
     cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(train_path), "--sync", "synchronous", *CLUSTERS[name].layout,
            *task_args(args), "--compress", codec, "--model", args.model, "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", str(args.warmup),
            "--seed", str(seed), "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--metrics", str(metrics),
-           "--run-dir", str(tmp / f"run-{name}")]
+           "--run-dir", str(tmp / f"run-{name}"), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, err = proc.communicate(timeout=3600)

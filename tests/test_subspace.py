@@ -143,7 +143,7 @@ def test_a_chooser_given_klt_picks_it_for_activations_in_few_directions_and_neve
     sub = Subspace()
     sub.learn(low_rank(0))
     x = low_rank(1)
-    assert BudgetChooser().choose(x, 1, "act", 0.065, sub.basis).kind == "eq"  # AdaTopK's own: measured worse on the testbed
+    assert BudgetChooser().choose(x, 1, "act", 0.065, sub.basis).kind != "klt"  # AdaTopK's own candidates: measured worse on the testbed
     chooser = BudgetChooser(klt=KLT_CANDIDATES)
     assert chooser.choose(x, 1, "act", 0.065, sub.basis).kind == "klt"
     assert chooser.choose(x, 1, "act", 0.065).kind == "eq"  # no basis yet
