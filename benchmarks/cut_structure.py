@@ -9,8 +9,10 @@ micro-batches. For the second micro-batch it reports:
 - the share of each row's energy in its largest channel and in its four largest;
 - the share of the energy inside the leading 1, 4 and 16 directions of the *first* micro-batch (what
   a sender knows before it sends the second);
-- for ``eq:0.5`` and ``klt`` at several steps (``klt``'s basis learnt from the first micro-batch, as
-  the sender learns it): bytes per value and the relative error, over the whole tensor.
+- for ``eq:0.5``, ``klt`` at several steps and ``kltr:1`` (the basis learnt from the first
+  micro-batch, as the sender learns it): bytes per value and the relative error, over the whole
+  tensor, and the error in the faint directions (past the 16th of the tensor's own) against the
+  signal there.
 
     python benchmarks/cut_structure.py [--model gpt-mini] [--cut 2] [--steps 240] [--at 60 200 239]
 
@@ -28,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import exit_on_sigterm, results_dir, write  # noqa: E402
 
-CODECS = ("eq:0.5", "eq:0.25", "klt:0.35", "klt:0.25", "klt:0.15")
+CODECS = ("eq:0.5", "eq:0.25", "klt:0.35", "klt:0.25", "klt:0.15", "kltr:1")
 
 
 def structure(x: np.ndarray, before: np.ndarray, role: str) -> dict:
@@ -44,14 +46,17 @@ def structure(x: np.ndarray, before: np.ndarray, role: str) -> dict:
     for r in (1, 4, 16):
         inside = x @ vt[:r].T
         out[f"energy_in_{r}_directions"] = float(np.sum(inside**2) / energy.sum())
+    own = np.linalg.svd(x.astype(np.float64), full_matrices=False)[2]
     sub = Subspace()
     sub.learn(before)
     out["klt_directions"] = None if sub.basis is None else int(sub.basis.shape[1])
     for codec in CODECS:
         tag, payload = encode(x, parse_codec(codec), basis=sub.basis)
         back = decode(tag, payload, x.shape)
+        faint = own[16:].T
         out[codec] = {"sent_as": tag, "bytes_ratio": round(len(payload) / (4 * x.size), 4),
-                      "rel_error": round(float(np.linalg.norm(back - x) / np.linalg.norm(x)), 4)}
+                      "rel_error": round(float(np.linalg.norm(back - x) / np.linalg.norm(x)), 4),
+                      "faint_error": round(float(np.linalg.norm((back - x) @ faint) / max(np.linalg.norm(x @ faint), 1e-30)), 3)}
     return out
 
 
@@ -103,15 +108,16 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
     table = ["| step | tensor | largest channel | 4 largest | in 1 / 4 / 16 directions of the micro-batch before | klt's directions | "
-             + " | ".join(f"{c}: bytes, error" for c in CODECS) + " |", "|---" * (6 + len(CODECS)) + "|"]
+             + " | ".join(f"{c}: bytes, error" for c in CODECS) + " | faint directions' error / signal: eq:0.5, kltr:1 |", "|---" * (7 + len(CODECS)) + "|"]
     for r in rows:
         cells = [f"{r[c]['bytes_ratio']:.3f}, {r[c]['rel_error']:.3f}" + ("" if r[c]["sent_as"] == c.split(":")[0] else f" (as {r[c]['sent_as']})")
                  for c in CODECS]
         table.append(f"| {r['step']} | {r['role']} | {r['top1_channel']:.1%} | {r['top4_channels']:.1%} | "
                      f"{r['energy_in_1_directions']:.1%} / {r['energy_in_4_directions']:.1%} / {r['energy_in_16_directions']:.2%} | "
-                     f"{r['klt_directions']} | " + " | ".join(cells) + " |")
+                     f"{r['klt_directions']} | " + " | ".join(cells) + f" | {r['eq:0.5']['faint_error']}, {r['kltr:1']['faint_error']} |")
     table += ["", f"{args.model}, the output of block {args.cut} of {len(blocks)}, batch 8 x 128 in 4 micro-batches, seed {args.seed}, "
-              "lr 3e-3 (warmup 10, cosine); the second micro-batch of the step, klt's basis learnt from the first."]
+              "lr 3e-3 (warmup 10, cosine); the second micro-batch of the step, klt's basis learnt from the first. "
+              "Faint directions: past the 16th of the tensor's own (singular vectors); the error there over the signal there (norms)."]
     write(args.out, "cut_structure", rows, table)
     return 0
 
