@@ -9,7 +9,7 @@ One input in ``--sample`` is decoded under ``tracemalloc``: its peak allocation 
 target's budget (the limit the decoder is given, plus the input's own size, times a small slack).
 
 Targets: tensor messages (``compress.wire.decode_array``), compressed payloads (``codecs.decode``
-for raw, fp16, bf16, quant, eq, klt and topk), msgpack control messages (``messages.unpack`` then the
+for raw, fp16, bf16, quant, hq, eq, klt, kltr and topk), msgpack control messages (``messages.unpack`` then the
 typed ``Message.from_wire`` of several messages), the data plane's stream after the handshake
 (``DataServer._one`` reading messages into a worker's ``Inbox``: sizes, tensor headers, frames,
 ``read_tensor``, the inbox's checks), cluster files (``cluster.spec.parse_cluster``) and OpGraph
