@@ -112,14 +112,20 @@ def test_4d_tensors_are_coded_per_channel_plane() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_corrupt_subspace_coded_payloads_raise_wire_error(data: st.DataObject) -> None:
+    corrupt_learnt(data, "klt", cols=16, rank=3)
+
+
+def corrupt_learnt(data: st.DataObject, kind: str, cols: int, rank: int) -> None:
+    """A ``kind`` payload (``klt`` or ``kltr``, with an outlier) corrupted as hypothesis draws it:
+    refused with ``WireError`` or decoded to the right shape."""
     sub = Subspace()
-    sub.learn(low_rank(0, rows=40, cols=16, rank=3))
-    x = low_rank(data.draw(st.integers(1, 50)), rows=12, cols=16, rank=3)
-    x[2, 3] = 1e6  # an outlier among the coordinates
-    tag, payload = encode(x, parse_codec(data.draw(st.sampled_from(["klt:0.25", "klt:1.0"]))), basis=sub.basis)
-    assert tag == "klt"
+    sub.learn(low_rank(0, rows=40, cols=cols, rank=rank))
+    x = low_rank(data.draw(st.integers(1, 50)), rows=12, cols=cols, rank=rank)
+    x[2, 3] = 1e6
+    tag, payload = encode(x, parse_codec(data.draw(st.sampled_from([f"{kind}:0.25", f"{kind}:1.0"]))), basis=sub.basis)
+    assert tag == kind
     try:
-        y = decode("klt", corrupted(data, payload), x.shape)
+        y = decode(kind, corrupted(data, payload), x.shape)
     except WireError:
         return
     assert y.shape == x.shape

@@ -127,18 +127,25 @@ def encode_klt(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
     return b"".join((head, struct.pack(f"<{len(shape)}Q", *shape), to_bf16_bits(basis).astype("<u2").tobytes(), encode_eq(coords, step)))
 
 
+def _read_head(view: memoryview, head: struct.Struct, magic: bytes, what: str, max_elements: int) -> tuple[tuple, tuple[int, ...], int, int]:
+    """An ``FK`` or ``FR`` header, checked: (its fields after the magic and version, the shape, the
+    element count, the offset after the shape)."""
+    if len(view) < head.size:
+        raise WireError(f"{what} truncated")
+    fields = head.unpack_from(view, 0)
+    if fields[0] != magic or fields[1] != VERSION or fields[2] > 16:
+        raise WireError(f"not a {what} (bad magic, version or rank)")
+    rank, rows, cols, r = fields[2:6]
+    shape, n = read_shape(view, head.size, rank, what)
+    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or not 1 <= r <= cols:
+        raise WireError(f"{what} declares shape {list(shape)} as {rows} x {cols} in {r} directions: inconsistent or too large")
+    return fields[3:], shape, n, head.size + 8 * rank
+
+
 def decode_klt(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
     """The rows back from an ``FK`` payload; every size is checked before anything is allocated."""
     view = memoryview(buf)
-    if len(view) < _HEAD.size:
-        raise WireError("subspace-coded tensor truncated")
-    magic, version, rank, rows, cols, r = _HEAD.unpack_from(view, 0)
-    if magic != b"FK" or version != VERSION or rank > 16:
-        raise WireError("not a subspace-coded tensor (bad magic, version or rank)")
-    shape, n = read_shape(view, _HEAD.size, rank, "subspace-coded tensor")
-    off = _HEAD.size + 8 * rank
-    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or not 1 <= r <= cols:
-        raise WireError(f"subspace-coded tensor declares shape {list(shape)} as {rows} x {cols} in {r} directions: inconsistent or too large")
+    (rows, cols, r), shape, _, off = _read_head(view, _HEAD, b"FK", "subspace-coded tensor", max_elements)
     end = off + 2 * cols * r
     if len(view) < end:
         raise WireError(f"subspace-coded tensor is {len(view)} bytes, its basis alone needs {end}")
@@ -160,12 +167,6 @@ def kltr_basis(basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(b / scale), -127, 127).astype(np.int8), scale
 
 
-def kltr_basis_bytes(basis: np.ndarray) -> int:
-    """What the basis of a ``kltr`` message costs, in bytes."""
-    r = max(1, min(basis.shape[1], basis.shape[0] // KLTR_WIDTH))
-    return r * (basis.shape[0] + 4)
-
-
 def encode_kltr(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
     """``x``'s rows as coordinates in ``basis`` (finely) plus the residual as ``eq:step``."""
     shape = tuple(x.shape)
@@ -184,15 +185,7 @@ def encode_kltr(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
 def decode_kltr(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndarray:
     """The rows back from an ``FR`` payload; every size is checked before anything is allocated."""
     view = memoryview(buf)
-    if len(view) < _HEAD_R.size:
-        raise WireError("subspace-and-residual-coded tensor truncated")
-    magic, version, rank, rows, cols, r, coord_len = _HEAD_R.unpack_from(view, 0)
-    if magic != b"FR" or version != VERSION or rank > 16:
-        raise WireError("not a subspace-and-residual-coded tensor (bad magic, version or rank)")
-    shape, n = read_shape(view, _HEAD_R.size, rank, "subspace-and-residual-coded tensor")
-    off = _HEAD_R.size + 8 * rank
-    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or not 1 <= r <= cols:
-        raise WireError(f"subspace-and-residual-coded tensor declares shape {list(shape)} as {rows} x {cols} in {r} directions: inconsistent or too large")
+    (rows, cols, r, coord_len), shape, n, off = _read_head(view, _HEAD_R, b"FR", "subspace-and-residual-coded tensor", max_elements)
     start = off + 4 * r + cols * r
     if len(view) < start or coord_len > len(view) - start:
         raise WireError(f"subspace-and-residual-coded tensor is {len(view)} bytes, its basis and coordinates need {start + coord_len}")
