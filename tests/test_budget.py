@@ -102,6 +102,24 @@ def test_sample_is_whole_rows_spread_over_the_tensor() -> None:
     assert all(m.error == 0.0 for m in measure(np.zeros((4, 128), np.float32)))
 
 
+def test_a_resnets_small_planes_are_sampled_as_the_quantisers_scale_them() -> None:
+    """(N, C, 4, 4) tensors are scaled per channel over the batch: the sample is whole channels, so
+    the measured bytes are the bytes sent (a sample of planes would count four times the scales);
+    ``kltr``, which codes planes, is measured on planes, and a basis of a plane's width fits."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 512, 4, 4)) * rng.uniform(0.1, 10, (1, 512, 1, 1))).astype(np.float32)
+    s = sample_of(x)
+    assert s.shape == (64, 4 * 16) and np.array_equal(s[0], x[:, 0].reshape(-1))
+    assert sample_of(x, planes=True).shape == (256, 16)
+    for m in measure(s, CANDIDATES, whole=x.size):
+        real = len(encode(x, m.spec)[1]) / x.nbytes
+        assert abs(m.bytes_per_value - real) < 0.05 * real, (m.spec, m.bytes_per_value, real)
+    basis = np.linalg.qr(rng.standard_normal((16, 4)))[0].astype(np.float32)
+    chooser = BudgetChooser()
+    spec = chooser.choose(x, 1, "act", FLOOR, basis=basis)
+    assert spec.kind in ("eq", "kltr") and str(spec) in {str(m.spec) for m in chooser.tables[(1, "act")][2]} | {"kltr:0.7", "kltr:1"}
+
+
 def test_the_codec_each_role_sent_is_reported_per_destination() -> None:
     from fusionllm.transport.control import StepDone
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionllm.compress.codecs import CodecSpec, decode, encode, parse_codec
-from fusionllm.compress.sparse import row_len
+from fusionllm.compress.sparse import channel_major, row_len, scale_rows
 from fusionllm.compress.subspace import fits
 
 BUDGET = {"act": 0.15, "grad": 0.21, "reduce": 0.21}  # the most relative error a role may carry
@@ -66,11 +66,13 @@ class Measured:
     error: float  # relative error on the sample
 
 
-def sample_of(x: np.ndarray, size: int = SAMPLE) -> np.ndarray:
-    """About ``size`` values of ``x`` in whole last-dimension rows, taken at an even stride (the
-    whole tensor where it is smaller); 2-D (rows, row length), so that per-row codecs see rows."""
-    d = row_len(x.shape)
-    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, d)
+def sample_of(x: np.ndarray, size: int = SAMPLE, planes: bool = False) -> np.ndarray:
+    """About ``size`` values of ``x`` in whole rows, taken at an even stride (the whole tensor where
+    it is smaller); 2-D (rows, row length), so that per-row codecs see rows: the rows that share a
+    scale in the quantisers (``scale_rows``: for a ResNet's small planes, one channel over the batch),
+    or with ``planes`` the rows ``klt`` codes (a token's features, a channel plane)."""
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, row_len(x.shape)) if planes else scale_rows(x)
+    d = max(rows.shape[1], 1)
     want = max(1, size // d)
     if rows.shape[0] <= want:
         return rows
@@ -135,7 +137,8 @@ class BudgetChooser:
             shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES, whole=x.size)
         self.tables[key] = (shape, age + 1, table)
         if self.klt and role == "act" and fits(x, basis):
-            table = table + measure(sample_of(x) if sample is None else sample, self.klt, basis, x.size)
+            rows = sample if sample is not None and not channel_major(x.shape) else sample_of(x, planes=True)
+            table = table + measure(rows, self.klt, basis, x.size)
         limit = self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0)
         spec = pick(table, limit, byte_target)
         self.chosen[key] = str(spec)

@@ -131,7 +131,7 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None, basis: np
     """(codec tag, payload) of a float32 array; ``ratio`` overrides the spec's (adatopk). ``basis``:
     the directions ``klt`` codes in, learnt from earlier tensors (``subspace.Subspace``); without one
     that fits, ``klt:STEP`` sends ``eq:STEP``."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(np.shape(x))  # (a 0-d array stays 0-d)
     r = spec.ratio if ratio is None else ratio
     if spec.kind == "none" or (spec.sparse and r >= 1.0):
         return "raw", x.astype("<f4").tobytes()

@@ -1,6 +1,7 @@
 """Entropy-coded quantisation: a uniform step relative to each token's RMS, then Huffman coding.
 
-Each last-dimension row (a token's vector) gets the scale ``s = step x rms(row)`` (bfloat16, so tiny
+Each last-dimension row (a token's vector; of a 4-D tensor, ``sparse.scale_rows``: a channel plane,
+or one channel over the batch where the planes are small, its values then in channel order) gets the scale ``s = step x rms(row)`` (bfloat16, so tiny
 gradients keep their range); every value becomes the integer ``q = round(x / s)``. Most ``q`` are
 small, so the codes, one byte each, are Huffman coded (raw deflate, Huffman-only strategy): the bits
 per value follow the entropy of ``q`` (about ``log2(4.13 / step)`` for Gaussian rows), not a fixed
@@ -23,7 +24,13 @@ import zlib
 
 import numpy as np
 
-from fusionllm.compress.sparse import from_bf16_bits, row_len, to_bf16_bits
+from fusionllm.compress.sparse import (
+    from_bf16_bits,
+    from_scale_rows,
+    scale_row_len,
+    scale_rows,
+    to_bf16_bits,
+)
 from fusionllm.core.errors import WireError
 
 _HEAD = struct.Struct("<2sBBQQQQ")
@@ -48,24 +55,24 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
     if not MIN_STEP <= step <= MAX_STEP:
         raise ValueError(f"step must be in [{MIN_STEP}, {MAX_STEP}]")
     shape = tuple(x.shape)
-    cols = row_len(shape)
-    rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
+    rows2d = scale_rows(x)
+    cols = rows2d.shape[1]
     squares = np.einsum("ij,ij->i", rows2d, rows2d)  # float32: fast; float64 where it would under- or overflow
     if squares.size and not (1e-30 < squares.min() and squares.max() < 1e36):  # (NaN fails both: float64 too)
         squares = np.sum(np.square(rows2d, dtype=np.float64), axis=1)
-    rms = np.sqrt(squares / cols).astype(np.float32)
+    rms = np.sqrt(squares / max(cols, 1)).astype(np.float32)
     scale_bits = to_bf16_bits(rms * np.float32(step))
     scale = from_bf16_bits(scale_bits)
     inv = np.divide(np.float32(1.0), scale, out=np.ones_like(scale), where=scale > 0)
     deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    chunk = max(1, CHUNK // cols)  # rows a pass: its buffers stay in cache
+    chunk = max(1, CHUNK // max(cols, 1))  # rows a pass: its buffers stay in cache
     buf = np.empty((min(chunk, rows2d.shape[0]), cols), dtype=np.float32)
     parts, found = [], []
-    for r0 in range(0, rows2d.shape[0], chunk):
+    for r0 in range(0, rows2d.shape[0] if rows2d.size else 0, chunk):
         q = buf[: min(chunk, rows2d.shape[0] - r0)]
         np.multiply(rows2d[r0 : r0 + len(q)], inv[r0 : r0 + len(q), None], out=q)
         np.rint(q, out=q)
-        if q.max() > CLIP or q.min() < -CLIP:
+        if q.size and (q.max() > CLIP or q.min() < -CLIP):
             found.append(np.flatnonzero(np.abs(q) > CLIP) + r0 * cols)
             np.clip(q, -CLIP, CLIP, out=q)
         q += CLIP
@@ -96,7 +103,7 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
         raise WireError("not an entropy-coded tensor (bad magic, version or rank)")
     shape, n = read_shape(view, _HEAD.size, rank, "entropy-coded tensor")
     off = _HEAD.size + 8 * rank
-    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols) or n_out > n:
+    if n > max_elements or rows * cols != n or (shape and scale_row_len(shape) != cols) or n_out > n:
         raise WireError(f"entropy-coded tensor declares shape {list(shape)} as {rows} x {cols} with {n_out} outliers: inconsistent or too large")
     need = off + 2 * rows + 12 * n_out + body_len
     if len(view) != need:
@@ -124,4 +131,4 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
     out *= scale[:, None]
     out = out.reshape(-1)
     out[positions.astype(np.int64)] = values
-    return out.reshape(shape)
+    return from_scale_rows(out, shape)

@@ -1,4 +1,6 @@
-"""Dense quantisation: each last-dimension row (a token's vector) in 2 to 8 bits with its own scale.
+"""Dense quantisation: each last-dimension row (a token's vector) in 2 to 8 bits with its own scale
+(a 4-D tensor's rows: ``sparse.scale_rows``, a channel plane, or one channel over the batch where
+the planes are small).
 
 Layout (little-endian)::
 
@@ -18,7 +20,13 @@ import struct
 import numpy as np
 
 from fusionllm.compress.bitpack import pack, packed_size, unpack
-from fusionllm.compress.sparse import from_bf16_bits, row_len, scale_bits
+from fusionllm.compress.sparse import (
+    from_bf16_bits,
+    from_scale_rows,
+    scale_bits,
+    scale_row_len,
+    scale_rows,
+)
 from fusionllm.core.errors import WireError
 
 _HEAD = struct.Struct("<2sBBQQ")
@@ -28,8 +36,8 @@ def encode_quant(x: np.ndarray, bits: int) -> bytes:
     if not 2 <= bits <= 8:
         raise ValueError("bits must be 2 to 8")
     shape = tuple(x.shape)
-    cols = row_len(shape)
-    rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
+    rows2d = scale_rows(x)
+    cols = rows2d.shape[1]
     qmax = 2 ** (bits - 1) - 1
     top = np.maximum(rows2d.max(axis=1, initial=0.0), -rows2d.min(axis=1, initial=0.0))
     bits16 = scale_bits(top / qmax)
@@ -63,7 +71,7 @@ def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.n
     if magic != b"FQ" or not 2 <= bits <= 8 or rank > 16:
         raise WireError("not a quantised tensor (bad magic, bits or rank)")
     shape, n, off = read_shape(view, _HEAD.size, rank, "quantised tensor")
-    if n > max_elements or rows * cols != n or (shape and row_len(shape) != cols):
+    if n > max_elements or rows * cols != n or (shape and scale_row_len(shape) != cols):
         raise WireError(f"quantised tensor declares shape {list(shape)} as {rows} x {cols}: inconsistent or too large")
     body = packed_size(n, bits)
     if len(view) != off + 2 * rows + body:
@@ -71,4 +79,4 @@ def decode_quant(buf: bytes | bytearray | memoryview, max_elements: int) -> np.n
     scale = from_bf16_bits(np.frombuffer(view[off : off + 2 * rows], dtype="<u2"))
     q = unpack(np.frombuffer(view[off + 2 * rows :], dtype=np.uint8), bits, n).astype(np.float32)
     q -= 1 << (bits - 1)
-    return (q.reshape(rows, cols) * scale[:, None]).reshape(shape)
+    return from_scale_rows(q.reshape(rows, cols) * scale[:, None], shape)
