@@ -106,6 +106,14 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
             return decode(tag, b, shape)
 
         out[f"codec {codec}"] = ([payload], run, 64 * x.nbytes)
+    cnn = rng.standard_normal((3, 5, 2, 2)).astype(np.float32)  # a CNN's small planes: scaled per channel over the batch
+    for codec in ("q4", "eq:0.7"):
+        tag, payload = encode(cnn, parse_codec(codec))
+
+        def run_cnn(b: bytes, tag: str = tag) -> object:
+            return decode(tag, b, cnn.shape)
+
+        out[f"codec {codec} (N, C, 2, 2)"] = ([payload], run_cnn, 64 * cnn.nbytes)
     messages = [control.Heartbeat(worker=1, address="10.0.0.1:7000"), control.Step(step=3, lr=0.1, ratios={"1": 0.5}),
                 control.StepDone(losses={"0": 1.5}, grad_norm=0.3, bytes_to={"1": 10}),
                 control.Hyper(lr=0.01), control.Failure(worker=1, index=2, action="F0", error="x")]

@@ -164,7 +164,8 @@ def test_quantised_round_trip_and_size(bits: int) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_corrupt_quantised_payloads_raise_wire_error(data: st.DataObject) -> None:
-    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal((6, 10)).astype(np.float32)
+    shape = data.draw(st.sampled_from([(6, 10), (3, 5, 2, 2)]))  # (3, 5, 2, 2): scaled per channel over the batch
+    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal(shape).astype(np.float32)
     _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["q8", "q4", "q3"]))))
     buf = bytearray(payload)
     if data.draw(st.booleans()):
@@ -230,8 +231,9 @@ def corrupted(data: st.DataObject, payload: bytes) -> bytes:
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_corrupt_entropy_coded_payloads_raise_wire_error(data: st.DataObject) -> None:
-    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal((6, 10)).astype(np.float32)
-    x[2, 3] = 1e6  # one outlier
+    shape = data.draw(st.sampled_from([(6, 10), (3, 5, 2, 2)]))  # (3, 5, 2, 2): scaled per channel over the batch
+    x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[23] = 1e6  # one outlier
     _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["eq:0.3", "eq:1.0"]))))
     try:
         y = decode("eq", corrupted(data, payload), x.shape)
