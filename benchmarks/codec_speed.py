@@ -8,10 +8,11 @@ klt:0.25 and kltr:1 on rows in 32 of their 768 directions (plus a little noise),
 another such tensor; their time counts learning the next basis from the tensor too, as the sender does.
 One core: BLAS and torch limited to one thread before NumPy loads. The goal line: every codec's
 encode plus decode at least 125 MB/s of float32 input (a 1 Gbit/s link's rate: compressing never
-costs more time than sending the raw tensor over such a link would).
-Writes codec_speed.json/.md/.png.
+costs more time than sending the raw tensor over such a link would). ``--layout cnn`` codes tensors
+of (N, 512, 4, 4) instead (a ResNet's last stage, which the quantisers scale per channel over the
+batch, through a transposed copy; no klt, kltr there). Writes codec_speed.json/.md/.png.
 
-    python benchmarks/codec_speed.py [--quick] [--codecs eq:0.7 kltr:1 ...] [--out benchmarks/results/codec_speed]
+    python benchmarks/codec_speed.py [--quick] [--codecs eq:0.7 kltr:1 ...] [--layout cnn] [--out benchmarks/results/codec_speed]
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=results_dir("codec_speed"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--codecs", nargs="+", default=None, help="only these codecs (default: every one)")
+    ap.add_argument("--layout", choices=("tokens", "cnn"), default="tokens",
+                    help="tokens: rows of 768 (a model's tokens); cnn: (N, 512, 4, 4), a ResNet's last stage, "
+                         "which the quantisers scale per channel over the batch (a transposed copy)")
     args = ap.parse_args()
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     specs = ["topk:0.001", "topk:0.01", "topk:0.1", "topk:0.3", "topk-token:0.01", "fp16", "bf16", "q8", "q4",
@@ -77,10 +81,12 @@ def main() -> int:
     rows = []
     for n in sizes:
         x = rng.standard_normal(n // 768 * 768).astype(np.float32).reshape(-1, 768)  # rows like a model's tokens
+        if args.layout == "cnn":
+            x = rng.standard_normal(n // 8192 * 8192).astype(np.float32).reshape(-1, 512, 4, 4)
         for spec in specs:
             rows.append(bench(x, spec, 2 if n >= 64 << 20 else 3))
             print(rows[-1], flush=True)
-        for spec in learnt:
+        for spec in learnt if args.layout == "tokens" else ():
             sub = Subspace()
             sub.learn(low_rank(rng, x.shape[0]))
             rows.append(bench(low_rank(rng, x.shape[0]), spec, 2 if n >= 64 << 20 else 3, sub))
