@@ -117,7 +117,7 @@ def test_a_resnets_small_planes_are_sampled_as_the_quantisers_scale_them() -> No
     basis = np.linalg.qr(rng.standard_normal((16, 4)))[0].astype(np.float32)
     chooser = BudgetChooser()
     spec = chooser.choose(x, 1, "act", FLOOR, basis=basis)
-    assert spec.kind in ("eq", "kltr") and str(spec) in {str(m.spec) for m in chooser.tables[(1, "act")][2]} | {"kltr:0.7", "kltr:1"}
+    assert str(spec) in {str(m.spec) for m in chooser.tables[(1, "act")][2]} | {"kltr:0.7", "kltr:1"}
 
 
 def test_the_codec_each_role_sent_is_reported_per_destination() -> None:
