@@ -33,7 +33,7 @@ gpt-mini's cut ``kltr:1`` errs 0.009-0.019 at 0.086-0.089 of the raw bytes, wher
 0.14 at 0.10. Their budget is then ``ACT_IN_BASIS`` (0.05): ``kltr`` meets it at about the bytes of
 ``eq:0.5`` once the basis has settled, and before that (the first steps, when the activations change
 fastest) finer codecs carry them; with the full budget those steps went at an error of 0.14, and on
-``random-1`` AdaTopK ended 80-step runs 4.7% above uncompressed (four seeds), 1.05% with 0.05. ``klt`` (``KLT_CANDIDATES``) is not measured unless given: it drops the faint
+``random-1`` AdaTopK ended 80-step runs 4.7% above uncompressed (four seeds), 1.1% with 0.05. ``klt`` (``KLT_CANDIDATES``) is not measured unless given: it drops the faint
 directions, and on the testbed it ended gpt-mini's runs further above uncompressed than ``eq:0.5``
 did. Neither codec's loss follows its error at four seeds: a float16 cast of the activations moved
 single seeds by as much (docs/compression.md).
@@ -51,7 +51,7 @@ from fusionllm.compress.subspace import fits
 
 BUDGET = {"act": 0.15, "grad": 0.21, "reduce": 0.21}  # the most relative error a role may carry
 # activations on a link that has a basis: kltr:1 errs 0.01-0.02 there once the basis has settled;
-# before, the first steps went at the full budget (0.14) and random-1 lost 4.7% at 80 steps (1.05% with this)
+# before, the first steps went at the full budget (0.14) and random-1 lost 4.7% at 80 steps (1.1% with this)
 ACT_IN_BASIS = 0.05
 # Not the rotated hq codecs: on the testbed they cost more than their error says (hq4, error 0.10:
 # +3.2% and +4.1% over two seeds, where activations at eq:0.5, error 0.14, cost +1.0% and -2.6%)
