@@ -33,9 +33,9 @@ gpt-mini's cut ``kltr:1`` errs 0.009-0.019 at 0.086-0.089 of the raw bytes, wher
 0.14 at 0.10. Their budget is then ``ACT_IN_BASIS`` (0.05): ``kltr`` meets it at about the bytes of
 ``eq:0.5`` once the basis has settled, and before that (the first steps, when the activations change
 fastest) finer codecs carry them; with the full budget those steps went at an error of 0.14, and on
-``random-1`` AdaTopK ended 80-step runs 4.7% above uncompressed (four seeds), 1.1% with 0.05. ``klt`` (``KLT_CANDIDATES``) is not measured unless given: it drops the faint
-directions, and on the testbed it ended gpt-mini's runs further above uncompressed than ``eq:0.5``
-did. Neither codec's loss follows its error at four seeds: a float16 cast of the activations moved
+``random-1`` AdaTopK ended 80-step runs 4.7% above uncompressed (four seeds), 1.1% with 0.05.
+``klt`` (``KLT_CANDIDATES``) is not measured unless given: it drops the faint directions, and on the
+testbed it ended gpt-mini's runs further above uncompressed than ``eq:0.5`` did. Neither codec's loss follows its error at four seeds: a float16 cast of the activations moved
 single seeds by as much (docs/compression.md).
 """
 
