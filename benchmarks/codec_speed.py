@@ -80,9 +80,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = []
     for n in sizes:
-        x = rng.standard_normal(n // 768 * 768).astype(np.float32).reshape(-1, 768)  # rows like a model's tokens
         if args.layout == "cnn":
             x = rng.standard_normal(n // 8192 * 8192).astype(np.float32).reshape(-1, 512, 4, 4)
+        else:
+            x = rng.standard_normal(n // 768 * 768).astype(np.float32).reshape(-1, 768)  # rows like a model's tokens
         for spec in specs:
             rows.append(bench(x, spec, 2 if n >= 64 << 20 else 3))
             print(rows[-1], flush=True)

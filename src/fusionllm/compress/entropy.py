@@ -1,9 +1,9 @@
 """Entropy-coded quantisation: a uniform step relative to each token's RMS, then Huffman coding.
 
 Each last-dimension row (a token's vector; of a 4-D tensor, ``sparse.scale_rows``: a channel plane,
-or one channel over the batch where the planes are small, its values then in channel order) gets the scale ``s = step x rms(row)`` (bfloat16, so tiny
-gradients keep their range); every value becomes the integer ``q = round(x / s)``. Most ``q`` are
-small, so the codes, one byte each, are Huffman coded (raw deflate, Huffman-only strategy): the bits
+or one channel over the batch where the planes are small, its values then in channel order) gets
+the scale ``s = step x rms(row)`` (bfloat16, so tiny gradients keep their range); every value
+becomes the integer ``q = round(x / s)``. Most ``q`` are small, so the codes, one byte each, are Huffman coded (raw deflate, Huffman-only strategy): the bits
 per value follow the entropy of ``q`` (about ``log2(4.13 / step)`` for Gaussian rows), not a fixed
 width. Values with ``|q| > 127`` (rare outliers) are sent exactly, as float32, at their positions.
 
@@ -72,7 +72,7 @@ def encode_eq(x: np.ndarray, step: float) -> bytes:
         q = buf[: min(chunk, rows2d.shape[0] - r0)]
         np.multiply(rows2d[r0 : r0 + len(q)], inv[r0 : r0 + len(q), None], out=q)
         np.rint(q, out=q)
-        if q.size and (q.max() > CLIP or q.min() < -CLIP):
+        if q.max() > CLIP or q.min() < -CLIP:
             found.append(np.flatnonzero(np.abs(q) > CLIP) + r0 * cols)
             np.clip(q, -CLIP, CLIP, out=q)
         q += CLIP

@@ -171,7 +171,7 @@ def scale_rows(x: np.ndarray) -> np.ndarray:
     if channel_major(x.shape):
         n, c, h, w = x.shape
         return np.ascontiguousarray(x.transpose(1, 0, 2, 3)).reshape(c, n * h * w)
-    cols = scale_row_len(x.shape)
+    cols = row_len(x.shape)
     return np.ascontiguousarray(x).reshape(-1, cols) if cols else np.zeros((0, 0), dtype=np.float32)
 
 
