@@ -10,11 +10,19 @@ compressed chunk is identical everywhere.
 
 It works on NumPy arrays (what travels, ``runtime/peers.py``), so torch and NumPy workers reduce
 together and get the same bits.
+
+With ``row`` > 1 the chunks are whole rows of that many values (the array padded with zeros to a
+whole row, the padding dropped at the end) and travel as 2-D arrays, so that a compressed link's
+quantisers scale each row on its own (``row_width``: one parameter row, a tied embedding's token).
+Sent flat, a chunk is one row with one scale: on gpt-micro's tied embedding, whose rows' RMS span
+three orders of magnitude, ``eq:0.5`` then rounded 39-56% of the rows to zero at every step, while
+its error over the whole chunk (0.10-0.13) looked within the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -23,12 +31,32 @@ Send = Callable[[int, dict, np.ndarray, str], Awaitable[np.ndarray]]
 Recv = Callable[[dict], Awaitable[np.ndarray | None]]
 
 
-async def ring_allreduce(flat: np.ndarray, group: list[int], me: int, tag: dict, send: Send, recv: Recv) -> np.ndarray:
+MIN_ROW, MAX_ROW, BLOCK = 32, 1024, 256  # a row of the flat gradient: its parameters' rows, else blocks of 256
+
+
+def row_width(shapes: Sequence[Sequence[int]]) -> int:
+    """How many values of a group's flat gradient share a scale: the largest width that every
+    parameter's rows (a 2-D or larger parameter's values per entry of its first dimension, a 1-D
+    parameter whole) are whole multiples of, so that every row of the flat array lies in one row of
+    one parameter; halved while over ``MAX_ROW``; ``BLOCK`` where that leaves fewer than ``MIN_ROW``."""
+    width = 0
+    for shape in shapes:
+        size = math.prod(int(d) for d in shape)
+        width = math.gcd(width, size // int(shape[0]) if len(shape) >= 2 and int(shape[0]) else size)
+    while width > MAX_ROW and width % 2 == 0:
+        width //= 2
+    return width if MIN_ROW <= width <= MAX_ROW else BLOCK
+
+
+async def ring_allreduce(flat: np.ndarray, group: list[int], me: int, tag: dict, send: Send, recv: Recv, row: int = 1) -> np.ndarray:
     n = len(group)
     if n == 1:
         return flat
     rank = group.index(me)
     nxt, prev = group[(rank + 1) % n], group[(rank - 1) % n]
+    size = flat.size
+    if row > 1:  # whole rows (the last padded with zeros), each chunk a 2-D array of rows
+        flat = np.concatenate([np.asarray(flat).reshape(-1), np.zeros(-size % row, dtype=flat.dtype)]).reshape(-1, row)
     chunks = list(np.array_split(np.array(flat), n))  # the sizes torch.tensor_split gives
     for r in range(n - 1):  # reduce-scatter: after it, chunk (rank + 1) % n is complete here
         send_i, recv_i = (rank - r) % n, (rank - r - 1) % n
@@ -41,4 +69,4 @@ async def ring_allreduce(flat: np.ndarray, group: list[int], me: int, tag: dict,
         if r == 0:
             chunks[send_i] = seen  # the completed chunk, as every member will hold it
         chunks[recv_i] = await recv({**tag, "mb": r, "edge": f"{tag['edge']}:ag{recv_i}", "src": prev})
-    return np.concatenate(chunks)
+    return np.concatenate(chunks).reshape(-1)[:size]

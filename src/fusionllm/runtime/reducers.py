@@ -28,7 +28,7 @@ from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import StageBackend
 from fusionllm.runtime.link_receiver import LinkReceiver
 from fusionllm.runtime.link_sender import LinkSender
-from fusionllm.runtime.reduce import ring_allreduce
+from fusionllm.runtime.reduce import ring_allreduce, row_width
 from fusionllm.runtime.step import StepState
 from fusionllm.runtime.world_link import in_daemon_thread
 
@@ -67,6 +67,8 @@ class RingReduce:
         # a chunk completed by one member must reach all members identically: on a ring of two
         # the all-gather is one hop and may be compressed; longer rings forward it raw
         self.allgather_ok = len(group) == 2
+        params = backend.executor.trainable()  # chunks of whole parameter rows: a compressed link scales each row
+        self.row = row_width([tuple(params[n].shape) for n in names])
 
     async def __call__(self, st: StepState) -> None:
         sender = self.sender
@@ -84,7 +86,7 @@ class RingReduce:
 
         flat = self.backend.flat_grads(self.names)
         tag = {"kind": "reduce", "step": st.step, "edge": self.gid}
-        self.backend.set_flat_grads(self.names, await ring_allreduce(flat, list(self.group), self.worker, tag, send, recv))
+        self.backend.set_flat_grads(self.names, await ring_allreduce(flat, list(self.group), self.worker, tag, send, recv, self.row))
 
 
 class WorldReduce:
