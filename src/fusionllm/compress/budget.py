@@ -57,6 +57,7 @@ CANDIDATES = tuple(parse_codec(c) for c in ("fp16", "q8", "q6", "q5", "eq:0.5", 
 # the live slow-down test saw the coordinator's byte target go raw after an 80x slowdown (not yet understood)
 SHARED_CANDIDATES = tuple(parse_codec(c) for c in ("eq:0.25", "eq:0.3", "eq:0.4")) + CANDIDATES
 KLT_CANDIDATES = tuple(parse_codec(c) for c in ("klt:0.15", "klt:0.25", "klt:0.35"))
+DITHER_ROLES = ("grad", "reduce")  # roles whose eq candidates are dithered (eqd): their errors average out over tokens and steps
 KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1"))
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
@@ -105,6 +106,11 @@ def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, 
     return out
 
 
+def dithered(candidates: tuple[CodecSpec, ...]) -> tuple[CodecSpec, ...]:
+    """``candidates`` with every ``eq:STEP`` as ``eqd:STEP``."""
+    return tuple(CodecSpec("eqd", step=c.step) if c.kind == "eq" else c for c in candidates)
+
+
 def pick(table: list[Measured], budget: float, byte_target: float) -> CodecSpec:
     """The rule in the module's docstring, over one measured table."""
     within = [m for m in table if m.error <= budget]
@@ -126,6 +132,7 @@ class BudgetChooser:
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
     chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
     klt: tuple[CodecSpec, ...] = KLTR_CANDIDATES  # candidates for activations in a learnt basis (klt: measured worse)
+    dither: tuple[str, ...] = DITHER_ROLES  # roles whose eq candidates are eqd
 
     def choose(self, x: np.ndarray, dst: int, role: str, byte_target: float, basis: np.ndarray | None = None) -> CodecSpec:
         """The codec for ``x`` on its way to ``dst`` in ``role``, for a link whose target is ``byte_target``;
@@ -137,7 +144,8 @@ class BudgetChooser:
         sample = None
         if shape != tuple(x.shape) or age >= self.remeasure:
             sample = sample_of(x)
-            shape, age, table = tuple(x.shape), 0, measure(sample, SHARED_CANDIDATES if self.scale < 1 else CANDIDATES, whole=x.size)
+            candidates = SHARED_CANDIDATES if self.scale < 1 else CANDIDATES
+            shape, age, table = tuple(x.shape), 0, measure(sample, dithered(candidates) if role in self.dither else candidates, whole=x.size)
         self.tables[key] = (shape, age + 1, table)
         if self.klt and role == "act" and fits(x, basis):
             rows = sample if sample is not None and not channel_major(x.shape) else sample_of(x, planes=True)

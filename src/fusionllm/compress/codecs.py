@@ -7,7 +7,7 @@ the largest magnitude (values in fp16, indices in the most compact form, see ``s
 rotation, with per-tile scales (``rotated.py``; ``-sr``: stochastic rounding, unbiased, for gradients);
 ``topk-token:R`` keeps the fraction R of each token's (last-dimension row's) entries; ``eq:STEP``
 quantises each token's vector with a step of STEP times its RMS and Huffman codes the result
-(``entropy.py``); ``klt:STEP`` sends each token's coordinates in a basis of few directions learnt from
+(``entropy.py``; ``eqd:STEP`` with a subtractive dither: the error zero-mean and independent of the value); ``klt:STEP`` sends each token's coordinates in a basis of few directions learnt from
 the tensors sent before on the link, then as ``eq:STEP`` (``subspace.py``); ``kltr:STEP`` adds what lies outside
 the basis as ``eq:STEP``; ``adatopk`` meets a byte target that the policy sets per link and re-adapts during
 training (``policy.py``) with the most accurate codec that fits and whose error, measured on the
@@ -17,6 +17,7 @@ Everything here is NumPy: a worker without torch can encode and decode.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -41,7 +42,9 @@ from fusionllm.compress.sparse import (
 from fusionllm.compress.subspace import decode_klt, decode_kltr, encode_klt, encode_kltr, fits
 from fusionllm.core.errors import ConfigError, WireError
 
-STEPPED = ("eq", "klt", "kltr")  # codecs with a step
+STEPPED = ("eq", "eqd", "klt", "kltr")  # codecs with a step
+DITHERED = ("eqd",)  # their error is independent of the value: a gradient needs no error feedback
+_SEEDS = itertools.count(1)  # a dither seed per message: independent of the tensor's values
 ROTATED = tuple(f"hq{b}{sr}" for b in BITS for sr in ("", "-sr"))
 EXACT_BELOW = 1 << 20  # exact top-k (argpartition) below this many elements; a sampled threshold above
 SAMPLE = 1 << 16
@@ -49,9 +52,9 @@ SAMPLE = 1 << 16
 
 @dataclass(frozen=True)
 class CodecSpec:
-    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | klt | kltr | topk | topk-token | adatopk
+    kind: str  # none | fp16 | bf16 | q8 .. q2 | hq4 .. hq2 | hq4-sr .. hq2-sr | eq | eqd | klt | kltr | topk | topk-token | adatopk
     ratio: float = 1.0
-    step: float = 0.0  # eq, klt, kltr: the quantisation step in units of each row's RMS
+    step: float = 0.0  # eq, eqd, klt, kltr: the quantisation step in units of each row's RMS
 
     def __str__(self) -> str:
         if self.kind in STEPPED:
@@ -69,7 +72,7 @@ class CodecSpec:
 
 
 def parse_codec(text: str) -> CodecSpec:
-    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `klt:STEP`, `kltr:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
+    """`none`, `fp16`, `bf16`, `q8` .. `q2`, `eq:STEP`, `eqd:STEP`, `klt:STEP`, `kltr:STEP`, `topk:RATIO`, `topk-token:RATIO` or `adatopk`."""
     kind, _, arg = text.strip().lower().partition(":")
     if kind in ("none", "raw", "fp16", "bf16", "adatopk") and not arg:
         return CodecSpec("none" if kind == "raw" else kind)
@@ -91,7 +94,7 @@ def parse_codec(text: str) -> CodecSpec:
         if not 0 < ratio <= 1:
             raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
         return CodecSpec(kind, ratio)
-    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, klt:STEP, kltr:STEP, topk:RATIO, topk-token:RATIO or adatopk")
+    raise ConfigError(f"--compress {text!r}: choose none, fp16, bf16, q8 .. q2, hq4 .. hq2 (-sr), eq:STEP, eqd:STEP, klt:STEP, kltr:STEP, topk:RATIO, topk-token:RATIO or adatopk")
 
 
 def select_topk(flat: np.ndarray, ratio: float) -> np.ndarray:
@@ -144,7 +147,8 @@ def encode(x: np.ndarray, spec: CodecSpec, ratio: float | None = None, basis: np
     if spec.kind == "bf16":
         return "bf16", to_bf16_bits(x).astype("<u2").tobytes()
     if spec.kind in STEPPED:
-        payload = encode_eq(x, spec.step)  # outliers cost 12 bytes each: never send more than raw
+        seed = (next(_SEEDS) * 0x9E3779B97F4A7C15) % (1 << 64) if spec.kind in DITHERED else None
+        payload = encode_eq(x, spec.step, seed)  # outliers cost 12 bytes each: never send more than raw
         return ("eq", payload) if len(payload) < 4 * x.size else ("raw", x.astype("<f4").tobytes())
     if spec.rotated_bits:
         return "hq", encode_rotated(x, spec.rotated_bits, stochastic=spec.kind.endswith("-sr"))

@@ -23,6 +23,10 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         return self._residual.get(key)
 
+    def discard(self, key: Hashable) -> None:
+        """Forget ``key``'s residual (its sender stopped feeding it back)."""
+        self._residual.pop(key, None)
+
     def snapshot(self) -> dict[Hashable, np.ndarray]:
         """The residuals as they are (``apply`` replaces them, never changes one in place)."""
         return dict(self._residual)

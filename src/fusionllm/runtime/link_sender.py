@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from fusionllm.compress.budget import BudgetChooser
-from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.codecs import DITHERED, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.compress.subspace import Subspace
 from fusionllm.graph.ir import Edge
@@ -137,10 +137,13 @@ class LinkSender:
             if role == "act" and (spec.kind in ("klt", "kltr") or (spec.kind == "adatopk" and self.chooser.klt)) else None
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
-            nonlocal spec, ratio
+            nonlocal spec, ratio, feedback_key
             basis = None if sub is None else sub.basis
             if spec.kind == "adatopk":  # the link's byte target -> a codec within the role's error budget
                 spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0, basis), None
+            if feedback_key is not None and role == "grad" and spec.kind in DITHERED:
+                self.feedback.discard(feedback_key)  # a pipeline gradient's residual belongs to other samples: a
+                feedback_key = None  # dithered error is already unbiased, and feeding it back would double it
             if feedback_key is None:
                 encoded = encode(x, spec, ratio, basis)
                 if sub is not None:
