@@ -234,12 +234,44 @@ def test_corrupt_entropy_coded_payloads_raise_wire_error(data: st.DataObject) ->
     shape = data.draw(st.sampled_from([(6, 10), (3, 5, 2, 2)]))  # (3, 5, 2, 2): scaled per channel over the batch
     x = np.random.default_rng(data.draw(st.integers(0, 50))).standard_normal(shape).astype(np.float32)
     x.reshape(-1)[23] = 1e6  # one outlier
-    _, payload = encode(x, parse_codec(data.draw(st.sampled_from(["eq:0.3", "eq:1.0"]))))
+    codec = data.draw(st.sampled_from(["eq:0.3", "eq:1.0", "eqd:0.7"]))
+    payload = encode_eq(x, 0.7, seed=5) if codec == "eqd:0.7" else encode(x, parse_codec(codec))[1]  # (a fixed seed: the same bytes every run)
     try:
         y = decode("eq", corrupted(data, payload), x.shape)
     except WireError:
         return
     assert y.shape == x.shape
+
+
+def test_a_dithered_code_errs_as_nearest_rounding_does_but_independently_of_the_value() -> None:
+    """``eqd``: the same bytes and error as ``eq`` on Gaussian rows, the error uncorrelated with the
+    value, and no bias: a channel of values under half a step, which nearest rounding sends as zero
+    in every token, arrives on average over the tokens."""
+    x = np.random.default_rng(2).standard_normal((512, 128)).astype(np.float32)
+    x[:, 7] = 0.25  # under half of eq:0.7's step (0.35 of the row's RMS of about 1)
+    near = decode(*encode(x, parse_codec("eq:0.7")), x.shape)
+    tag, payload = encode(x, parse_codec("eqd:0.7"))
+    dith = decode(tag, payload, x.shape)
+    assert tag == "eq" and payload[2] == 2  # version 2: dithered, its seed in the message
+    assert abs(len(payload) / len(encode(x, parse_codec("eq:0.7"))[1]) - 1) < 0.05
+    for y in (near, dith):
+        assert 0.18 < np.linalg.norm(y - x) / np.linalg.norm(x) < 0.22
+    assert np.all(near[:, 7] == 0.0)  # nearest: the quiet channel is lost in every token
+    assert abs(dith[:, 7].mean() - 0.25) < 0.03  # dithered: it arrives on average
+    errors = (dith - x).reshape(-1)
+    assert abs(np.corrcoef(errors, x.reshape(-1))[0, 1]) < 0.02
+
+
+def test_a_dithered_code_keeps_tokens_apart_and_decodes_from_its_own_seed() -> None:
+    x = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32)
+    y = x.copy()
+    y[4] *= 5.0  # another token changes
+    a, b = (decode("eq", encode_eq(t, 0.7, seed=11), t.shape) for t in (x, y))
+    np.testing.assert_array_equal(np.delete(a, 4, axis=0), np.delete(b, 4, axis=0))  # no other token moves
+    assert not np.array_equal(a, decode("eq", encode_eq(x, 0.7, seed=12), x.shape))  # the seed is the dither
+    payload = bytearray(encode_eq(x, 0.7, seed=11))
+    with pytest.raises(WireError, match="bytes"):
+        decode("eq", bytes(payload[:-1]), x.shape)
 
 
 def test_entropy_coded_header_declaring_a_huge_tensor_is_refused_before_inflating() -> None:

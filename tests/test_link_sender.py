@@ -82,6 +82,30 @@ def test_a_quantised_gradient_is_error_fed_so_that_what_rounds_to_zero_still_arr
     np.testing.assert_allclose(np.sum(got, axis=0) / 40, g, atol=0.02)  # over steps it arrives
 
 
+def test_a_dithered_gradient_is_not_error_fed_and_what_rounds_to_zero_still_arrives() -> None:
+    """A pipeline gradient's residual belongs to other samples; with a subtractive dither the error
+    is zero-mean on its own, so the entry under half a step arrives on average without one."""
+    g = np.full((4, 16), 0.05, dtype=np.float32)
+    g[:, 0] = 1.0
+    sender, inboxes, _ = _sender("eqd:0.7")
+    got = [_send(sender, inboxes[1], StepState(s, 0.1, {}), "grad", g) for s in range(400)]
+    assert sender.feedback.snapshot() == {}  # nothing kept
+    assert len({float(x[1, 1]) for x in got}) > 1  # sent dithered, not the same rounding every time
+    np.testing.assert_allclose(np.mean(got, axis=0)[:, 1:], g[:, 1:], atol=0.02)  # on average it arrives
+
+
+def test_adatopk_told_to_dither_gradients_drops_a_residual_left_from_before() -> None:
+    g = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    sender, inboxes, _ = _sender("adatopk")
+    assert sender.chooser.dither == ()  # by default it does not (measured no better)
+    sender.chooser.dither = ("grad",)
+    sender.ratios = {1: 0.09}
+    sender.feedback.apply(("e", 1, 0), g, lambda t: t * 0.5)  # a residual from an earlier codec
+    _send(sender, inboxes[1], StepState(0, 0.1, {}), "grad", g)
+    assert sender.chooser.chosen[(1, "grad")].startswith("eqd:")
+    assert sender.feedback.residual(("e", 1, 0)) is None
+
+
 def test_an_activation_is_compressed_without_error_feedback() -> None:
     sender, inboxes, _ = _sender("topk:0.25")
     got = _send(sender, inboxes[1], StepState(0, 0.1, {}), "act", GRAD)
