@@ -9,7 +9,7 @@ One input in ``--sample`` is decoded under ``tracemalloc``: its peak allocation 
 target's budget (the limit the decoder is given, plus the input's own size, times a small slack).
 
 Targets: tensor messages (``compress.wire.decode_array``), compressed payloads (``codecs.decode``
-for raw, fp16, bf16, quant, hq, eq, klt, kltr and topk), msgpack control messages (``messages.unpack`` then the
+for raw, fp16, bf16, quant, hq, eq (dithered too), klt, kltr and topk), msgpack control messages (``messages.unpack`` then the
 typed ``Message.from_wire`` of several messages), the data plane's stream after the handshake
 (``DataServer._one`` reading messages into a worker's ``Inbox``: sizes, tensor headers, frames,
 ``read_tensor``, the inbox's checks), cluster files (``cluster.spec.parse_cluster``) and OpGraph
@@ -98,7 +98,7 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
 
     sub = Subspace()
     sub.learn((rng.standard_normal((64, 3)) @ rng.standard_normal((3, 16))).astype(np.float32))  # klt's basis: 3 directions
-    for codec in ("none", "fp16", "bf16", "q8", "q4", "hq4", "hq3-sr", "hq2", "eq:0.7", "klt:0.25", "kltr:0.5", "topk:0.1"):
+    for codec in ("none", "fp16", "bf16", "q8", "q4", "hq4", "hq3-sr", "hq2", "eq:0.7", "eqd:0.7", "klt:0.25", "kltr:0.5", "topk:0.1"):
         tag, payload = encode(x, parse_codec(codec), basis=sub.basis)
         shape = x.shape
 
