@@ -3,7 +3,7 @@
 
 For 1M to 64M elements: top-k at ratios 0.001 to 0.3 (exact below 1M elements, a sampled threshold
 above: the table reports how far its k is from the exact k), per-token top-k, fp16, bf16, per-token
-q8 / q4, the rotated tile quantisers hq4 / hq3 / hq2 with nearest and stochastic rounding, eq:0.7, and
+q8 / q4, the rotated tile quantisers hq4 / hq3 / hq2 with nearest and stochastic rounding, eq:0.7, eqd:0.7, and
 klt:0.25 and kltr:1 on rows in 32 of their 768 directions (plus a little noise), in a basis learnt from
 another such tensor; their time counts learning the next basis from the tensor too, as the sender does.
 One core: BLAS and torch limited to one thread before NumPy loads. The goal line: every codec's
@@ -73,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     specs = ["topk:0.001", "topk:0.01", "topk:0.1", "topk:0.3", "topk-token:0.01", "fp16", "bf16", "q8", "q4",
-             "hq4", "hq3", "hq2", "hq4-sr", "hq3-sr", "hq2-sr", "eq:0.7"]
+             "hq4", "hq3", "hq2", "hq4-sr", "hq3-sr", "hq2-sr", "eq:0.7", "eqd:0.7"]
     learnt = ["klt:0.25", "kltr:1"]  # on rows in few directions, in a basis learnt from another such tensor
     if args.codecs:
         specs, learnt = [c for c in specs if c in args.codecs], [c for c in learnt if c in args.codecs]
