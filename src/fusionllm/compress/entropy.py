@@ -17,7 +17,7 @@ size in many tokens err alike, and their errors add up in every weight gradient 
 ``eq:0.7`` the weight gradients of the stages below the cut erred 0.025-0.064 with the dither and
 0.068-0.118 without, for the same 0.20 on the tensor sent (docs/compression.md). The offsets depend
 only on the seed, never on other values of the tensor (no token leaks into another). They come
-from PCG64 (NumPy's ``random_raw``, whose stream is fixed), 24 bits each.
+from PCG64 (NumPy's ``random_raw``, whose stream is fixed), 24 bits each, two per 64-bit word (``Dither``).
 
 Layout (little-endian)::
 
@@ -63,13 +63,29 @@ def bits_for_step(step: float) -> float:
     return max(1.0, math.log2(GAUSS / step) + 0.1)
 
 
-def dither(gen: np.random.PCG64, count: int) -> np.ndarray:
-    """The next ``count`` offsets of a seeded stream, uniform in [-0.5, 0.5), float32 (24 bits each)."""
-    raw = gen.random_raw(count)
-    out = (raw >> np.uint64(40)).astype(np.float32)
-    out *= np.float32(2.0**-24)
-    out -= np.float32(0.5)
-    return out
+class Dither:
+    """A seeded stream of offsets, uniform in [-0.5, 0.5), float32 (24 bits each): offset ``k`` is the
+    low (``k`` even) or high (``k`` odd) 32 bits of PCG64 word ``k // 2`` (NumPy's ``random_raw``,
+    whose stream is fixed), shifted right by 8, times 2^-24, minus 0.5. Taken in pieces of any size,
+    the stream is the same."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = np.random.PCG64(seed)
+        self.left: np.float32 | None = None  # a word's high half, drawn but not yet taken
+
+    def take(self, count: int) -> np.ndarray:
+        first = [] if self.left is None or count == 0 else [self.left]
+        if first:
+            self.left = None
+        need = count - len(first)
+        halves = self.gen.random_raw((need + 1) // 2).astype("<u8", copy=False).view("<u4")
+        np.right_shift(halves, 8, out=halves)
+        vals = halves.astype(np.float32)
+        vals *= np.float32(2.0**-24)
+        vals -= np.float32(0.5)
+        if len(vals) > need:
+            self.left = vals[need]
+        return np.concatenate([np.asarray(first, dtype=np.float32), vals[:need]]) if first else vals[:need]
 
 
 def encode_eq(x: np.ndarray, step: float, seed: int | None = None) -> bytes:
@@ -90,12 +106,12 @@ def encode_eq(x: np.ndarray, step: float, seed: int | None = None) -> bytes:
     chunk = max(1, CHUNK // max(cols, 1))  # rows a pass: its buffers stay in cache
     buf = np.empty((min(chunk, rows2d.shape[0]), cols), dtype=np.float32)
     parts, found = [], []
-    gen = None if seed is None else np.random.PCG64(seed)
+    offsets = None if seed is None else Dither(seed)
     for r0 in range(0, rows2d.shape[0] if rows2d.size else 0, chunk):
         q = buf[: min(chunk, rows2d.shape[0] - r0)]
         np.multiply(rows2d[r0 : r0 + len(q)], inv[r0 : r0 + len(q), None], out=q)
-        if gen is not None:
-            q += dither(gen, q.size).reshape(q.shape)
+        if offsets is not None:
+            q += offsets.take(q.size).reshape(q.shape)
         np.rint(q, out=q)
         if q.max() > CLIP or q.min() < -CLIP:
             found.append(np.flatnonzero(np.abs(q) > CLIP) + r0 * cols)
@@ -158,9 +174,9 @@ def decode_eq(buf: bytes | bytearray | memoryview, max_elements: int) -> np.ndar
     out = q.astype(np.float32).reshape(rows, cols)
     out -= CLIP
     if seed is not None:  # the sender's offsets, drawn again in the same order
-        flat, gen = out.reshape(-1), np.random.PCG64(seed)
+        flat, offsets = out.reshape(-1), Dither(seed)
         for i in range(0, n, CHUNK):
-            flat[i : i + CHUNK] -= dither(gen, min(CHUNK, n - i))
+            flat[i : i + CHUNK] -= offsets.take(min(CHUNK, n - i))
     out *= scale[:, None]
     out = out.reshape(-1)
     out[positions.astype(np.int64)] = values
