@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import exit_on_sigterm, results_dir, write  # noqa: E402
+from one_process import OneProcessLM  # noqa: E402
 
 CODECS = ("eq:0.5", "eq:0.25", "klt:0.35", "klt:0.25", "klt:0.15", "kltr:1")
 
@@ -72,41 +73,24 @@ def main() -> int:
     exit_on_sigterm()
     import torch
 
-    from fusionllm.core.config import TrainConfig, lr_at
-    from fusionllm.data import Batcher
-    from fusionllm.data.lm_tokens import load_lm_tokens
-    from fusionllm.models.loss import lm_loss
-    from fusionllm.models.spec import build_lm, lm_tokenizer
-    from fusionllm.runtime.optim import make_adamw
-
-    torch.set_num_threads(1)
-    cfg = TrainConfig(model=args.model, steps=args.steps, batch_size=8, seq_len=128, lr=3e-3, seed=args.seed)
-    tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
-    batches = Batcher(tokens.train, 8, 128, args.seed)
-    model = build_lm(args.model, tokens.vocab_size, seed=args.seed)
-    blocks = getattr(model, "h", None)
+    lm = OneProcessLM(args.model, args.steps, args.seed)
+    blocks = getattr(lm.model, "h", None)
     if blocks is None or not 0 <= args.cut < len(blocks):
         raise SystemExit(f"--cut {args.cut}: {args.model} has {0 if blocks is None else len(blocks)} blocks in .h; choose one of them")
-    optimizer = make_adamw(model.named_parameters(), cfg.lr, cfg.weight_decay)
     seen: list[torch.Tensor] = []
     blocks[args.cut].register_forward_hook(lambda _m, _i, out: (out.retain_grad(), seen.append(out))[-1] and None)
     rows = []
     for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, steps=args.steps, warmup=10)
-        x, y = batches.get(step)
-        optimizer.zero_grad(set_to_none=True)
+        x, y = lm.start(step)
         seen.clear()
-        for mb in range(4):
-            (lm_loss(model(x[mb * 2 : mb * 2 + 2]).float(), y[mb * 2 : mb * 2 + 2]) / 4).backward()
+        lm.backward(x, y)
         if step in args.at:
             act = [t.detach().reshape(-1, t.shape[-1]).numpy().astype(np.float32) for t in seen[:2]]
             grad = [t.grad.reshape(-1, t.shape[-1]).numpy().astype(np.float32) for t in seen[:2]]
             for role, (first, second) in (("activations", act), ("gradients", grad)):
                 rows.append({"step": step, **structure(second, first, role)})
                 print(rows[-1], flush=True)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        lm.finish()
     table = ["| step | tensor | largest channel | 4 largest | in 1 / 4 / 16 directions of the micro-batch before | klt's directions | "
              + " | ".join(f"{c}: bytes, error" for c in CODECS) + " | faint directions' error / signal: eq:0.5, kltr:1 |", "|---" * (7 + len(CODECS)) + "|"]
     for r in rows:

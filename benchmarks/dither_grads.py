@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import exit_on_sigterm, results_dir, write  # noqa: E402
+from one_process import OneProcessLM  # noqa: E402
 
 MODES = ("nearest", "dither", "stochastic")
 STEPS = (0.7, 1.0)
@@ -58,36 +59,22 @@ def main() -> int:
     exit_on_sigterm()
     import torch
 
-    from fusionllm.core.config import TrainConfig, lr_at
-    from fusionllm.data import Batcher
-    from fusionllm.data.lm_tokens import load_lm_tokens
-    from fusionllm.models.loss import lm_loss
-    from fusionllm.models.spec import build_lm, lm_tokenizer
-    from fusionllm.runtime.optim import make_adamw
-
-    torch.set_num_threads(1)
-    cfg = TrainConfig(model=args.model, steps=args.steps, batch_size=8, seq_len=128, lr=3e-3, seed=args.seed)
-    tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
-    batches = Batcher(tokens.train, 8, 128, args.seed)
-    model = build_lm(args.model, tokens.vocab_size, seed=args.seed)
+    lm = OneProcessLM(args.model, args.steps, args.seed)
+    model = lm.model
     blocks = getattr(model, "h", None)
     if blocks is None or not 0 <= args.cut < len(blocks) - 1:
         raise SystemExit(f"--cut {args.cut}: {args.model} has {0 if blocks is None else len(blocks)} blocks in .h; choose one before the last")
     below = [p for n, p in model.named_parameters() if n.startswith(tuple(f"h.{b}." for b in range(args.cut + 1)))]
-    optimizer = make_adamw(model.named_parameters(), cfg.lr, cfg.weight_decay)
     out: dict = {}
     blocks[args.cut].register_forward_hook(lambda _m, _i, o: out.__setitem__("o", o) and None)
     rng = np.random.default_rng(args.seed)
     rows = []
     for step in range(max(args.at) + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, steps=args.steps, warmup=10)
-        x, y = batches.get(step)
-        optimizer.zero_grad(set_to_none=True)
+        x, y = lm.start(step)
         if step in args.at:
             errs: dict[tuple[str, float], list[tuple[float, float]]] = {}
             for mb in range(2):
-                loss = lm_loss(model(x[mb * 2 : mb * 2 + 2]).float(), y[mb * 2 : mb * 2 + 2])
+                loss = lm.micro_batch_loss(x, y, mb)
                 g = torch.autograd.grad(loss, out["o"], retain_graph=True)[0]
                 exact = torch.cat([t.reshape(-1) for t in torch.autograd.grad(out["o"], below, grad_outputs=g, retain_graph=True)])
                 for mode in MODES:
@@ -99,11 +86,9 @@ def main() -> int:
                 rows.append({"step": step, "mode": mode, "step_size": st, "sent_error": round(float(np.mean([a for a, _ in v])), 4),
                              "weight_grad_error": round(float(np.mean([b for _, b in v])), 4)})
             print([r for r in rows if r["step"] == step], flush=True)
-            optimizer.zero_grad(set_to_none=True)
-        for mb in range(4):
-            (lm_loss(model(x[mb * 2 : mb * 2 + 2]).float(), y[mb * 2 : mb * 2 + 2]) / 4).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+            lm.optimizer.zero_grad(set_to_none=True)
+        lm.backward(x, y)
+        lm.finish()
     table = ["| step | step size | " + " | ".join(f"{m}: sent, weight gradients" for m in MODES) + " |", "|---" * (2 + len(MODES)) + "|"]
     for step in args.at:
         for st in STEPS:

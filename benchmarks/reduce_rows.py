@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import exit_on_sigterm, results_dir, write  # noqa: E402
+from one_process import OneProcessLM  # noqa: E402
 
 CODECS = ("eq:0.5", "eq:0.7")
 
@@ -55,32 +56,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=results_dir("reduce_rows"))
     args = ap.parse_args()
     exit_on_sigterm()
-    import torch
-
-    from fusionllm.core.config import TrainConfig, lr_at
-    from fusionllm.data import Batcher
-    from fusionllm.data.lm_tokens import load_lm_tokens
-    from fusionllm.models.loss import lm_loss
-    from fusionllm.models.spec import build_lm, lm_tokenizer
-    from fusionllm.runtime.optim import make_adamw
-
-    torch.set_num_threads(1)
-    cfg = TrainConfig(model=args.model, steps=args.steps, batch_size=8, seq_len=128, lr=3e-3, seed=args.seed)
-    tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
-    batches = Batcher(tokens.train, 8, 128, args.seed)
-    model = build_lm(args.model, tokens.vocab_size, seed=args.seed)
-    tied = dict(model.named_parameters()).get("wte.weight")
+    lm = OneProcessLM(args.model, args.steps, args.seed)
+    tied = dict(lm.model.named_parameters()).get("wte.weight")
     if tied is None:
         raise SystemExit(f"{args.model} has no wte.weight: this benchmark needs a tied token embedding")
-    optimizer = make_adamw(model.named_parameters(), cfg.lr, cfg.weight_decay)
     rows = []
     for step in range(max(args.at) + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, steps=args.steps, warmup=10)
-        x, y = batches.get(step)
-        optimizer.zero_grad(set_to_none=True)
-        for mb in range(4):
-            (lm_loss(model(x[mb * 2 : mb * 2 + 2]).float(), y[mb * 2 : mb * 2 + 2]) / 4).backward()
+        x, y = lm.start(step)
+        lm.backward(x, y)
         if step in args.at:
             grad = tied.grad.numpy().astype(np.float32)
             rms = np.sqrt(np.mean(grad**2, axis=1))
@@ -89,8 +72,7 @@ def main() -> int:
                          "row_rms_max_over_median": round(float(rms.max() / np.median(rms)), 1),
                          "coded": coded(half, grad.shape[1])})
             print(rows[-1], flush=True)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        lm.finish()
     table = ["| step | loudest row / median row (RMS) | codec | scales | bytes | error, whole half | "
              "each row's error (10th, 50th, 90th percentile) | rows sent as zeros |", "|---" * 8 + "|"]
     for r in rows:
