@@ -208,3 +208,25 @@ def test_host_delays_on_a_busy_machine_do_not_compress_a_fast_link() -> None:
         delay = 0.0 if step % 8 == 0 else 0.2  # seven steps of eight wait 200 ms for a busy core
         policy.observe(link, wire, MESSAGES * 2e-4 + wire * 8 / 1e9 + delay, MESSAGES)
     assert policy.byte_target(link) == 1.0
+
+
+def _reduce_only(encode_bps: float) -> LinkPolicy:
+    """Link 1 -> 0 carries only a tied weight's all-reduce (131,072 raw bytes, after the backward pass)
+    from the slowest device (0.09 s a step) at 226 Mbit/s, as the last stage's return link on random-11."""
+    link = (1, 0)
+    policy = LinkPolicy(compute_s={0: 0.02, 1: 0.09}, loads={link: LinkLoad(reduce_bytes=131_072.0, messages=2)}, bps={link: 226e6},
+                        encode_bps={1: encode_bps}, decode_bps={0: 8.7e8}, overhead_s=0.0)
+    policy.decide_all()
+    return policy
+
+
+def test_an_all_reduce_from_the_slowest_device_pays_its_codec_time_once():
+    # coded after the backward pass: the step is the slowest device's compute, then encode, send, decode
+    # (its encoding used to be counted in that device's compute as well, and such a link stayed raw)
+    policy = _reduce_only(6e7)
+    raw, send = 0.09 + 131_072 * 8 / 226e6, 131_072 * 8 / 226e6
+    assert policy.predicted_step((1, 0), 1.0) == pytest.approx(raw)
+    assert policy.predicted_step((1, 0), FLOOR) == pytest.approx(0.09 + FLOOR * send + 131_072 / 6e7 + 131_072 / 8.7e8)
+    assert policy.byte_target((1, 0)) == FLOOR
+    # a sender that encodes slower than the link sends keeps it raw
+    assert _reduce_only(1e7).byte_target((1, 0)) == 1.0

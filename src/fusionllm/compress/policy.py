@@ -85,15 +85,16 @@ class LinkPolicy:
         t = min(1.0, max(self.floor, target))
         coded = t < 1.0
         exposed_raw = load.first_bytes + load.reduce_bytes
-        total_raw = load.step_bytes + load.reduce_bytes
-        enc = total_raw / self.encode_bps.get(a, 2.5e8) if coded else 0.0
-        dec = total_raw / self.decode_bps.get(b, 8e8) if coded else 0.0
+        enc = 1 / self.encode_bps.get(a, 2.5e8) if coded else 0.0  # seconds per raw byte
+        dec = 1 / self.decode_bps.get(b, 8e8) if coded else 0.0
         busy = (t * load.step_bytes * per_byte + load.messages * self.overhead_s) / self.margin
-        bound = max(max(self.compute_s.values(), default=0.0), self.compute_s.get(a, 0.0) + enc, self.compute_s.get(b, 0.0) + dec, busy)
-        exposed = t * exposed_raw * per_byte
-        if coded and total_raw > 0:
-            exposed += (enc + dec) * exposed_raw / total_raw
-        return bound + exposed
+        # the pipeline's tensors are coded while the devices compute other micro-batches: their codec
+        # time adds to each device's work; the all-reduced gradients are coded after the backward pass,
+        # on the critical path only (counting them in both counted them twice: a reduce-only link from a
+        # slow device looked slower compressed, and stayed raw)
+        bound = max(max(self.compute_s.values(), default=0.0), self.compute_s.get(a, 0.0) + enc * load.step_bytes,
+                    self.compute_s.get(b, 0.0) + dec * load.step_bytes, busy)
+        return bound + t * exposed_raw * per_byte + (enc + dec) * exposed_raw
 
     def rate_at(self, link: tuple[int, int], target: float) -> float | None:
         """The link's rate as measured lately with messages at least as large as ``target`` sends.
