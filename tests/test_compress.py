@@ -338,3 +338,27 @@ def test_quantisers_round_trip_empty_and_tiny_tensors(shape: tuple[int, ...]) ->
         for tag, payload in (encode(x, spec), ("eq", encode_eq(x, 0.1)), ("quant", encode_quant(x, 8))):
             y = decode(tag, payload, x.shape)
             assert y.shape == x.shape and (x.size == 0 or np.abs(y - x).max() <= 0.1 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("codec", ["eq:0.7", "eqd:0.7", "eq:0.25", "q8", "q5", "hq4", "hq2"])
+def test_rows_too_small_to_invert_are_coded_as_zeros_without_overflow(codec: str) -> None:
+    # a tied embedding's rows for tokens the model never predicts reach 1e-39 (float32 subnormals):
+    # the inverse of their scale overflowed, and the row went through infinities and NaN (eq sent each
+    # of its values as a 12-byte outlier; q5 decoded a casted NaN as 1.2x the row's values)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[1] *= np.float32(1e-39)
+    x[2] *= np.float32(1e-37)
+    x[3] = 0.0
+    normal = x[[0, 4, 5]]
+    spec = parse_codec(codec)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        tag, payload = encode(x, spec)
+        back = decode(tag, payload, x.shape)
+        alone = decode(*encode(normal, spec), normal.shape)
+    assert np.abs(back[1]).max() <= 1e-38 and not back[3].any()  # (a dithered code leaves its offsets x the scale)
+    assert np.abs(back[2] - x[2]).max() <= np.abs(x[2]).max()  # 1e-37: coded, or zeros where its inverse overflows
+    if spec.kind in ("eq", "eqd"):  # the tiny rows cost no more than zero rows: no outliers
+        assert len(payload) < len(encode(np.concatenate([normal, np.zeros((3, 64), np.float32)]), spec)[1]) + 64
+    if spec.kind == "eq":
+        assert np.array_equal(back[[0, 4, 5]], alone)

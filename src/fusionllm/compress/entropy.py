@@ -39,6 +39,7 @@ import numpy as np
 from fusionllm.compress.sparse import (
     from_bf16_bits,
     from_scale_rows,
+    reciprocal,
     scale_row_len,
     scale_rows,
     to_bf16_bits,
@@ -101,7 +102,7 @@ def encode_eq(x: np.ndarray, step: float, seed: int | None = None) -> bytes:
     rms = np.sqrt(squares / max(cols, 1)).astype(np.float32)
     scale_bits = to_bf16_bits(rms * np.float32(step))
     scale = from_bf16_bits(scale_bits)
-    inv = np.divide(np.float32(1.0), scale, out=np.ones_like(scale), where=scale > 0)
+    inv = reciprocal(scale)
     deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
     chunk = max(1, CHUNK // max(cols, 1))  # rows a pass: its buffers stay in cache
     buf = np.empty((min(chunk, rows2d.shape[0]), cols), dtype=np.float32)

@@ -23,6 +23,7 @@ from fusionllm.compress.bitpack import pack, packed_size, unpack
 from fusionllm.compress.sparse import (
     from_bf16_bits,
     from_scale_rows,
+    reciprocal,
     scale_bits,
     scale_row_len,
     scale_rows,
@@ -42,7 +43,7 @@ def encode_quant(x: np.ndarray, bits: int) -> bytes:
     top = np.maximum(rows2d.max(axis=1, initial=0.0), -rows2d.min(axis=1, initial=0.0))
     bits16 = scale_bits(top / qmax)
     s = from_bf16_bits(bits16)
-    inv = np.divide(1.0, s, out=np.ones_like(s), where=s > 0)
+    inv = reciprocal(s)
     q = rows2d * inv[:, None]
     np.rint(q, out=q)
     np.clip(q, -qmax, qmax, out=q)

@@ -41,7 +41,7 @@ import numpy as np
 
 from fusionllm.compress.bitpack import pack, packed_size, unpack
 from fusionllm.compress.quant import read_shape
-from fusionllm.compress.sparse import from_bf16_bits, row_len, scale_bits
+from fusionllm.compress.sparse import from_bf16_bits, reciprocal, row_len, scale_bits
 from fusionllm.core.errors import WireError
 
 TILE = 256
@@ -112,7 +112,7 @@ def _encode_tiles(blocks: np.ndarray, bits: int, lt: int, gen: np.random.Generat
     s = from_bf16_bits(bits16)
     levels = (1 << bits) - 1
     half = np.float32(levels / 2.0)
-    y *= np.divide(half, s, out=np.zeros_like(s), where=s > 0)[:, None]
+    y *= reciprocal(s, float(half))[:, None]
     if gen is not None:  # a 16-bit uniform dither (faster to draw than floats), centred: unbiased to 2**-17 of a level
         y += half + np.float32(2.0**-17)
         y += gen.integers(0, 1 << 16, size=y.shape, dtype=np.uint16) * np.float32(2.0**-16)

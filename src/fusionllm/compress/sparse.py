@@ -40,6 +40,16 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
 
 
 BF16_MAX = 0x7F7F  # the largest finite bfloat16
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def reciprocal(scale: np.ndarray, numerator: float = 1.0) -> np.ndarray:
+    """``numerator / scale`` per row, 0 where that is not a finite float32: a row whose scale is so
+    small (about 1e-38 and under: a tied embedding's rows of tokens the model has learnt never to
+    predict) that its inverse overflows is coded as zeros (its values are smaller still), not turned
+    into infinities, NaN and undefined casts. A zero scale (a zero row) also gives 0."""
+    ok = scale > np.float32(numerator / _F32_MAX)
+    return np.divide(np.float32(numerator), scale, out=np.zeros_like(scale), where=ok)
 
 
 def scale_bits(scale: np.ndarray, *, cover: bool = False) -> np.ndarray:
