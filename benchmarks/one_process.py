@@ -1,9 +1,10 @@
 """An LM trained in one plain PyTorch process, as the cut and codec benchmarks watch it.
 
-``cut_structure.py``, ``reduce_rows.py`` and ``dither_grads.py`` train the same way (batch 8 x 128
-in 4 micro-batches of 2 sequences, AdamW at lr 3e-3, 10 warm-up steps then a cosine over
-``steps``, gradient clipping, one thread) and look at tensors at a few steps; this is that loop's
-setup and its three parts, so each script keeps only what it records.
+``cut_structure.py``, ``reduce_rows.py``, ``dither_grads.py`` and ``codecs_one_process.py`` train
+the same way (batch 8 x 128 in 4 micro-batches of 2 sequences, AdamW at lr 3e-3, ``warmup`` steps
+(10; ``codecs_one_process.py``: 20, as the testbed runs) then a cosine over ``steps``, gradient
+clipping, one thread); this is that loop's setup and its three parts, so each script keeps only
+what it records.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ MICRO_BATCHES, ROWS = 4, 2  # 4 micro-batches of 2 sequences of 128 tokens
 class OneProcessLM:
     """``model`` (a built-in spec) with its data, optimiser and schedule; torch is imported here."""
 
-    def __init__(self, model: str, steps: int, seed: int) -> None:
+    def __init__(self, model: str, steps: int, seed: int, warmup: int = 10) -> None:
         import torch
 
         from fusionllm.core.config import TrainConfig
@@ -30,6 +31,7 @@ class OneProcessLM:
         self.torch, self.lm_loss = torch, lm_loss
         self.cfg = TrainConfig(model=model, steps=steps, batch_size=MICRO_BATCHES * ROWS, seq_len=128, lr=3e-3, seed=seed)
         tokens = load_lm_tokens(self.cfg.data, lm_tokenizer(self.cfg.tokenizer, self.cfg.init_from), 0.1)
+        self.tokens, self.warmup = tokens, warmup
         self.batches = Batcher(tokens.train, MICRO_BATCHES * ROWS, 128, seed)
         self.model = build_lm(model, tokens.vocab_size, seed=seed)
         self.optimizer = make_adamw(self.model.named_parameters(), self.cfg.lr, self.cfg.weight_decay)
@@ -39,7 +41,7 @@ class OneProcessLM:
         from fusionllm.core.config import lr_at
 
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=self.cfg.lr, steps=self.cfg.steps, warmup=10)
+            group["lr"] = lr_at(step, lr=self.cfg.lr, steps=self.cfg.steps, warmup=self.warmup)
         x, y = self.batches.get(step)
         self.optimizer.zero_grad(set_to_none=True)
         return x, y

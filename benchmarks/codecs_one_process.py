@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""AdaTopK's codecs on gpt-micro in one process: many seeds of the convergence runs at a fraction of their cost.
+
+``convergence.py`` trains over the testbed, four minutes a 1,200-step run. This trains the same model
+with the same data, schedule and evaluation in one plain PyTorch process (one thread per run, runs
+in parallel) and sends what a two-stage pipeline would send through the real codecs
+(``fusionllm.compress.codecs``):
+
+- ``grad``: the gradient of block ``--cut``'s output (what the second stage sends back), per token
+  row, with error feedback per micro-batch slot (as ``link_sender`` keys it);
+- ``reduce``: the tied embedding's gradient, all-reduced by a ring of two (the embedding's part on
+  one member, the LM head's on the other): each member's half of the rows coded on its way
+  (reduce-scatter), the sums coded back (all-gather), both with error feedback, every member using
+  the decoded sums;
+- ``act``: block ``--cut``'s output on its way forward (``eq``-style codecs only: ``kltr``, which
+  AdaTopK sends there, needs a basis this script does not keep).
+
+A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``; ``none`` sends nothing through a codec
+and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
+same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergence.py``'s loss of
+the same seed up to float rounding order.
+
+    python benchmarks/codecs_one_process.py --steps 1200 --seeds 0 1 2 3 4 5 6 7 \\
+        --variants none grad=eq:0.7,reduce=eq:0.7 [--jobs 2]
+
+Writes codecs_one_process.json/.md/.png: per variant the mean final loss, the paired difference
+against ``none`` (mean, standard deviation, standard error), and each seed's loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
+from one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
+
+ROLES = ("act", "grad", "reduce")
+EVAL_BATCHES = 16
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    """``grad=eq:0.7,reduce=eq:0.7`` -> {"grad": "eq:0.7", "reduce": "eq:0.7"}; ``none`` -> {}."""
+    if text == "none":
+        return {}
+    out = {}
+    for part in text.split(","):
+        role, _, codec = part.partition("=")
+        if role not in ROLES or not codec:
+            raise SystemExit(f"--variants {text}: each part is ROLE=CODEC with ROLE one of {', '.join(ROLES)}")
+        out[role] = codec
+    return out
+
+
+def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, warmup: int, variant: dict[str, str]) -> dict:
+    """One run; returns its validation curve [(step, loss)]."""
+    import torch
+
+    from fusionllm.compress.codecs import decode, encode, parse_codec
+    from fusionllm.compress.feedback import ErrorFeedback
+    from fusionllm.data import Batcher
+
+    def codec(role: str):
+        spec = parse_codec(variant.get(role, "none"))
+        if spec.kind == "none":
+            return None
+        return lambda x: decode(*encode(np.ascontiguousarray(x, dtype=np.float32), spec), x.shape)
+
+    act, grad, red = codec("act"), codec("grad"), codec("reduce")
+    lm = OneProcessLM(model_name, steps, seed, warmup=warmup)
+    model, ef, slot = lm.model, ErrorFeedback(), [0]
+
+    class Cut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone() if act is None else torch.from_numpy(act(x.detach().numpy().reshape(-1, x.shape[-1])).reshape(x.shape))
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            if grad is None:
+                return g
+            rows = g.detach().numpy().reshape(-1, g.shape[-1])
+            return torch.from_numpy(np.ascontiguousarray(ef.apply(("grad", slot[0]), rows, grad)).reshape(g.shape))
+
+    block = model.h[cut]
+    forward = block.forward
+    block.forward = lambda x: Cut.apply(forward(x))
+    if red is not None:  # the LM head gets its own copy of the tied weight: its gradient is the second member's part
+        tied = model.wte.weight
+        head = torch.nn.Parameter(tied.detach().clone())
+        model.lm_head.weight = head
+
+    def ring(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        n = a.shape[0] // 2
+        s0 = a[:n] + ef.apply(("rs", 1), b[:n], red)
+        s1 = b[n:] + ef.apply(("rs", 0), a[n:], red)
+        return np.concatenate([ef.apply(("ag", 0), s0, red), ef.apply(("ag", 1), s1, red)])
+
+    val = Batcher(lm.tokens.val, MICRO_BATCHES * 2, 128, seed)
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            total = sum(float(lm.lm_loss(model(x).float(), y)) for x, y in
+                        ((torch.from_numpy(v) for v in val.eval_arrays(j, EVAL_BATCHES)) for j in range(EVAL_BATCHES)))
+        model.train()
+        return total / EVAL_BATCHES
+
+    curve = []
+    for step in range(steps):
+        x, y = lm.start(step)
+        for mb in range(MICRO_BATCHES):
+            slot[0] = mb
+            (lm.micro_batch_loss(x, y, mb) / MICRO_BATCHES).backward()
+        if red is not None:
+            tied.grad = torch.from_numpy(ring(tied.grad.numpy(), head.grad.numpy()))
+            head.grad = None
+        lm.finish()
+        if red is not None:
+            with torch.no_grad():
+                head.copy_(tied)
+        if (step + 1) % eval_every == 0 or step == steps - 1:
+            curve.append((step, round(evaluate(), 5)))
+    return {"seed": seed, "curve": curve, "final_val_loss": curve[-1][1]}
+
+
+def _job(args: tuple) -> tuple[str, dict]:
+    name, rest = args[0], args[1:]
+    return name, train(*rest)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-micro")
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--eval-every", type=int, default=120)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--variants", nargs="+", default=["none", "grad=eq:0.7,reduce=eq:0.7"])
+    ap.add_argument("--cut", type=int, default=1, help="the block whose output crosses the cut (slow-link's plan: 1)")
+    ap.add_argument("--warmup", type=int, default=20, help="LR warm-up steps (convergence.py's default)")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    ap.add_argument("--out", type=Path, default=results_dir("codecs_one_process"))
+    args = ap.parse_args()
+    exit_on_sigterm()
+    variants = {v: parse_variant(v) for v in args.variants}
+    if "none" not in variants:
+        raise SystemExit("--variants must include none (the paired reference)")
+    todo = [(name, args.model, args.steps, s, args.eval_every, args.cut, args.warmup, v) for s in args.seeds for name, v in variants.items()]
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
+        for name, run in pool.map(_job, todo):
+            runs[name].append(run)
+            print(json.dumps({"variant": name, "seed": run["seed"], "final_val_loss": run["final_val_loss"]}), flush=True)
+    base = {r["seed"]: r["final_val_loss"] for r in runs["none"]}
+    rows, table = [], ["| variant | final val loss, mean | paired vs none | standard error | per seed |", "|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        rs.sort(key=lambda r: r["seed"])
+        d = [100 * (r["final_val_loss"] / base[r["seed"]] - 1) for r in rs]
+        sd = statistics.stdev(d) if len(d) > 1 else 0.0
+        row = {"variant": name, "codecs": variants[name], "mean_final_val_loss": statistics.mean(r["final_val_loss"] for r in rs),
+               "paired_pct": statistics.mean(d), "paired_sd_pct": sd, "paired_se_pct": sd / len(d) ** 0.5, "runs": rs}
+        rows.append(row)
+        table.append(f"| {name} | {row['mean_final_val_loss']:.4f} | {row['paired_pct']:+.2f}% ± {sd:.2f}% | {row['paired_se_pct']:.2f}% | "
+                     + ", ".join(f"{r['final_val_loss']:.4f}" for r in rs) + " |")
+    table += ["", f"{args.model}, {args.steps} steps, batch 8 x 128 in {MICRO_BATCHES} micro-batches, lr 3e-3, {args.warmup} warm-up steps then "
+              f"a cosine; seeds {', '.join(map(str, args.seeds))}; cut after block {args.cut}. Validation: the {EVAL_BATCHES} batches "
+              "the testbed runs evaluate. Paired: each seed's loss against `none`'s of the same seed (mean ± standard deviation)."]
+    write(args.out, "codecs_one_process", rows, table)
+    plot(rows, args.out / "codecs_one_process.png", args)
+    return 0
+
+
+def plot(rows: list[dict], path: Path, args: argparse.Namespace) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, row in enumerate(rows):
+        for j, r in enumerate(row["runs"]):
+            steps, losses = zip(*r["curve"], strict=True)
+            ax.plot(steps, losses, color=f"C{i}", alpha=0.6, lw=1, label=row["variant"] if j == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{args.model} in one process, {len(args.seeds)} seeds a variant")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
