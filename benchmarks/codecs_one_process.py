@@ -15,8 +15,9 @@ in parallel) and sends what a two-stage pipeline would send through the real cod
 - ``act``: block ``--cut``'s output on its way forward (``eq``-style codecs only: ``kltr``, which
   AdaTopK sends there, needs a basis this script does not keep).
 
-A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``; ``none`` sends nothing through a codec
-and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
+A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``, and optionally the steps they run in,
+``from=300`` and ``until=300`` (the first step coded, the first not; error feedback starts empty);
+``none`` sends nothing through a codec and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
 same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergence.py``'s loss of
 the same seed up to float rounding order.
 
@@ -44,19 +45,21 @@ from common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
 from one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
 
 ROLES = ("act", "grad", "reduce")
+WINDOW = ("from", "until")  # the steps the codecs run in
 EVAL_BATCHES = 16
 
 
 def parse_variant(text: str) -> dict[str, str]:
-    """``grad=eq:0.7,reduce=eq:0.7`` -> {"grad": "eq:0.7", "reduce": "eq:0.7"}; ``none`` -> {}."""
+    """``grad=eq:0.7,reduce=eq:0.7,from=300`` -> {"grad": "eq:0.7", "reduce": "eq:0.7", "from": "300"}; ``none`` -> {}."""
     if text == "none":
         return {}
     out = {}
     for part in text.split(","):
-        role, _, codec = part.partition("=")
-        if role not in ROLES or not codec:
-            raise SystemExit(f"--variants {text}: each part is ROLE=CODEC with ROLE one of {', '.join(ROLES)}")
-        out[role] = codec
+        key, _, value = part.partition("=")
+        if (key in WINDOW and value.isdigit()) or (key in ROLES and value):
+            out[key] = value
+        else:
+            raise SystemExit(f"--variants {text}: each part is ROLE=CODEC (ROLE: {', '.join(ROLES)}) or from=STEP / until=STEP")
     return out
 
 
@@ -75,17 +78,19 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
         return lambda x: decode(*encode(np.ascontiguousarray(x, dtype=np.float32), spec), x.shape)
 
     act, grad, red = codec("act"), codec("grad"), codec("reduce")
+    first, stop = int(variant.get("from", 0)), int(variant.get("until", steps))
+    on = [False]  # whether this step is coded
     lm = OneProcessLM(model_name, steps, seed, warmup=warmup)
     model, ef, slot = lm.model, ErrorFeedback(), [0]
 
     class Cut(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone() if act is None else torch.from_numpy(act(x.detach().numpy().reshape(-1, x.shape[-1])).reshape(x.shape))
+            return x.clone() if act is None or not on[0] else torch.from_numpy(act(x.detach().numpy().reshape(-1, x.shape[-1])).reshape(x.shape))
 
         @staticmethod
         def backward(ctx, g):  # noqa: ANN001, ANN205
-            if grad is None:
+            if grad is None or not on[0]:
                 return g
             rows = g.detach().numpy().reshape(-1, g.shape[-1])
             return torch.from_numpy(np.ascontiguousarray(ef.apply(("grad", slot[0]), rows, grad)).reshape(g.shape))
@@ -117,11 +122,13 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     curve = []
     for step in range(steps):
         x, y = lm.start(step)
+        on[0] = first <= step < stop
         for mb in range(MICRO_BATCHES):
             slot[0] = mb
             (lm.micro_batch_loss(x, y, mb) / MICRO_BATCHES).backward()
         if red is not None:
-            tied.grad = torch.from_numpy(ring(tied.grad.numpy(), head.grad.numpy()))
+            a, b = tied.grad.numpy(), head.grad.numpy()
+            tied.grad = torch.from_numpy(ring(a, b) if on[0] else a + b)
             head.grad = None
         lm.finish()
         if red is not None:
