@@ -17,9 +17,12 @@ in parallel) and sends what a two-stage pipeline would send through the real cod
 
 A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``, and optionally the steps they run in,
 ``from=300`` and ``until=300`` (the first step coded, the first not; error feedback starts empty);
-``none`` sends nothing through a codec and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
+phases with other codecs follow after ``/`` (``grad=q8,until=300/grad=eq:0.7,from=300``: a step
+takes the first phase whose steps hold it, and is raw where none does); ``none`` sends nothing
+through a codec and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
 same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergence.py``'s loss of
-the same seed up to float rounding order.
+the same seed up to float rounding order. "Fewer bytes": the raw bytes of the coded roles over
+the whole run (raw steps included) over what was sent.
 
     python benchmarks/codecs_one_process.py --steps 1200 --seeds 0 1 2 3 4 5 6 7 \\
         --variants none grad=eq:0.7,reduce=eq:0.7 [--jobs 2]
@@ -50,21 +53,25 @@ WINDOW = ("from", "until")  # the steps the codecs run in
 EVAL_BATCHES = 16
 
 
-def parse_variant(text: str) -> dict[str, str]:
-    """``grad=eq:0.7,reduce=eq:0.7,from=300`` -> {"grad": "eq:0.7", "reduce": "eq:0.7", "from": "300"}; ``none`` -> {}."""
+def parse_variant(text: str) -> list[dict[str, str]]:
+    """``grad=eq:0.7,until=300/grad=eq:0.7,reduce=eq:0.7,from=300`` -> one dict a phase
+    ({"grad": "eq:0.7", "until": "300"}, ...); ``none`` -> []."""
     if text == "none":
-        return {}
-    out = {}
-    for part in text.split(","):
-        key, _, value = part.partition("=")
-        if (key in WINDOW and value.isdigit()) or (key in ROLES and value):
-            out[key] = value
-        else:
-            raise SystemExit(f"--variants {text}: each part is ROLE=CODEC (ROLE: {', '.join(ROLES)}) or from=STEP / until=STEP")
-    return out
+        return []
+    phases = []
+    for phase in text.split("/"):
+        out = {}
+        for part in phase.split(","):
+            key, _, value = part.partition("=")
+            if (key in WINDOW and value.isdigit()) or (key in ROLES and value):
+                out[key] = value
+            else:
+                raise SystemExit(f"--variants {text}: each part is ROLE=CODEC (ROLE: {', '.join(ROLES)}) or from=STEP / until=STEP")
+        phases.append(out)
+    return phases
 
 
-def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, warmup: int, variant: dict[str, str]) -> dict:
+def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, warmup: int, variant: list[dict[str, str]]) -> dict:
     """One run; returns its validation curve [(step, loss)]."""
     import torch
 
@@ -72,26 +79,37 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     from fusionllm.compress.feedback import ErrorFeedback
     from fusionllm.data import Batcher
 
-    def codec(role: str):
-        spec = parse_codec(variant.get(role, "none"))
+    def codec(phase: dict[str, str], role: str):  # noqa: ANN202
+        spec = parse_codec(phase.get(role, "none"))
         if spec.kind == "none":
             return None
-        return lambda x: decode(*encode(np.ascontiguousarray(x, dtype=np.float32), spec), x.shape)
 
-    act, grad, red = codec("act"), codec("grad"), codec("reduce")
-    first, stop = int(variant.get("from", 0)), int(variant.get("until", steps))
-    on = [False]  # whether this step is coded
+        def roundtrip(x: np.ndarray) -> np.ndarray:
+            tag, payload = encode(np.ascontiguousarray(x, dtype=np.float32), spec)
+            sent[0] += len(payload) - 4 * x.size  # counted raw below, the difference here
+            return decode(tag, payload, x.shape)
+        return roundtrip
+
+    sent, raw_bytes = [0], [0]  # bytes over the run: as sent, and as float32
+    phases = [(int(p.get("from", 0)), int(p.get("until", steps)), {r: codec(p, r) for r in ROLES}) for p in variant]
+    raw = dict.fromkeys(ROLES)
+    coded = {r for _, _, c in phases for r in ROLES if c[r] is not None}  # the roles whose bytes are counted
+    now = dict(raw)  # this step's codec per role (None: raw)
     lm = OneProcessLM(model_name, steps, seed, warmup=warmup)
     model, ef, slot = lm.model, ErrorFeedback(), [0]
 
     class Cut(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone() if act is None or not on[0] else torch.from_numpy(act(x.detach().numpy().reshape(-1, x.shape[-1])).reshape(x.shape))
+            act = now["act"]
+            raw_bytes[0] += 4 * x.numel() if "act" in coded else 0
+            return x.clone() if act is None else torch.from_numpy(act(x.detach().numpy().reshape(-1, x.shape[-1])).reshape(x.shape))
 
         @staticmethod
         def backward(ctx, g):  # noqa: ANN001, ANN205
-            if grad is None or not on[0]:
+            grad = now["grad"]
+            raw_bytes[0] += 4 * g.numel() if "grad" in coded else 0
+            if grad is None:
                 return g
             rows = g.detach().numpy().reshape(-1, g.shape[-1])
             return torch.from_numpy(np.ascontiguousarray(ef.apply(("grad", slot[0]), rows, grad)).reshape(g.shape))
@@ -99,12 +117,17 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     block = model.h[cut]
     forward = block.forward
     block.forward = lambda x: Cut.apply(forward(x))
-    if red is not None:  # the LM head gets its own copy of the tied weight: its gradient is the second member's part
+    untied = any(c["reduce"] is not None for _, _, c in phases)
+    if untied:  # the LM head gets its own copy of the tied weight: its gradient is the second member's part
         tied = model.wte.weight
         head = torch.nn.Parameter(tied.detach().clone())
         model.lm_head.weight = head
 
     def ring(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        red = now["reduce"]
+        raw_bytes[0] += 2 * a.nbytes  # four messages of half the rows: two out, two back
+        if red is None:
+            return a + b
         n = a.shape[0] // 2
         s0 = a[:n] + ef.apply(("rs", 1), b[:n], red)
         s1 = b[n:] + ef.apply(("rs", 0), a[n:], red)
@@ -123,21 +146,21 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     curve = []
     for step in range(steps):
         x, y = lm.start(step)
-        on[0] = first <= step < stop
+        now.update(next((c for lo, hi, c in phases if lo <= step < hi), raw))
         for mb in range(MICRO_BATCHES):
             slot[0] = mb
             (lm.micro_batch_loss(x, y, mb) / MICRO_BATCHES).backward()
-        if red is not None:
-            a, b = tied.grad.numpy(), head.grad.numpy()
-            tied.grad = torch.from_numpy(ring(a, b) if on[0] else a + b)
+        if untied:
+            tied.grad = torch.from_numpy(ring(tied.grad.numpy(), head.grad.numpy()))
             head.grad = None
         lm.finish()
-        if red is not None:
+        if untied:
             with torch.no_grad():
                 head.copy_(tied)
         if (step + 1) % eval_every == 0 or step == steps - 1:
             curve.append((step, round(evaluate(), 5)))
-    return {"seed": seed, "curve": curve, "final_val_loss": curve[-1][1]}
+    sent_bytes = raw_bytes[0] + sent[0]
+    return {"seed": seed, "curve": curve, "final_val_loss": curve[-1][1], "fewer_bytes": raw_bytes[0] / sent_bytes if sent_bytes else 1.0}
 
 
 def _job(args: tuple) -> tuple[str, dict]:
@@ -185,7 +208,7 @@ def main() -> int:
             runs[name].append(run)
             print(json.dumps({"variant": name, "seed": run["seed"], "final_val_loss": run["final_val_loss"]}), flush=True)
     base = {r["seed"]: r["final_val_loss"] for r in runs["none"]}
-    rows, table = [], ["| variant | final val loss, mean | paired vs none | standard error | per seed |", "|---|---|---|---|---|"]
+    rows, table = [], ["| variant | final val loss, mean | paired vs none | standard error | fewer bytes | per seed |", "|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         rs.sort(key=lambda r: r["seed"])
         d = [100 * (r["final_val_loss"] / base[r["seed"]] - 1) for r in rs]
@@ -193,7 +216,10 @@ def main() -> int:
         row = {"variant": name, "codecs": variants[name], "mean_final_val_loss": statistics.mean(r["final_val_loss"] for r in rs),
                "paired_pct": statistics.mean(d), "paired_sd_pct": sd, "paired_se_pct": sd / len(d) ** 0.5, "runs": rs}
         rows.append(row)
+        fewer = [r["fewer_bytes"] for r in rs if "fewer_bytes" in r]
+        row["fewer_bytes"] = statistics.mean(fewer) if fewer else None
         table.append(f"| {name} | {row['mean_final_val_loss']:.4f} | {row['paired_pct']:+.2f}% ± {sd:.2f}% | {row['paired_se_pct']:.2f}% | "
+                     + (f"{row['fewer_bytes']:.1f}x | " if fewer else "- | ")
                      + ", ".join(f"{r['final_val_loss']:.4f}" for r in rs) + " |")
     table += ["", f"{args.model}, {args.steps} steps, batch 8 x 128 in {MICRO_BATCHES} micro-batches, lr 3e-3, {args.warmup} warm-up steps then "
               f"a cosine; seeds {', '.join(map(str, args.seeds))}; cut after block {args.cut}. Validation: the {EVAL_BATCHES} batches "
