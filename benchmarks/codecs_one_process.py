@@ -78,6 +78,7 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     from fusionllm.compress.codecs import decode, encode, parse_codec
     from fusionllm.compress.feedback import ErrorFeedback
     from fusionllm.data import Batcher
+    from fusionllm.runtime.single import evaluate
 
     def codec(phase: dict[str, str], role: str):  # noqa: ANN202
         spec = parse_codec(phase.get(role, "none"))
@@ -135,14 +136,6 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
 
     val = Batcher(lm.tokens.val, MICRO_BATCHES * 2, 128, seed)
 
-    def evaluate() -> float:
-        model.eval()
-        with torch.no_grad():
-            total = sum(float(lm.lm_loss(model(x).float(), y)) for x, y in
-                        ((torch.from_numpy(v) for v in val.eval_arrays(j, EVAL_BATCHES)) for j in range(EVAL_BATCHES)))
-        model.train()
-        return total / EVAL_BATCHES
-
     curve = []
     for step in range(steps):
         x, y = lm.start(step)
@@ -158,7 +151,7 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
             with torch.no_grad():
                 head.copy_(tied)
         if (step + 1) % eval_every == 0 or step == steps - 1:
-            curve.append((step, round(evaluate(), 5)))
+            curve.append((step, round(evaluate(model, val, EVAL_BATCHES), 5)))  # the system's own evaluation
     sent_bytes = raw_bytes[0] + sent[0]
     return {"seed": seed, "curve": curve, "final_val_loss": curve[-1][1], "fewer_bytes": raw_bytes[0] / sent_bytes if sent_bytes else 1.0}
 
