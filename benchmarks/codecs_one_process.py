@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--cut", type=int, default=1, help="the block whose output crosses the cut (slow-link's plan: 1)")
     ap.add_argument("--warmup", type=int, default=20, help="LR warm-up steps (convergence.py's default)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
-    ap.add_argument("--keep", type=Path, help="an earlier codecs_one_process.json of the same setting: its runs are reused")
+    ap.add_argument("--keep", type=Path, nargs="+", help="earlier codecs_one_process.json files of the same setting: their runs are reused")
     ap.add_argument("--out", type=Path, default=results_dir("codecs_one_process"))
     args = ap.parse_args()
     exit_on_sigterm()
@@ -181,18 +181,24 @@ def main() -> int:
     setting = {k: getattr(args, k) for k in ("model", "steps", "eval_every", "cut", "warmup")}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     meta: dict = {"setting": setting}
-    if args.keep:  # runs of the same setting measured before: not run again
-        doc = json.loads(args.keep.read_text())
+    kept = []
+    for path in args.keep or []:  # runs of the same setting measured before: not run again
+        doc = json.loads(path.read_text())
         if "setting" not in doc:  # a file from before the setting was recorded: read it from its command
             then = ap.parse_args(shlex.split(doc["command"])[2:])
             doc["setting"] = {k: getattr(then, k) for k in setting}
         if doc.get("setting") != setting:
-            raise SystemExit(f"--keep {args.keep}: measured with {doc.get('setting')}, not {setting}")
+            raise SystemExit(f"--keep {path}: measured with {doc.get('setting')}, not {setting}; run it with that setting or without --keep")
+        reused = set()
         for row in doc["results"]:
-            if row["variant"] in runs:
-                runs[row["variant"]] = [r for r in row["runs"] if r["seed"] in args.seeds]
-        meta["kept"] = {"file": str(args.keep), "commit": doc.get("commit"), "command": doc.get("command"),
-                        "variants": sorted(v for v, rs in runs.items() if rs)}
+            have = {r["seed"] for r in runs.get(row["variant"], [])}
+            new = [r for r in row["runs"] if r["seed"] in args.seeds and r["seed"] not in have] if row["variant"] in runs else []
+            runs.get(row["variant"], []).extend(new)
+            if new:
+                reused.add(row["variant"])
+        kept.append({"file": str(path), "commit": doc.get("commit"), "command": doc.get("command"), "variants": sorted(reused)})
+    if kept:
+        meta["kept"] = kept
     done = {(name, r["seed"]) for name, rs in runs.items() for r in rs}
     todo = [(name, args.model, args.steps, s, args.eval_every, args.cut, args.warmup, v)
             for s in args.seeds for name, v in variants.items() if (name, s) not in done]
@@ -217,8 +223,8 @@ def main() -> int:
     table += ["", f"{args.model}, {args.steps} steps, batch 8 x 128 in {MICRO_BATCHES} micro-batches, lr 3e-3, {args.warmup} warm-up steps then "
               f"a cosine; seeds {', '.join(map(str, args.seeds))}; cut after block {args.cut}. Validation: the {EVAL_BATCHES} batches "
               "the testbed runs evaluate. Paired: each seed's loss against `none`'s of the same seed (mean ± standard deviation)."]
-    if "kept" in meta:
-        table.append(f"Runs kept from {meta['kept']['file']} (commit {meta['kept']['commit']}): {', '.join(meta['kept']['variants'])}.")
+    for k in kept:
+        table.append(f"Runs kept from {k['file']} (commit {k['commit']}): {', '.join(k['variants']) or 'none of them'}.")
     write(args.out, "codecs_one_process", rows, table, meta)
     plot(rows, args.out / "codecs_one_process.png", args)
     return 0
