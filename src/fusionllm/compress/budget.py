@@ -62,6 +62,12 @@ KLT_CANDIDATES = tuple(parse_codec(c) for c in ("klt:0.15", "klt:0.25", "klt:0.3
 # uncompressed, +1.66% rounded to nearest with error feedback (docs/compression.md)
 DITHER_ROLES: tuple[str, ...] = ()
 KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1"))
+# A run's first steps: every role within EARLY_BUDGET (8-bit: q8 errs 0.005-0.015) for the first
+# EARLY_SHARE of the schedule's steps. Where a run ends is decided early: gpt-micro's runs end in two
+# groups about 0.2 apart in loss, set in their first 300 of 1,200 steps, and an error of 0.2 then
+# moves seeds between the groups (docs/compression.md, "Decided in the first 300 steps")
+EARLY_BUDGET = 0.02
+EARLY_SHARE = 1 / 8
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
 
@@ -109,6 +115,12 @@ def measure(sample: np.ndarray, candidates: tuple[CodecSpec, ...] = CANDIDATES, 
     return out
 
 
+def budget_cap(step: int, steps: int) -> float:
+    """The most relative error any role may carry at schedule step ``step`` of ``steps``: ``EARLY_BUDGET``
+    in the run's first ``EARLY_SHARE`` of them, else no cap (1.0)."""
+    return EARLY_BUDGET if step < EARLY_SHARE * steps else 1.0
+
+
 def dithered(candidates: tuple[CodecSpec, ...]) -> tuple[CodecSpec, ...]:
     """``candidates`` with every ``eq:STEP`` as ``eqd:STEP``."""
     return tuple(CodecSpec("eqd", step=c.step) if c.kind == "eq" else c for c in candidates)
@@ -132,6 +144,7 @@ class BudgetChooser:
     budget: dict[str, float] = field(default_factory=lambda: dict(BUDGET))
     remeasure: int = REMEASURE
     scale: float = 1.0  # activations' and gradients' budgets times this: the run's compressed cuts share them
+    cap: float = 1.0  # every role's budget at most this (``budget_cap``: a run's early steps)
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
     chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
     klt: tuple[CodecSpec, ...] = KLTR_CANDIDATES  # candidates for activations in a learnt basis (klt: measured worse)
@@ -153,7 +166,7 @@ class BudgetChooser:
         if self.klt and role == "act" and fits(x, basis):
             rows = sample if sample is not None and not channel_major(x.shape) else sample_of(x, planes=True)
             table = table + measure(rows, self.klt, basis, x.size)
-        limit = self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0)
+        limit = min(self.cap, self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0))
         spec = pick(table, limit, byte_target)
         self.chosen[key] = str(spec)
         return spec

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
+from fusionllm.compress.budget import budget_cap
 from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import FusionError
 from fusionllm.schedule.hierarchy import sync_offsets
@@ -162,9 +163,10 @@ class Groups:
             began = time.perf_counter()
             offsets = sync_offsets(h, n_frags)
             for j in range(h):
-                lr = lr_at(min(t.steps - 1, hr.first + i * (hr.last - hr.first) // total), lr=t.lr, steps=t.steps, warmup=t.warmup)
+                at = min(t.steps - 1, hr.first + i * (hr.last - hr.first) // total)  # where the group is in the schedule
+                lr = lr_at(at, lr=t.lr, steps=t.steps, warmup=t.warmup)
                 data_step = data_base + i if data_base is not None else hr.data_from + i * hr.n_data + g
-                await self.inner_step(hr, g, run, i, data_step, lr, k)
+                await self.inner_step(hr, g, run, i, data_step, lr, k, cap=budget_cap(at, t.steps))
                 i += 1
                 for f, off in enumerate(offsets):
                     if off == j + 1:
@@ -196,11 +198,11 @@ class Groups:
         if eval_n and g == min(hr.alive):
             await self.evaluate_outer(hr, run, eval_n, end)
 
-    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int) -> None:
+    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, cap: float = 1.0) -> None:
         """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
         retry, skip, strikes and eviction included."""
         self.evict_if_struck(hr, g)
-        done = await self.runner.run(run, data_step, lr, group=g)
+        done = await self.runner.run(run, data_step, lr, group=g, cap=cap)
         hr.next_data = max(hr.next_data, data_step + 1)
         hr.result.tokens += self.group_batch * self.ctx.task.items_per_row  # a skipped step's batch is spent too
         if done is None:

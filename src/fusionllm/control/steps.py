@@ -48,11 +48,13 @@ class StepRunner:
     def __init__(self, task: RunTask, live: Liveness, strikes: Strikes) -> None:
         self.task, self.live, self.strikes = task, live, strikes
 
-    async def run(self, run: Run, step: int, lr: float, *, data_step: int | None = None, group: int | None = None) -> StepDoneAll | None:
-        """Step ``step`` of ``run``'s plan on batch ``data_step`` (default ``step``), attempts included."""
+    async def run(self, run: Run, step: int, lr: float, *, data_step: int | None = None, group: int | None = None,
+                  cap: float = 1.0) -> StepDoneAll | None:
+        """Step ``step`` of ``run``'s plan on batch ``data_step`` (default ``step``), attempts included;
+        ``cap``: the most relative error AdaTopK's codecs may add this step (``compress/budget.budget_cap``)."""
         attempt, trust = 0, False
         while True:
-            replies = await self.attempt(run, step if data_step is None else data_step, lr, attempt, trust_norms=trust)
+            replies = await self.attempt(run, step if data_step is None else data_step, lr, attempt, trust_norms=trust, cap=cap)
             if not any(rep.skipped or rep.bad for rep in replies.values()):
                 return StepDoneAll(replies, mean_loss(run, step, replies))
             attempt = self.strikes.judge(step, attempt, replies, group=group)  # raises Evict, or FusionError (stop)
@@ -60,7 +62,8 @@ class StepRunner:
                 return None
             trust = self.strikes.data_spike(step, group)  # the same finite norms twice: the data, run once more trusting them
 
-    async def attempt(self, run: Run, data_step: int, lr: float, attempt: int, *, trust_norms: bool = False) -> dict[int, StepDone]:
+    async def attempt(self, run: Run, data_step: int, lr: float, attempt: int, *, trust_norms: bool = False,
+                      cap: float = 1.0) -> dict[int, StepDone]:
         """One attempt: every worker's reply (a failed or lost worker raises)."""
         batch = self.task.batch(data_step) if run.fed else None
         calls = {}
@@ -68,7 +71,7 @@ class StepRunner:
         for w in run.plan.workers:
             inputs = inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
             calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, ratios_of(run.policy, w), attempt=attempt, budget_scale=share,
-                                                        trust_norms=trust_norms))
+                                                        budget_cap=cap if run.policy is not None else 1.0, trust_norms=trust_norms))
         replies: dict[int, StepDone] = await self.live.calls(run, calls)
         if any(rep.failed is not None or rep.aborted for rep in replies.values()):
             await self.live.raise_if_lost(run, "a step failed")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from fusionllm.compress.budget import budget_cap
 from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import FusionError
 
@@ -49,7 +50,7 @@ class SyncLoop:
         while step < end:
             self.stop_if_asked(step)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
-            done = await self.runner.run(run, step, lr, data_step=step + data_offset)
+            done = await self.runner.run(run, step, lr, data_step=step + data_offset, cap=budget_cap(step, t.steps))
             step += 1
             if done is None:  # skipped: no worker applied it, its batch is not used again (a checkpoint due here is still written)
                 await self.checkpoint_if_due(run, step, end)

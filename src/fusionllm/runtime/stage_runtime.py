@@ -164,13 +164,13 @@ class StageRuntime:
                 raise StepFailure(self.worker, i, action, f"{type(exc).__name__}: {exc}") from exc
 
     async def run_step(self, step: int, lr: float, inputs: dict[int, dict[str, Any]], ratios: dict[int, float] | None = None,
-                       budget_scale: float = 1.0) -> StepDone:
+                       budget_scale: float = 1.0, budget_cap: float = 1.0) -> StepDone:
         st = StepState(step, lr, inputs)
         if self.capabilities.keyed_random:  # dropout masks as any split draws them
             self.executor.random_key = (self.hyper.seed, step)
         if ratios is not None:
             self.sender.ratios = ratios
-        self.sender.chooser.scale = budget_scale
+        self.sender.chooser.scale, self.sender.chooser.cap = budget_scale, budget_cap
         started = time.perf_counter()
         kept = self._keep() if self.guard is not None else None
         st.rerun, self._last_step = self._last_step is not None and step <= self._last_step, step

@@ -362,7 +362,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             raise FusionError(f"step {req.step}: no batches (this worker reads no data and none were sent)")
         ratios = {int(k): v for k, v in req.ratios.items()} if req.ratios is not None else None
         try:
-            done = await self._cancellable(self._counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios, req.budget_scale)))
+            done = await self._cancellable(self._counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios, req.budget_scale, req.budget_cap)))
         except StepFailure as exc:
             self.log.error("%s", exc)
             return StepDone(failed=exc.message()).to_wire()

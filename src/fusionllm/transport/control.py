@@ -285,6 +285,7 @@ class Step(Message):
     ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
     attempt: int = 0  # a step run again (after a bad tensor aborted it) is the same step, one attempt later
     budget_scale: float = 1.0  # adatopk: the error budgets of activations and gradients times this (compressed cuts share them)
+    budget_cap: float = 1.0  # adatopk: every role's error budget at most this (a run's early steps: compress/budget.budget_cap)
     trust_norms: bool = False  # a data spike (the same norms on a retry): no norm test this attempt, only finiteness (bad_steps.py)
 
 
