@@ -145,11 +145,11 @@ def test_compressed_cuts_share_the_budget_of_activations_and_gradients() -> None
     assert str(shared.choose(x, 1, "reduce", FLOOR)) == str(whole.choose(x, 1, "reduce", FLOOR))  # a parameter's gradient crosses no cut
 
 
-def test_a_runs_first_eighth_sends_every_role_at_6_or_8_bit_and_the_rest_within_its_budget() -> None:
+def test_a_runs_first_sixteenth_sends_every_role_at_6_or_8_bit_and_the_rest_within_its_budget() -> None:
     """Where gpt-micro's runs end is set in their first steps: there every role is held to EARLY_BUDGET,
     which q8 (and on tame rows q6) meets and the eq codecs do not; a link at a target of one stays raw."""
-    assert budget_cap(0, 1200) == budget_cap(149, 1200) == EARLY_BUDGET and budget_cap(150, 1200) == 1.0
-    assert budget_cap(29, 240) == EARLY_BUDGET and budget_cap(30, 240) == 1.0
+    assert budget_cap(0, 1200) == budget_cap(74, 1200) == EARLY_BUDGET and budget_cap(75, 1200) == 1.0
+    assert budget_cap(14, 240) == EARLY_BUDGET and budget_cap(15, 240) == 1.0
     x = _residual_stream()
     for scale in (1.0, 1 / np.sqrt(3)):
         early, late = BudgetChooser(scale=scale, cap=EARLY_BUDGET), BudgetChooser(scale=scale)
