@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from fusionllm.compress.budget import EARLY_BUDGET
 from fusionllm.control.bad_steps import Strikes
 from fusionllm.control.config import Evict, Replan
 from fusionllm.control.context import RunContext, StepClock
@@ -38,10 +39,11 @@ class FakeLiveness:
     """Answers each Step from a script: one list of replies per attempt, in order."""
 
     def __init__(self, script: list[dict[int, StepDone]]) -> None:
-        self.script, self.steps = list(script), []
+        self.script, self.steps, self.caps = list(script), [], []
 
     async def call_step(self, run: Any, w: int, msg: Any) -> Any:
         self.steps.append((w, msg.step, msg.attempt))
+        self.caps.append(msg.budget_cap)
         return None
 
     async def calls(self, run: Any, calls: dict[int, Any]) -> dict[int, StepDone]:
@@ -89,16 +91,28 @@ def test_the_step_runner_skips_a_step_bad_twice_and_evicts_at_the_third_strike()
     assert [(e["step"], e["action"], e["group"]) for e in events] == [(3, "retry", 2), (3, "skip", 2), (4, "evict", 2)]
 
 
+def test_the_step_runner_sends_adatopks_early_cap_only_to_a_run_with_a_policy() -> None:
+    good = {0: _reply(2.0), 1: StepDone()}
+    live = FakeLiveness([good, good])
+    runner = StepRunner(SimpleNamespace(), live, _strikes([]))  # type: ignore[arg-type]
+    compressed = _run()
+    compressed.policy = SimpleNamespace(ratios=lambda: {(0, 1): 0.1})
+    asyncio.run(runner.run(compressed, 0, 0.1, cap=EARLY_BUDGET))
+    asyncio.run(runner.run(_run(), 0, 0.1, cap=EARLY_BUDGET))  # no policy: nothing is capped
+    assert live.caps == [EARLY_BUDGET, EARLY_BUDGET, 1.0, 1.0]
+
+
 class FakeRunner:
     """A step runner whose steps are all applied (or skipped where told), with their loss."""
 
     def __init__(self, skip: set[int] = frozenset(), seconds: Any = lambda step: 1.0) -> None:  # type: ignore[assignment]
-        self.skip, self.ran, self.seconds = skip, [], seconds
+        self.skip, self.ran, self.seconds, self.caps = skip, [], seconds, []
 
-    async def run(self, run: Any, step: int, lr: float, *, data_step: int | None = None, group: int | None = None) -> Any:
+    async def run(self, run: Any, step: int, lr: float, *, data_step: int | None = None, group: int | None = None, cap: float = 1.0) -> Any:
         from fusionllm.control.steps import StepDoneAll
 
         self.ran.append((step, data_step))
+        self.caps.append(cap)
         return None if step in self.skip else StepDoneAll({0: StepDone(seconds=self.seconds(step))}, 1.0 / (step + 1))
 
 
@@ -135,6 +149,14 @@ def test_the_step_loop_evaluates_checkpoints_and_skips_at_their_steps_and_stops_
     assert checkpoints.evaluated == [4, 8, 9] and [r["step"] for r in records if "val_loss" in r] == [3, 7, 8]
     assert checkpoints.written == [3, 6, 9]
     assert result.tokens == 7 * ctx.train.batch_size * 4
+
+
+def test_the_step_loop_caps_adatopks_error_in_the_schedules_first_sixteenth() -> None:
+    ctx = _ctx([])
+    ctx.train = TrainConfig(steps=40, warmup=0)
+    runner = FakeRunner()
+    asyncio.run(SyncLoop(ctx, runner, FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 0).train(_run(), end=5))  # type: ignore[arg-type]
+    assert runner.caps == [EARLY_BUDGET, EARLY_BUDGET, EARLY_BUDGET, 1.0, 1.0]  # steps 0-2 of 40: under 40/16
 
 
 def test_the_step_loop_asks_for_a_replan_when_steps_take_far_longer_than_predicted() -> None:
