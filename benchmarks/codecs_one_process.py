@@ -191,9 +191,11 @@ def main() -> int:
             raise SystemExit(f"--keep {path}: measured with {doc.get('setting')}, not {setting}; run it with that setting or without --keep")
         reused = set()
         for row in doc["results"]:
-            have = {r["seed"] for r in runs.get(row["variant"], [])}
-            new = [r for r in row["runs"] if r["seed"] in args.seeds and r["seed"] not in have] if row["variant"] in runs else []
-            runs.get(row["variant"], []).extend(new)
+            if row["variant"] not in runs:
+                continue
+            have = {r["seed"] for r in runs[row["variant"]]}
+            new = [r for r in row["runs"] if r["seed"] in args.seeds and r["seed"] not in have]
+            runs[row["variant"]].extend(new)
             if new:
                 reused.add(row["variant"])
         kept.append({"file": str(path), "commit": doc.get("commit"), "command": doc.get("command"), "variants": sorted(reused)})
