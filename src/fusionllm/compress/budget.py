@@ -76,11 +76,6 @@ KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1"))
 # much (docs/compression.md, "The early budget")
 EARLY_BUDGET = 0.03
 EARLY_SHARE = 1 / 16
-# Roles whose budget the compressed cuts of a plan share (``BudgetChooser.scale``): an activation's errors
-# add up across the cuts it crosses, and no error feedback corrects them. A pipeline gradient's error is
-# fed back (``feedback.py``): what one step's codec drops, the next step sends, so the weights' updates
-# carry no lasting error from any cut.
-SHARED_ROLES = ("act",)
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
 
@@ -156,7 +151,7 @@ class BudgetChooser:
 
     budget: dict[str, float] = field(default_factory=lambda: dict(BUDGET))
     remeasure: int = REMEASURE
-    scale: float = 1.0  # the budgets of SHARED_ROLES times this: the run's compressed cuts share them
+    scale: float = 1.0  # activations' and gradients' budgets times this: the run's compressed cuts share them
     cap: float = 1.0  # every role's budget at most this (``budget_cap``: a run's early steps)
     tables: dict[tuple[int, str], tuple[tuple[int, ...], int, list[Measured]]] = field(default_factory=dict)
     chosen: dict[tuple[int, str], str] = field(default_factory=dict)  # the codec each (destination, role) last sent
@@ -179,7 +174,7 @@ class BudgetChooser:
         if self.klt and role == "act" and fits(x, basis):
             rows = sample if sample is not None and not channel_major(x.shape) else sample_of(x, planes=True)
             table = table + measure(rows, self.klt, basis, x.size)
-        limit = min(self.cap, self.budget.get(role, min(self.budget.values())) * (self.scale if role in SHARED_ROLES else 1.0))
+        limit = min(self.cap, self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0))
         spec = pick(table, limit, byte_target)
         self.chosen[key] = str(spec)
         return spec
