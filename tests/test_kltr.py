@@ -20,20 +20,20 @@ from hypothesis import strategies as st
 
 from fusionllm.compress.budget import KLTR_CANDIDATES, BudgetChooser, measure, sample_of
 from fusionllm.compress.codecs import decode, encode, parse_codec
-from fusionllm.compress.subspace import KLTR_WIDTH, Subspace
+from fusionllm.compress.subspace import KLTR_WIDTH, Subspace, kltr_width
 from fusionllm.core.errors import ConfigError, WireError
 from tests.test_subspace import corrupt_learnt, low_rank, rel
 
 
-def strong_and_faint(seed: int, rows: int = 512, cols: int = 192) -> tuple[np.ndarray, np.ndarray]:
-    """Rows whose energy is in 4 directions but for a faint part (1e-4 of it) spread over the rest,
+def strong_and_faint(seed: int, rows: int = 512, cols: int = 192, faint: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+    """Rows whose energy is in 4 directions but for a faint part (``faint`` 0.02: 1e-4 of it) spread over the rest,
     as on an LM's residual stream; and the projector onto the faint part."""
     dirs = np.linalg.qr(np.random.default_rng(7).standard_normal((cols, cols)))[0]
-    strong, faint = dirs[:, :4], dirs[:, 4:]
+    strong, rest = dirs[:, :4], dirs[:, 4:]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, 4)) * np.array([20.0, 8.0, 4.0, 2.0]) @ strong.T
-    x += 0.02 * rng.standard_normal((rows, cols - 4)) @ faint.T
-    return x.astype(np.float32), faint @ faint.T
+    x += faint * rng.standard_normal((rows, cols - 4)) @ rest.T
+    return x.astype(np.float32), rest @ rest.T
 
 
 def test_every_direction_keeps_an_error_in_proportion_to_its_size() -> None:
@@ -88,10 +88,28 @@ def test_no_token_is_decoded_from_another_and_without_a_basis_kltr_sends_eq() ->
 
 def test_the_basis_sent_is_at_most_one_direction_per_kltr_width_values() -> None:
     sub = Subspace()
-    sub.learn(low_rank(0, cols=48, rank=6))
-    assert sub.basis is not None and sub.basis.shape[1] == 6
-    _, payload = encode(low_rank(1, cols=48, rank=6), parse_codec("kltr:1"), basis=sub.basis)
-    assert struct.unpack_from("<I", payload, 20)[0] == 48 // KLTR_WIDTH
+    sub.learn(low_rank(0, cols=96, rank=16))
+    assert sub.basis is not None and sub.basis.shape[1] == 16 > 96 // KLTR_WIDTH
+    _, payload = encode(low_rank(1, cols=96, rank=16), parse_codec("kltr:1"), basis=sub.basis)
+    assert struct.unpack_from("<I", payload, 20)[0] == 96 // KLTR_WIDTH == kltr_width(96)
+
+
+def test_kltrs_basis_is_its_leading_directions_even_where_the_rows_fill_their_space() -> None:
+    """A trained LM's deeper residual stream holds most of its energy in a few directions and the rest
+    spread over all of them, so that no basis of half the width holds ``KEEP`` of it: ``klt`` has no
+    basis there, but ``kltr`` sends what the basis misses and only needs its leading directions."""
+    x0, faint = strong_and_faint(0, faint=0.3)
+    x1, _ = strong_and_faint(1, faint=0.3)
+    whole, leading = Subspace(), Subspace(leading=True)
+    whole.learn(x0)
+    leading.learn(x0)
+    assert whole.basis is None and leading.basis is not None and leading.basis.shape == (192, kltr_width(192))
+    strong = np.eye(192) - faint
+    assert np.linalg.norm(strong - leading.basis @ (leading.basis.T @ strong)) < 0.1 * np.linalg.norm(strong)  # holds the strong four
+    tag, payload = encode(x1, parse_codec("kltr:1.5"), basis=leading.basis)
+    _, plain = encode(x1, parse_codec("eq:0.3"))
+    assert tag == "kltr" and len(payload) < len(plain)
+    assert rel(decode(tag, payload, x1.shape), x1) < rel(decode("eq", plain, x1.shape), x1)  # fewer bytes, less error
 
 
 @settings(max_examples=200, deadline=None)
@@ -142,7 +160,7 @@ def test_the_sender_codes_each_activation_in_the_basis_of_the_ones_before() -> N
     first, second = low_rank(0), low_rank(1)
     got = [_send(sender, inboxes[1], StepState(s, 0.1, {}), "act", x, mb=s) for s, x in enumerate((first, second))]
     assert [m["codec"] for m in net.sent] == ["eq", "kltr"]
-    learnt = Subspace()
+    learnt = Subspace(leading=True)  # kltr's basis: its leading directions
     learnt.learn(first)
     np.testing.assert_allclose(got[1], decode(*encode(second, parse_codec("kltr:0.5"), basis=learnt.basis), second.shape), atol=1e-6)
     assert rel(got[1], second) < rel(decode(*encode(second, parse_codec("eq:0.5")), second.shape), second)

@@ -66,8 +66,9 @@ class Subspace:
     width times the basis's, not with the width squared, so a 768-wide activation is learnt in
     milliseconds. The random directions are seeded: a run learns the same bases every time."""
 
-    def __init__(self, keep: float = KEEP) -> None:
+    def __init__(self, keep: float = KEEP, leading: bool = False) -> None:
         self.keep = keep
+        self.leading = leading  # kltr's basis: the leading directions it sends (``kltr_width``), whatever energy they hold
         self.basis: np.ndarray | None = None  # (cols, r) float32, every value a bfloat16
         self.learnt = 0
 
@@ -82,7 +83,30 @@ class Subspace:
         if not np.isfinite(rows).all():
             return  # a poisoned tensor teaches nothing: keep the basis learnt before it
         self.learnt += 1
-        self.basis = _range(rows, self.keep, self.basis, np.random.default_rng(self.learnt))
+        rng = np.random.default_rng(self.learnt)
+        self.basis = _leading(rows, kltr_width(cols), self.basis, rng) if self.leading else _range(rows, self.keep, self.basis, rng)
+
+
+def kltr_width(cols: int) -> int:
+    """The directions ``kltr`` sends for rows of ``cols`` values: one per ``KLTR_WIDTH``, at least one."""
+    return max(1, cols // KLTR_WIDTH)
+
+
+def _leading(rows: np.ndarray, r: int, last: np.ndarray | None, rng: np.random.Generator) -> np.ndarray | None:
+    """The ``r`` leading directions of ``rows`` (bfloat16 values), or None for rows without energy."""
+    total = float(np.einsum("ij,ij->", rows, rows, dtype=np.float64))
+    if total <= 0 or not np.isfinite(total):
+        return None
+    cols = rows.shape[1]
+    k = min(cols, r + 8)
+    probe = rng.standard_normal((cols, k)).astype(np.float32)
+    start = min(k, last.shape[1]) if last is not None and last.shape[0] == cols else 0
+    if start:
+        probe[:, :start] = last[:, :start]  # start from the last basis: it moves little between tensors
+    q, _ = np.linalg.qr(rows.T @ (rows @ probe))  # one power iteration
+    _, _, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
+    r = min(r, vt.shape[0])
+    return from_bf16_bits(to_bf16_bits(np.ascontiguousarray(q @ vt[:r].T, dtype=np.float32))).reshape(cols, r)
 
 
 def _range(rows: np.ndarray, keep: float, last: np.ndarray | None, rng: np.random.Generator) -> np.ndarray | None:
@@ -161,7 +185,7 @@ def kltr_basis(basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The leading directions ``kltr`` sends (at most ``cols // KLTR_WIDTH``, at least one) as
     (int8 codes, float32 scale per direction)."""
     cols = basis.shape[0]
-    b = np.ascontiguousarray(basis[:, : max(1, min(basis.shape[1], cols // KLTR_WIDTH))], dtype=np.float32)
+    b = np.ascontiguousarray(basis[:, : min(basis.shape[1], kltr_width(cols))], dtype=np.float32)
     peak = np.abs(b).max(axis=0)
     scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
     return np.clip(np.rint(b / scale), -127, 127).astype(np.int8), scale

@@ -133,7 +133,8 @@ class LinkSender:
         spec, ratio = self.codec, self.ratio(dst)
 
         # klt's basis: learnt from what this sender sent before on the edge, never from the tensor it codes
-        sub = self.subspaces.setdefault((dst, str(header.get("edge", "")), role), Subspace()) \
+        sub = self.subspaces.setdefault((dst, str(header.get("edge", "")), role), Subspace(leading=spec.kind == "kltr" or (
+            spec.kind == "adatopk" and all(c.kind == "kltr" for c in self.chooser.klt)))) \
             if role == "act" and (spec.kind in ("klt", "kltr") or (spec.kind == "adatopk" and self.chooser.klt)) else None
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
