@@ -65,6 +65,8 @@ KLT_CANDIDATES = tuple(parse_codec(c) for c in ("klt:0.15", "klt:0.25", "klt:0.3
 # all-reduces sent dithered, the pipeline's gradients without error feedback, ended +2.18% against
 # uncompressed, +1.66% rounded to nearest with error feedback (docs/compression.md)
 DITHER_ROLES: tuple[str, ...] = ()
+# kltr's steps: with a basis of its leading directions (subspace.py) the residual can go coarsely: on random-11's
+# three cuts kltr:2.5 erred under the shared budget (0.087) at 11.4-11.7x where eq:0.3 sent 8.1x (random-11-lead)
 KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1", "kltr:1.5", "kltr:2", "kltr:2.5"))
 # A run's first steps: every role within EARLY_BUDGET (6-bit where it errs 0.02-0.03, else 8-bit, which
 # errs 0.005-0.015) for the first EARLY_SHARE of the schedule's steps. Where a run ends is decided early:

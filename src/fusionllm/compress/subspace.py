@@ -32,9 +32,13 @@ sender learns it (``Subspace.learn``) from what it sent before on the same link,
 micro-batches, other samples), after it has encoded the current one. Without a basis yet (a link's
 first tensor) the tensor goes as ``eq:STEP``.
 
-A basis keeps the fewest leading directions of a sample of up to ``LEARN_ROWS`` rows whose energy
-reaches ``KEEP`` of the sample's; where that needs more than ``MAX_FRACTION`` of the row's width the
-rows fill their space and there is no basis (``eq`` is as good and cheaper).
+For ``klt`` a basis keeps the fewest leading directions of a sample of up to ``LEARN_ROWS`` rows whose
+energy reaches ``KEEP`` of the sample's; where that needs more than ``MAX_FRACTION`` of the row's width
+the rows fill their space and there is no basis (``eq`` is as good and cheaper). ``kltr`` drops
+nothing, so its basis (``Subspace(leading=True)``) is just the ``kltr_width`` leading directions,
+whatever share of the energy they hold: deeper in a trained gpt-micro the residual stream holds most
+of its energy in a few directions and the rest spread over all of them, no basis of half the width
+holds ``KEEP`` of it, and a ``KEEP`` basis left those cuts at ``eq`` (docs/compression.md, "Three cuts").
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ _HEAD = struct.Struct("<2sBBQQI")
 _HEAD_R = struct.Struct("<2sBBQQIQ")
 VERSION = 1
 COORD_STEP = 0.1  # kltr: the coordinates' step (their rounding goes into the residual)
-KLTR_WIDTH = 8  # kltr: at most one direction per this many values of a row
+KLTR_WIDTH = 8  # kltr: one direction per this many values of a row (16 for gpt-micro's 128, 24 for gpt-mini's 192)
 KEEP = 1.0 - 1e-4  # energy of the learnt rows the basis keeps
 MAX_FRACTION = 0.5  # a basis wider than this fraction of a row is not worth sending
 LEARN_ROWS = 512  # rows of a tensor the basis is learnt from (an even stride over its rows)
