@@ -165,3 +165,15 @@ def test_the_sender_codes_each_activation_in_the_basis_of_the_ones_before() -> N
     np.testing.assert_allclose(got[1], decode(*encode(second, parse_codec("kltr:0.5"), basis=learnt.basis), second.shape), atol=1e-6)
     assert rel(got[1], second) < rel(decode(*encode(second, parse_codec("eq:0.5")), second.shape), second)
     asyncio.run(asyncio.sleep(0))
+
+
+def test_senders_learn_kltrs_leading_directions_and_klts_energy_basis_for_activations_only() -> None:
+    from tests.test_link_sender import _sender
+
+    for compress, leading in (("kltr:1", True), ("adatopk", True), ("klt:0.25", False)):
+        sender = _sender(compress)[0]
+        sub = sender.subspace(1, "e", "act", parse_codec(compress))
+        assert sub is not None and sub.leading is leading, compress
+        assert sender.subspace(1, "e", "act", parse_codec(compress)) is sub  # one learner per destination, edge and role
+        assert sender.subspace(1, "e", "grad", parse_codec(compress)) is None
+    assert _sender("eq:0.5")[0].subspace(1, "e", "act", parse_codec("eq:0.5")) is None

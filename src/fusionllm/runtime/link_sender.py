@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from fusionllm.compress.budget import BudgetChooser
-from fusionllm.compress.codecs import DITHERED, decode, encode, parse_codec
+from fusionllm.compress.codecs import DITHERED, CodecSpec, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.compress.subspace import Subspace
 from fusionllm.graph.ir import Edge
@@ -117,6 +117,23 @@ class LinkSender:
         task.add_done_callback(_seen)  # a failed step cancels its sends unawaited: their errors are the step's, not stray ones
         return task
 
+    def subspace(self, dst: int, edge: str, role: str, spec: CodecSpec) -> Subspace | None:
+        """The basis learner for activations sent as ``klt``/``kltr`` (or AdaTopK's ``kltr`` candidates) on
+        this edge: learnt from what this sender sent before there, never from the tensor it codes.
+        ``kltr`` learns its leading directions, ``klt`` the directions that hold nearly all the energy."""
+        if role != "act":
+            return None
+        if spec.kind in ("klt", "kltr"):
+            leading = spec.kind == "kltr"
+        elif spec.kind == "adatopk" and self.chooser.klt:
+            leading = all(c.kind == "kltr" for c in self.chooser.klt)
+        else:
+            return None
+        key = (dst, edge, role)
+        if key not in self.subspaces:
+            self.subspaces[key] = Subspace(leading=leading)
+        return self.subspaces[key]
+
     async def push(
         self, st: StepState, dst: int, header: dict, x: np.ndarray | None, dtype: str = "float32",
         feedback_key: tuple | None = None, keep_decoded: bool = False,
@@ -132,10 +149,7 @@ class LinkSender:
         assert x is not None
         spec, ratio = self.codec, self.ratio(dst)
 
-        # klt's basis: learnt from what this sender sent before on the edge, never from the tensor it codes
-        sub = self.subspaces.setdefault((dst, str(header.get("edge", "")), role), Subspace(leading=spec.kind == "kltr" or (
-            spec.kind == "adatopk" and all(c.kind == "kltr" for c in self.chooser.klt)))) \
-            if role == "act" and (spec.kind in ("klt", "kltr") or (spec.kind == "adatopk" and self.chooser.klt)) else None
+        sub = self.subspace(dst, str(header.get("edge", "")), role, spec)
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
             nonlocal spec, ratio, feedback_key
