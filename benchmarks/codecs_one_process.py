@@ -12,8 +12,8 @@ in parallel) and sends what a two-stage pipeline would send through the real cod
   one member, the LM head's on the other): each member's half of the rows coded on its way
   (reduce-scatter), the sums coded back (all-gather), both with error feedback, every member using
   the decoded sums;
-- ``act``: block ``--cut``'s output on its way forward (``eq``-style codecs only: ``kltr``, which
-  AdaTopK sends there, needs a basis this script does not keep).
+- ``act``: block ``--cut``'s output on its way forward; ``kltr`` in a basis of its leading
+  directions learnt, as its senders learn it, from the micro-batch sent before (``Subspace``).
 
 A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``, and optionally the steps they run in,
 ``from=300`` and ``until=300`` (the first step coded, the first not; error feedback starts empty);
@@ -77,6 +77,7 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
 
     from fusionllm.compress.codecs import decode, encode, parse_codec
     from fusionllm.compress.feedback import ErrorFeedback
+    from fusionllm.compress.subspace import Subspace
     from fusionllm.data import Batcher
     from fusionllm.runtime.single import evaluate
 
@@ -84,9 +85,13 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
         spec = parse_codec(phase.get(role, "none"))
         if spec.kind == "none":
             return None
+        sub = Subspace(leading=True) if spec.kind == "kltr" else None  # a link's first tensor goes as eq
 
         def roundtrip(x: np.ndarray) -> np.ndarray:
-            tag, payload = encode(np.ascontiguousarray(x, dtype=np.float32), spec)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            tag, payload = encode(x, spec, basis=None if sub is None else sub.basis)
+            if sub is not None:
+                sub.learn(x)  # for the next tensor, after this one is encoded
             sent[0] += len(payload) - 4 * x.size  # counted raw below, the difference here
             return decode(tag, payload, x.shape)
         return roundtrip
