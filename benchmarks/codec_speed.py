@@ -74,7 +74,7 @@ def main() -> int:
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     specs = ["topk:0.001", "topk:0.01", "topk:0.1", "topk:0.3", "topk-token:0.01", "fp16", "bf16", "q8", "q4",
              "hq4", "hq3", "hq2", "hq4-sr", "hq3-sr", "hq2-sr", "eq:0.7", "eqd:0.7"]
-    learnt = ["klt:0.25", "kltr:1", "kltr:2.5"]  # on rows in few directions, in a basis learnt from another such tensor
+    learnt = ["klt:0.25", "kltr:1", "kltr:2"]  # on rows in few directions, in a basis learnt from another such tensor
     if args.codecs:
         specs, learnt = [c for c in specs if c in args.codecs], [c for c in learnt if c in args.codecs]
     rng = np.random.default_rng(0)
