@@ -92,6 +92,7 @@ def test_the_basis_sent_is_at_most_one_direction_per_kltr_width_values() -> None
     assert sub.basis is not None and sub.basis.shape[1] == 16 > 96 // KLTR_WIDTH
     _, payload = encode(low_rank(1, cols=96, rank=16), parse_codec("kltr:1"), basis=sub.basis)
     assert struct.unpack_from("<I", payload, 20)[0] == 96 // KLTR_WIDTH == kltr_width(96)
+    assert kltr_width(768) == 32 and kltr_width(4) == 1  # at most 32 (its cost grows with them), at least one
 
 
 def test_kltrs_basis_is_its_leading_directions_even_where_the_rows_fill_their_space() -> None:

@@ -56,6 +56,7 @@ _HEAD_R = struct.Struct("<2sBBQQIQ")
 VERSION = 1
 COORD_STEP = 0.1  # kltr: the coordinates' step (their rounding goes into the residual)
 KLTR_WIDTH = 8  # kltr: one direction per this many values of a row (16 for gpt-micro's 128, 24 for gpt-mini's 192)
+KLTR_MOST = 32  # kltr: at most this many directions (96 for 768-wide rows coded at 87-146 MB/s, under 1 Gbit/s)
 KEEP = 1.0 - 1e-4  # energy of the learnt rows the basis keeps
 MAX_FRACTION = 0.5  # a basis wider than this fraction of a row is not worth sending
 LEARN_ROWS = 512  # rows of a tensor the basis is learnt from (an even stride over its rows)
@@ -92,8 +93,9 @@ class Subspace:
 
 
 def kltr_width(cols: int) -> int:
-    """The directions ``kltr`` sends for rows of ``cols`` values: one per ``KLTR_WIDTH``, at least one."""
-    return max(1, cols // KLTR_WIDTH)
+    """The directions ``kltr`` sends for rows of ``cols`` values: one per ``KLTR_WIDTH``, at least one and
+    at most ``KLTR_MOST`` (the coordinates and the two products grow with them)."""
+    return max(1, min(cols // KLTR_WIDTH, KLTR_MOST))
 
 
 def _leading(rows: np.ndarray, r: int, last: np.ndarray | None, rng: np.random.Generator) -> np.ndarray | None:
