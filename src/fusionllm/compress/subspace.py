@@ -188,8 +188,8 @@ def decode_klt(buf: bytes | bytearray | memoryview, max_elements: int) -> np.nda
 
 
 def kltr_basis(basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The leading directions ``kltr`` sends (at most ``cols // KLTR_WIDTH``, at least one) as
-    (int8 codes, float32 scale per direction)."""
+    """The leading directions ``kltr`` sends (at most ``kltr_width(cols)``) as (int8 codes, float32
+    scale per direction)."""
     cols = basis.shape[0]
     b = np.ascontiguousarray(basis[:, : min(basis.shape[1], kltr_width(cols))], dtype=np.float32)
     peak = np.abs(b).max(axis=0)
