@@ -103,22 +103,33 @@ def _leading(rows: np.ndarray, r: int, last: np.ndarray | None, rng: np.random.G
     total = float(np.einsum("ij,ij->", rows, rows, dtype=np.float64))
     if total <= 0 or not np.isfinite(total):
         return None
+    q, _, vt = _sketch(rows, min(rows.shape[1], r + 8), last, rng)
+    return _directions(q, vt, min(r, vt.shape[0]))
+
+
+def _sketch(rows: np.ndarray, k: int, last: np.ndarray | None, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A randomized range finder over ``k`` directions, started from ``last`` (it moves little between
+    tensors), with one power iteration: the range ``q`` and the SVD (singular values, right vectors) of
+    ``rows`` in it."""
     cols = rows.shape[1]
-    k = min(cols, r + 8)
     probe = rng.standard_normal((cols, k)).astype(np.float32)
     start = min(k, last.shape[1]) if last is not None and last.shape[0] == cols else 0
     if start:
-        probe[:, :start] = last[:, :start]  # start from the last basis: it moves little between tensors
-    q, _ = np.linalg.qr(rows.T @ (rows @ probe))  # one power iteration
-    _, _, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
-    r = min(r, vt.shape[0])
-    return from_bf16_bits(to_bf16_bits(np.ascontiguousarray(q @ vt[:r].T, dtype=np.float32))).reshape(cols, r)
+        probe[:, :start] = last[:, :start]
+    q, _ = np.linalg.qr(rows.T @ (rows @ probe))
+    _, s, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
+    return q, s, vt
+
+
+def _directions(q: np.ndarray, vt: np.ndarray, r: int) -> np.ndarray:
+    """The first ``r`` directions of a sketch, as bfloat16 values (cols x r)."""
+    return from_bf16_bits(to_bf16_bits(np.ascontiguousarray(q @ vt[:r].T, dtype=np.float32))).reshape(q.shape[0], r)
 
 
 def _range(rows: np.ndarray, keep: float, last: np.ndarray | None, rng: np.random.Generator) -> np.ndarray | None:
     """The fewest directions holding ``keep`` of ``rows``' energy (bfloat16 values), or None where
     that takes over ``MAX_FRACTION`` of the width."""
-    n, cols = rows.shape
+    cols = rows.shape[1]
     total = float(np.einsum("ij,ij->", rows, rows, dtype=np.float64))
     limit = int(MAX_FRACTION * cols)
     if total <= 0 or not np.isfinite(total) or limit < 1:
@@ -126,17 +137,11 @@ def _range(rows: np.ndarray, keep: float, last: np.ndarray | None, rng: np.rando
     start = last.shape[1] if last is not None and last.shape[0] == cols else 0
     k = min(limit, max(8, start + 8))
     while True:
-        probe = rng.standard_normal((cols, k)).astype(np.float32)
-        if start:
-            probe[:, :start] = last  # start from the last basis: it moves little between tensors
-        q, _ = np.linalg.qr(rows.T @ (rows @ probe))  # one power iteration
-        _, s, vt = np.linalg.svd((rows @ q).astype(np.float64), full_matrices=False)
+        q, s, vt = _sketch(rows, k, last, rng)
         held = np.cumsum(s * s) / total
         if held[-1] >= keep:
             r = int(np.searchsorted(held, keep) + 1)
-            if r > limit:
-                return None
-            return from_bf16_bits(to_bf16_bits(np.ascontiguousarray(q @ vt[:r].T, dtype=np.float32))).reshape(cols, r)
+            return None if r > limit else _directions(q, vt, r)
         if k >= limit:
             return None
         k = min(limit, 2 * k)
