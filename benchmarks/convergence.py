@@ -17,8 +17,8 @@ the coordinator on the same held-out batches (its time is left out of tokens/s).
   over the slow link.
 
 Writes convergence.json, convergence.md and convergence.png; with ``--clusters`` (or ``--codecs``) a
-subset is run and merged into the existing convergence.json, replacing the runs of the same cluster
-and codec (so each cluster, or a codec added later, can be its own run). Needs root.
+subset is run and merged into the existing convergence.json, replacing the runs of the same cluster,
+codec and seed (so each cluster, a codec added later, or more seeds can be their own run). Needs root.
 
 ``--task vision`` (``--model resnet18 --image-size 32`` by default) trains a CIFAR-stem ResNet on the
 seeded synthetic images instead (10 classes): tokens/s becomes images/s and the final validation
@@ -218,13 +218,20 @@ def per_link_mean(runs: list[dict]) -> dict[str, float] | None:
     return {k: sum(r["bytes_per_link_slow"].get(k, 0.0) for r in runs) / len(runs) for k in links}
 
 
-def kept_runs(runs: list[dict], clusters: list[str], codecs: list[str]) -> list[str]:
-    """Where a merge kept runs of another commit: which, and at what commit ("not recorded" before runs carried it)."""
-    kept: dict[str, set[str]] = {}
+def replaced(r: dict, clusters: list[str], codecs: list[str], seeds: list[int]) -> bool:
+    """Whether a run in convergence.json is one the command runs again (its cluster, codec and seed)."""
+    return r["cluster"] in clusters and r["codec"] in codecs and r["seed"] in seeds
+
+
+def kept_runs(runs: list[dict], clusters: list[str], codecs: list[str], seeds: list[int]) -> list[str]:
+    """Where a merge kept runs of another command: which, and at what commit ("not recorded" before runs carried it)."""
+    kept: dict[str, dict[str, list[int]]] = {}
     for r in runs:
-        if not (r["cluster"] in clusters and r["codec"] in codecs):
-            kept.setdefault(r.get("commit", "not recorded")[:12], set()).add(f"{r['cluster']} {r['codec']}")
-    return ["", "Runs kept from earlier commands (merged):", "", *(f"- commit {c}: {', '.join(sorted(w))}" for c, w in kept.items())] if kept else []
+        if not replaced(r, clusters, codecs, seeds):
+            kept.setdefault(r.get("commit", "not recorded")[:12], {}).setdefault(f"{r['cluster']} {r['codec']}", []).append(r["seed"])
+    lines = [f"- commit {c}: " + ", ".join(f"{w} (seeds {', '.join(map(str, sorted(s)))})" for w, s in sorted(k.items()))
+             for c, k in kept.items()]
+    return ["", "Runs kept from earlier commands (merged):", "", *lines] if kept else []
 
 
 def table(rows: list[dict], runs: list[dict], args: argparse.Namespace) -> list[str]:
@@ -358,7 +365,7 @@ def main() -> int:
     if old.exists() and not args.fresh:
         doc = json.loads(old.read_text())
         if isinstance(doc.get("results"), dict) and "runs" in doc["results"]:
-            runs = [r for r in doc["results"]["runs"] if "cluster" in r and not (r["cluster"] in args.clusters and r["codec"] in args.codecs)]
+            runs = [r for r in doc["results"]["runs"] if "cluster" in r and not replaced(r, args.clusters, args.codecs, args.seeds)]
     with tempfile.TemporaryDirectory(prefix="fusion-conv-") as tmpdir:
         tmp = Path(tmpdir)
         for name in args.clusters:
@@ -375,7 +382,7 @@ def main() -> int:
     codecs = list(dict.fromkeys(r["codec"] for r in runs))
     rows = [mean_row(n, c, [r for r in runs if r["cluster"] == n and r["codec"] == c]) for n in order for c in codecs
             if any(r["cluster"] == n and r["codec"] == c for r in runs)]
-    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args) + kept_runs(runs, args.clusters, args.codecs),
+    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args) + kept_runs(runs, args.clusters, args.codecs, args.seeds),
           {"args": {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}, "clusters": {n: cluster_text(CLUSTERS[n]) for n in order}})
     _plot(runs, order, args.out)
     return 0

@@ -59,3 +59,13 @@ def test_stop_ends_the_processes_it_is_given_and_waits_for_them() -> None:
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     common.stop([*procs, None], grace=5)
     assert [p.returncode for p in procs] == [-15, -15]  # SIGTERM was enough; both waited for
+
+
+def test_a_convergence_merge_replaces_only_the_seeds_it_runs_again() -> None:
+    from benchmarks import convergence
+
+    runs = [{"cluster": "slow-link", "codec": c, "seed": s, "commit": "a" * 40} for c in ("none", "adatopk") for s in (0, 1, 2, 3)]
+    kept = [r for r in runs if not convergence.replaced(r, ["slow-link"], ["adatopk"], [2, 3])]
+    assert [(r["codec"], r["seed"]) for r in kept] == [("none", 0), ("none", 1), ("none", 2), ("none", 3), ("adatopk", 0), ("adatopk", 1)]
+    lines = convergence.kept_runs(kept, ["slow-link"], ["adatopk"], [2, 3])
+    assert lines[-1] == "- commit aaaaaaaaaaaa: slow-link adatopk (seeds 0, 1), slow-link none (seeds 0, 1, 2, 3)", lines
