@@ -211,7 +211,8 @@ def encode_kltr(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     coords = encode_eq(np.ascontiguousarray(rows2d @ b, dtype=np.float32), COORD_STEP)
     near = decode_eq(coords, max_elements=rows2d.shape[0] * r)
-    residual = encode_eq(np.ascontiguousarray(rows2d - near @ b.T, dtype=np.float32), step)
+    rest = near @ b.T  # the residual, in place: one tensor-sized buffer, not two
+    residual = encode_eq(np.subtract(rows2d, rest, out=rest), step)
     head = _HEAD_R.pack(b"FR", VERSION, len(shape), rows2d.shape[0], cols, r, len(coords))
     return b"".join((head, struct.pack(f"<{len(shape)}Q", *shape), scale.astype("<f4").tobytes(),
                      codes.tobytes(), coords, residual))
@@ -232,4 +233,6 @@ def decode_kltr(buf: bytes | bytearray | memoryview, max_elements: int) -> np.nd
         raise WireError(f"subspace-and-residual-coded tensor: parts of shape {list(coords.shape)} and {list(residual.shape)}, "
                         f"the header says {[rows, r]} and {[rows, cols]}")
     with np.errstate(over="ignore", invalid="ignore"):  # a corrupt scale may overflow: the numeric guards refuse what is not finite
-        return (coords @ b.T + residual).astype(np.float32, copy=False).reshape(shape)
+        out = coords @ b.T
+        out += residual  # in place: one tensor-sized buffer fewer
+        return out.reshape(shape)
