@@ -69,3 +69,23 @@ def test_a_convergence_merge_replaces_only_the_seeds_it_runs_again() -> None:
     assert [(r["codec"], r["seed"]) for r in kept] == [("none", 0), ("none", 1), ("none", 2), ("none", 3), ("adatopk", 0), ("adatopk", 1)]
     lines = convergence.kept_runs(kept, ["slow-link"], ["adatopk"], [2, 3])
     assert lines[-1] == "- commit aaaaaaaaaaaa: slow-link adatopk (seeds 0, 1), slow-link none (seeds 0, 1, 2, 3)", lines
+
+
+def test_the_vision_goal_needs_accuracy_within_a_point_and_inside_the_seed_spread() -> None:
+    import argparse
+
+    from benchmarks import convergence
+
+    args = argparse.Namespace(model="resnet18", task="vision", image_size=32, steps=480, batch_size=16, micro_batches=4, lr=1e-3,
+                              warmup=10, accuracy_over=3, eval_every=60, eval_batches=32)
+
+    def goal(none_acc: list[float], codec_acc: list[float]) -> str:
+        runs = [{"cluster": "slow-link", "codec": c, "seed": s, "final_val_loss": 0.1, "final_val_accuracy": a, "bytes_per_step_slow": b,
+                 "tokens_per_s": 20.0, "val_accuracy_curve": [[59, 50.0], [119, a]], "ratios": {}}
+                for c, accs, b in (("none", none_acc, 1000.0), ("adatopk", codec_acc, 80.0)) for s, a in enumerate(accs)]
+        rows = [{**runs[0], "final_val_accuracy": sum(none_acc) / 2}, {**runs[2], "final_val_accuracy": sum(codec_acc) / 2}]
+        return next(line for line in convergence.vision_table(rows, runs, args) if line.startswith("- slow-link adatopk"))
+
+    assert goal([90.0, 95.0], [89.5, 94.0]).endswith("goal met")  # -0.75 points, spread 5
+    assert goal([92.0, 92.5], [91.0, 92.0]).endswith("goal not met")  # -0.75 points, outside a spread of 0.5
+    assert goal([90.0, 95.0], [88.0, 94.0]).endswith("goal not met")  # -1.5 points
