@@ -237,7 +237,8 @@ def kept_runs(runs: list[dict], clusters: list[str], codecs: list[str], seeds: l
 
 def reference_note(runs: list[dict], measure: str) -> list[str]:
     """Which `none` runs had their slow links faster (``--reference-rate``), in a line; none: no line."""
-    sooner = sorted({f"{r['cluster']} seed {r['seed']} at {r['slow_links_at']}" for r in runs if r.get("slow_links_at")})
+    sooner = list(dict.fromkeys(f"{r['cluster']} seed {r['seed']} at {r['slow_links_at']}"
+                                for r in sorted(runs, key=lambda r: (r["cluster"], r["seed"])) if r.get("slow_links_at")))
     return ["", f"`none` ran with its slow links faster (`--reference-rate`; the same computation and bytes, so its {measure} and bytes "
             "stand, its speed and the speed-up column do not): " + ", ".join(sooner) + "."] if sooner else []
 
