@@ -68,7 +68,7 @@ DITHER_ROLES: tuple[str, ...] = ()
 # kltr's steps: with a basis of its leading directions (subspace.py) the residual can go coarsely, but not past
 # step 2. Rounding a residual at 2.5 of its RMS sends most faint values as zero and shrinks the faint directions
 # by 8% (by 2% at step 2; eq: none), an error that does not average out: in one process over sixteen seeds
-# (240 steps) activations at kltr:2.5 ended +2.35% against uncompressed, at kltr:2 +1.08%, where the gradients'
+# (240 steps, the activations coded from the first step) activations at kltr:2.5 ended +2.35% against uncompressed, at kltr:2 +1.08%, where the gradients'
 # codecs alone ended +0.92%; on the testbed every random-11 seed ended above its eq twin (docs/compression.md,
 # "Three cuts")
 KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1", "kltr:1.5", "kltr:2"))
