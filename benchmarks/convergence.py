@@ -408,10 +408,15 @@ def main() -> int:
     codecs = list(dict.fromkeys(r["codec"] for r in runs))
     rows = [mean_row(n, c, [r for r in runs if r["cluster"] == n and r["codec"] == c]) for n in order for c in codecs
             if any(r["cluster"] == n and r["codec"] == c for r in runs)]
-    write(args.out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args) + kept_runs(runs, args.clusters, args.codecs, args.seeds),
-          {"args": {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}, "clusters": {n: cluster_text(CLUSTERS[n]) for n in order}})
-    _plot(runs, order, args.out)
+    render(args.out, rows, runs, args, {"args": {k: v for k, v in vars(args).items() if k not in ("out", "fresh")},
+                                        "clusters": {n: cluster_text(CLUSTERS[n]) for n in order}})
     return 0
+
+
+def render(out: Path, rows: list[dict], runs: list[dict], args: argparse.Namespace, meta: dict) -> None:
+    """convergence.json, .md and .png in ``out`` (``args``: the command the runs came from; ``meta``: what the JSON records besides)."""
+    write(out, "convergence", {"mean": rows, "runs": runs}, table(rows, runs, args) + kept_runs(runs, args.clusters, args.codecs, args.seeds), meta)
+    _plot(runs, list(dict.fromkeys(r["cluster"] for r in rows)), out)
 
 
 def report(path: Path) -> int:
@@ -420,12 +425,9 @@ def report(path: Path) -> int:
     if not path.exists():
         raise SystemExit(f"--report: {path} does not exist; run the benchmark first (without --report)")
     doc = json.loads(path.read_text())
-    saved = argparse.Namespace(**doc["args"])
-    runs, rows = doc["results"]["runs"], doc["results"]["mean"]
-    order = list(dict.fromkeys(r["cluster"] for r in rows))
-    write(path.parent, "convergence", doc["results"], table(rows, runs, saved) + kept_runs(runs, saved.clusters, saved.codecs, saved.seeds),
-          {**kept_provenance(doc), "args": doc["args"], "clusters": doc.get("clusters", {})})
-    _plot(runs, order, path.parent)
+    saved = argparse.Namespace(**{"task": "lm", **doc["args"]})  # results from before --task were language models
+    render(path.parent, doc["results"]["mean"], doc["results"]["runs"], saved,
+           {**kept_provenance(doc), "args": doc["args"], "clusters": doc.get("clusters", {})})
     return 0
 
 
