@@ -61,6 +61,7 @@ KEEP = 1.0 - 1e-4  # energy of the learnt rows the basis keeps
 MAX_FRACTION = 0.5  # a basis wider than this fraction of a row is not worth sending
 LEARN_ROWS = 512  # rows of a tensor the basis is learnt from (an even stride over its rows)
 MAX_COLS = 4096  # rows wider than this are not learnt (the decomposition's cost grows as cols^2)
+BLOCK_ROWS = 2048  # kltr: rows coded together when the basis part is added or taken away (a few MB, cache-sized)
 
 
 class Subspace:
@@ -211,8 +212,12 @@ def encode_kltr(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     coords = encode_eq(np.ascontiguousarray(rows2d @ b, dtype=np.float32), COORD_STEP)
     near = decode_eq(coords, max_elements=rows2d.shape[0] * r)
-    rest = near @ b.T  # the residual, in place: one tensor-sized buffer, not two
-    residual = encode_eq(np.subtract(rows2d, rest, out=rest), step)
+    rest = np.empty_like(rows2d)  # the residual: one tensor-sized buffer, filled a block of rows at a time
+    for i in range(0, rows2d.shape[0], BLOCK_ROWS):  # (each block subtracted while it is still in cache)
+        part = rest[i : i + BLOCK_ROWS]
+        np.matmul(near[i : i + BLOCK_ROWS], b.T, out=part)
+        np.subtract(rows2d[i : i + BLOCK_ROWS], part, out=part)
+    residual = encode_eq(rest, step)
     head = _HEAD_R.pack(b"FR", VERSION, len(shape), rows2d.shape[0], cols, r, len(coords))
     return b"".join((head, struct.pack(f"<{len(shape)}Q", *shape), scale.astype("<f4").tobytes(),
                      codes.tobytes(), coords, residual))
@@ -233,6 +238,6 @@ def decode_kltr(buf: bytes | bytearray | memoryview, max_elements: int) -> np.nd
         raise WireError(f"subspace-and-residual-coded tensor: parts of shape {list(coords.shape)} and {list(residual.shape)}, "
                         f"the header says {[rows, r]} and {[rows, cols]}")
     with np.errstate(over="ignore", invalid="ignore"):  # a corrupt scale may overflow: the numeric guards refuse what is not finite
-        out = coords @ b.T
-        out += residual  # in place: one tensor-sized buffer fewer
-        return out.reshape(shape)
+        for i in range(0, rows, BLOCK_ROWS):  # into the residual's own array, a block of rows at a time: no second tensor
+            residual[i : i + BLOCK_ROWS] += coords[i : i + BLOCK_ROWS] @ b.T
+    return residual.reshape(shape)
