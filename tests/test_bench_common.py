@@ -89,3 +89,15 @@ def test_the_vision_goal_needs_accuracy_within_a_point_and_inside_the_seed_sprea
     assert goal([90.0, 95.0], [89.5, 94.0]).endswith("goal met")  # -0.75 points, spread 5
     assert goal([92.0, 92.5], [91.0, 92.0]).endswith("goal not met")  # -0.75 points, outside a spread of 0.5
     assert goal([90.0, 95.0], [88.0, 94.0]).endswith("goal not met")  # -1.5 points
+
+
+def test_codec_error_codes_one_cut_with_every_codec_at_the_steps_asked() -> None:
+    from benchmarks import codec_error
+
+    rows = codec_error.measure_run("gpt-micro", 4, [0, 3], ["q8", "eq:0.7", "kltr:2"], seed=0, cut=1, warmup=1)
+    assert [(r["step"], r["codec"]) for r in rows] == [(s, c) for s in (0, 3) for c in ("q8", "eq:0.7", "kltr:2")]
+    for r in rows:
+        assert 0 < r["error"] < 1 and 0 < r["bytes"] < 1, r
+    for s in (0, 3):
+        mine = {r["codec"]: r for r in rows if r["step"] == s}
+        assert mine["q8"]["error"] < mine["eq:0.7"]["error"] and mine["q8"]["bytes"] > mine["eq:0.7"]["bytes"]
