@@ -61,7 +61,7 @@ KEEP = 1.0 - 1e-4  # energy of the learnt rows the basis keeps
 MAX_FRACTION = 0.5  # a basis wider than this fraction of a row is not worth sending
 LEARN_ROWS = 512  # rows of a tensor the basis is learnt from (an even stride over its rows)
 MAX_COLS = 4096  # rows wider than this are not learnt (the decomposition's cost grows as cols^2)
-BLOCK_ROWS = 2048  # kltr: rows coded together when the basis part is added or taken away (a few MB, cache-sized)
+BLOCK_ROWS = 2048  # kltr: rows decoded together when the basis part is added into the residual (a few MB)
 
 
 class Subspace:
@@ -212,12 +212,8 @@ def encode_kltr(x: np.ndarray, basis: np.ndarray, step: float) -> bytes:
     rows2d = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, cols)
     coords = encode_eq(np.ascontiguousarray(rows2d @ b, dtype=np.float32), COORD_STEP)
     near = decode_eq(coords, max_elements=rows2d.shape[0] * r)
-    rest = np.empty_like(rows2d)  # the residual: one tensor-sized buffer, filled a block of rows at a time
-    for i in range(0, rows2d.shape[0], BLOCK_ROWS):  # (each block subtracted while it is still in cache)
-        part = rest[i : i + BLOCK_ROWS]
-        np.matmul(near[i : i + BLOCK_ROWS], b.T, out=part)
-        np.subtract(rows2d[i : i + BLOCK_ROWS], part, out=part)
-    residual = encode_eq(rest, step)
+    rest = near @ b.T  # the residual, in place: one tensor-sized buffer, not two
+    residual = encode_eq(np.subtract(rows2d, rest, out=rest), step)
     head = _HEAD_R.pack(b"FR", VERSION, len(shape), rows2d.shape[0], cols, r, len(coords))
     return b"".join((head, struct.pack(f"<{len(shape)}Q", *shape), scale.astype("<f4").tobytes(),
                      codes.tobytes(), coords, residual))
