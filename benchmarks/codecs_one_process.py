@@ -18,7 +18,10 @@ in parallel) and sends what a two-stage pipeline would send through the real cod
 A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``, and optionally the steps they run in,
 ``from=300`` and ``until=300`` (the first step coded, the first not; error feedback starts empty);
 phases with other codecs follow after ``/`` (``grad=q8,until=300/grad=eq:0.7,from=300``: a step
-takes the first phase whose steps hold it, and is raw where none does); ``none`` sends nothing
+takes the first phase whose steps hold it, and is raw where none does). ``act=jitter:EPS`` is no
+codec but a control: each value times ``1 + EPS u`` (``u`` seeded uniform in [-1, 1]), nothing
+lost, the bytes counted raw; at ``jitter:1e-6`` it changes the last bits of a float32 and shows how
+far a run moves from a difference that carries no error worth the name. ``none`` sends nothing
 through a codec and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
 same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergence.py``'s loss of
 the same seed up to float rounding order. "Fewer bytes": the raw bytes of the coded roles over
@@ -53,6 +56,16 @@ WINDOW = ("from", "until")  # the steps the codecs run in
 EVAL_BATCHES = 16
 
 
+def _jitter_ok(value: str) -> bool:
+    """``jitter:EPS`` (0 < EPS < 0.01) or a codec's name (checked when the run builds it)."""
+    if not value.startswith("jitter:"):
+        return True
+    try:
+        return 0 < float(value.partition(":")[2]) < 0.01
+    except ValueError:
+        return False
+
+
 def parse_variant(text: str) -> list[dict[str, str]]:
     """``grad=eq:0.7,until=300/grad=eq:0.7,reduce=eq:0.7,from=300`` -> one dict a phase
     ({"grad": "eq:0.7", "until": "300"}, ...); ``none`` -> []."""
@@ -63,7 +76,7 @@ def parse_variant(text: str) -> list[dict[str, str]]:
         out = {}
         for part in phase.split(","):
             key, _, value = part.partition("=")
-            if (key in WINDOW and value.isdigit()) or (key in ROLES and value):
+            if (key in WINDOW and value.isdigit()) or (key in ROLES and value and _jitter_ok(value)):
                 out[key] = value
             else:
                 raise SystemExit(f"--variants {text}: each part is ROLE=CODEC (ROLE: {', '.join(ROLES)}) or from=STEP / until=STEP")
@@ -82,6 +95,8 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     from fusionllm.runtime.single import evaluate
 
     def codec(phase: dict[str, str], role: str):  # noqa: ANN202
+        if phase.get(role, "").startswith("jitter:"):
+            return jitter(float(phase[role].partition(":")[2]))
         spec = parse_codec(phase.get(role, "none"))
         if spec.kind == "none":
             return None
@@ -95,6 +110,15 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
             sent[0] += len(payload) - 4 * x.size  # counted raw below, the difference here
             return decode(tag, payload, x.shape)
         return roundtrip
+
+    def jitter(eps: float):  # noqa: ANN202
+        """Not a codec: each value times (1 + eps u), u seeded uniform in [-1, 1]; counted as raw bytes."""
+        rng = np.random.default_rng([seed, 7919])
+
+        def nudge(x: np.ndarray) -> np.ndarray:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            return (x * (1 + eps * rng.uniform(-1, 1, x.shape))).astype(np.float32)
+        return nudge
 
     sent, raw_bytes = [0], [0]  # bytes over the run: as sent, and as float32
     phases = [(int(p.get("from", 0)), int(p.get("until", steps)), {r: codec(p, r) for r in ROLES}) for p in variant]
