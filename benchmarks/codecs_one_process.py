@@ -57,11 +57,11 @@ EVAL_BATCHES = 16
 
 
 def _jitter_ok(value: str) -> bool:
-    """``jitter:EPS`` (0 < EPS < 0.01) or a codec's name (checked when the run builds it)."""
+    """``jitter:EPS`` (0 < EPS < 1) or a codec's name (checked when the run builds it)."""
     if not value.startswith("jitter:"):
         return True
     try:
-        return 0 < float(value.partition(":")[2]) < 0.01
+        return 0 < float(value.partition(":")[2]) < 1
     except ValueError:
         return False
 
