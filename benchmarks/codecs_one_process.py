@@ -19,9 +19,10 @@ A variant names its codecs, ``grad=eq:0.7,reduce=eq:0.7``, and optionally the st
 ``from=300`` and ``until=300`` (the first step coded, the first not; error feedback starts empty);
 phases with other codecs follow after ``/`` (``grad=q8,until=300/grad=eq:0.7,from=300``: a step
 takes the first phase whose steps hold it, and is raw where none does). ``act=jitter:EPS`` is no
-codec but a control: each value times ``1 + EPS u`` (``u`` seeded uniform in [-1, 1]), nothing
-lost, the bytes counted raw; at ``jitter:1e-6`` it changes the last bits of a float32 and shows how
-far a run moves from a difference that carries no error worth the name. ``none`` sends nothing
+codec but a control: each value times ``1 + EPS u`` (``u`` seeded uniform in [-1, 1], RMS
+relative error ``EPS/sqrt(3)``), the bytes counted raw; at ``jitter:1e-6`` it changes only the
+last bits of a float32 and shows how far a run moves from a difference that carries no error worth
+the name, and at ``jitter:1e-2`` it is an unstructured noise of about q8's error. ``none`` sends nothing
 through a codec and is the plain model. Each run's validation loss is the system's (``Batcher.eval_arrays``: the
 same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergence.py``'s loss of
 the same seed up to float rounding order. "Fewer bytes": the raw bytes of the coded roles over
