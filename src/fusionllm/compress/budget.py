@@ -16,9 +16,8 @@ the link and role (and whenever the shape changes); the choice is:
 - if none is within the budget, raw float32.
 
 In the run's first sixteenth of steps (``budget_cap``, sent with each step as ``Step.budget_cap``) every
-role's budget is at most ``EARLY_BUDGET``, which 6- or 8-bit meets, and the activations go at 8 bits
-(``EARLY_ACT``): the links stay compressed (4-5x instead of 10x) while the run's course is set, and
-the budgets below hold for the rest.
+role's budget is at most ``EARLY_BUDGET``, which 6- or 8-bit meets: the links stay compressed (4-5x
+instead of 10x) while the run's course is set, and the budgets below hold for the rest.
 
 The budgets come from convergence runs of gpt-micro (docs/compression.md). Damage follows the
 activations' error far more than the gradients': across 8 Mbit/s, 240 steps, ``eq:0.7`` both ways
@@ -90,12 +89,6 @@ KLTR_CANDIDATES = tuple(parse_codec(c) for c in ("kltr:0.7", "kltr:1", "kltr:1.5
 # much (docs/compression.md, "The early budget")
 EARLY_BUDGET = 0.03
 EARLY_SHARE = 1 / 16
-# In those steps the activations go at 8 bits (else fp16), never 6-bit or kltr: gpt-micro's seeds 7 and 8,
-# on the edge between its two end groups at 1,200 steps, moved up a group (+8% to +15%) when their
-# activations went at 6 bits for the first 75 steps (or only the first 20) and stayed with them at 8 bits,
-# or raw, there; a seeded noise of 8-bit's size there moved seed 7 too (one process; docs/compression.md,
-# "What tips seeds 7 and 8")
-EARLY_ACT = tuple(parse_codec(c) for c in ("q8", "fp16"))
 SAMPLE = 4096  # values measured per tensor (whole rows, spread evenly)
 REMEASURE = 16  # tensors of a link and role between two measurements
 
@@ -191,9 +184,7 @@ class BudgetChooser:
             candidates = SHARED_CANDIDATES if self.scale < 1 else CANDIDATES
             shape, age, table = tuple(x.shape), 0, measure(sample, dithered(candidates) if role in self.dither else candidates, whole=x.size)
         self.tables[key] = (shape, age + 1, table)
-        if role == "act" and self.cap < 1.0:  # a run's early steps (``EARLY_ACT``)
-            table = [m for m in table if m.spec in EARLY_ACT]
-        elif self.klt and role == "act" and fits(x, basis):
+        if self.klt and role == "act" and fits(x, basis):
             rows = sample if sample is not None and not channel_major(x.shape) else sample_of(x, planes=True)
             table = table + measure(rows, self.klt, basis, x.size)
         limit = min(self.cap, self.budget.get(role, min(self.budget.values())) * (self.scale if role in ("act", "grad") else 1.0))
