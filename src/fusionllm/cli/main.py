@@ -10,7 +10,6 @@ from typing import Annotated
 
 import typer
 
-from fusionllm import __version__
 from fusionllm.cli.common import DEBUG
 from fusionllm.cli.graph import models, trace_cmd, verify
 from fusionllm.cli.llm import data_app, export, tokenizer_app
@@ -20,6 +19,7 @@ from fusionllm.cli.run import coordinator, worker
 from fusionllm.cli.testbed import testbed_app
 from fusionllm.cli.tools import bench, report, token
 from fusionllm.cli.train import train
+from fusionllm.core.version import __version__
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train language models over slow, uneven networks.")
 

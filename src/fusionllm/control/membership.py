@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusionllm import __version__
 from fusionllm.core.errors import AuthError, FusionError
+from fusionllm.core.version import __version__
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.control import (
     Heartbeat,

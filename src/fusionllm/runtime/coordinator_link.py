@@ -18,9 +18,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from fusionllm import __version__
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError
 from fusionllm.core.logging import get_logger
+from fusionllm.core.version import __version__
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.control import (
     Empty,
