@@ -25,10 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))  # the zoo models are `tests.zoo:...`
+sys.path.insert(0, str(ROOT))  # the repository root: benchmarks.common, and the zoo models (`tests.zoo:...`)
 os.environ.setdefault("FUSIONLLM_ALLOW_IMPORTS", "tests.")
-from common import pyplot, results_dir, write  # noqa: E402
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 from tests.fuzz import draw_case, run_case  # noqa: E402
 
 

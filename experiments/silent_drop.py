@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import exit_on_sigterm, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import exit_on_sigterm, results_dir, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIFORM = ROOT / "examples" / "clusters" / "uniform.toml"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, results_dir, write  # noqa: E402
-from one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
+from experiments.one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
 
 CODECS = ("q8", "q6", "eq:0.5", "eq:0.7", "kltr:0.7", "kltr:1", "kltr:1.5", "kltr:2")
 MEASURED = 2  # the micro-batch coded at a measured step (two learnt before it in that step)

@@ -26,8 +26,8 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import results_dir, write  # noqa: E402
 
 from fusionllm.graph.ir import OpGraph  # noqa: E402
 from fusionllm.models.spec import build_model  # noqa: E402

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.launch.offline import offline  # noqa: E402
 from fusionllm.planning.hierarchy import choose_hier_plan  # noqa: E402

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import read_metrics, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import read_metrics, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config  # noqa: E402

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import exit_on_sigterm, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import exit_on_sigterm, results_dir, write  # noqa: E402
 
 CODECS = ("q8", "q5", "eq:0.5", "eq:0.7", "eq:0.85")
 

@@ -73,8 +73,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import kept_provenance, pyplot, read_metrics, results_dir, stop, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "731f1e9"

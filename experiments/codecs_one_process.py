@@ -48,9 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
-from one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
+from experiments.one_process import MICRO_BATCHES, OneProcessLM  # noqa: E402
 
 ROLES = ("act", "grad", "reduce")
 WINDOW = ("from", "until")  # the steps the codecs run in

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.launch.inprocess import cluster_config, run_in_process  # noqa: E402

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import exit_on_sigterm, results_dir, write  # noqa: E402
-from one_process import OneProcessLM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import exit_on_sigterm, results_dir, write  # noqa: E402
+from experiments.one_process import OneProcessLM  # noqa: E402
 
 CODECS = ("eq:0.5", "eq:0.7")
 

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import exit_on_sigterm, pyplot, results_dir, write  # noqa: E402
 
 
 def run(steps: int, micro_batches: int, args: argparse.Namespace) -> tuple[list[float], dict]:

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import results_dir, write  # noqa: E402
 
 from fusionllm.cluster.hardware import Hardware  # noqa: E402
 from fusionllm.cluster.random import ClusterShape, random_cluster_toml  # noqa: E402

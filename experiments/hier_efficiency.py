@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import kept_provenance, pyplot, results_dir, write  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.common
+from benchmarks.common import kept_provenance, pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
 from fusionllm.runtime.single_groups import Outer, train_groups_single  # noqa: E402
