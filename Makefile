@@ -63,7 +63,7 @@ test-fast: $(VENV)/.installed-dev
 # A worker on the oldest torch pyproject.toml allows, in a pipeline of this torch: builds that environment once
 # (~/.cache/fusionllm/torch-2.4.1, several GB from the package registry), then runs the test.
 test-two-torch: $(VENV)/.installed-dev
-	$(PY) -c "import sys; sys.path.insert(0, '.'); from benchmarks.two_torch import old_python; old_python('2.4.1')"
+	$(PY) -c "import sys; sys.path.insert(0, '.'); from experiments.two_torch import old_python; old_python('2.4.1')"
 	$(PY) -m pytest -m two_torch
 
 # The soak tier: real worker processes on small random clusters, against one process (a few minutes).

@@ -61,7 +61,7 @@ def sync_summary(args: argparse.Namespace, soak: Any, steps: int, rc: int | None
     ref_steps = [s for s in range(steps) if s not in skipped]
     errors = [(s, abs(last[s]["loss"] - ref) / abs(ref), last[s]["loss"], ref) for s, ref in zip(ref_steps, ref_losses, strict=True) if s in last]
     loss_err = max((e for _, e, _, _ in errors), default=float("nan"))
-    # when the two drifted apart (summation orders differ after a re-plan; benchmarks/drift.py), and whether the
+    # when the two drifted apart (summation orders differ after a re-plan; experiments/drift.py), and whether the
     # losses stayed alike in the mean: per 1,000 steps, the largest relative difference and both mean losses
     drift = [{"from_step": errors[i][0], "max_rel_loss_err": max(e for _, e, _, _ in errors[i : i + 1000]),
               "mean_loss": statistics.fmean(a for _, _, a, _ in errors[i : i + 1000]),

@@ -9,7 +9,7 @@ plan's ``check_message_sizes``). Before issue 15 the first run of gpt2 died at i
 ``RESOURCE_EXHAUSTED ... Sent message larger than max (352034408 vs. 268435456)`` (evaluation pulled
 a stage's weights in one gRPC message). Writes big_models.json and big_models.md.
 
-    python benchmarks/big_models.py [--models gpt2 gpt2-medium] [--steps 4 6] [--every 2]
+    python experiments/big_models.py [--models gpt2 gpt2-medium] [--steps 4 6] [--every 2]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ quantisers scaled every 4-D tensor before) and per channel over the micro-batch 
 planes under ``sparse.SMALL_PLANE`` values now). Reported: bytes over the raw float32 bytes and the
 relative error ``||decode(encode(x)) - x|| / ||x||``.
 
-    python benchmarks/cnn_scales.py [--steps 60] [--at 0 30 59] [--layer layer4.0]
+    python experiments/cnn_scales.py [--steps 60] [--at 0 30 59] [--layer layer4.0]
 
 Writes cnn_scales.json/.md.
 """

@@ -11,7 +11,7 @@ quantisers on their own. The error is ``||decode(encode(x)) - x|| / ||x||`` over
 one codec moves over a run while the activations change: what a budget set on short runs allows
 late in a long one. Writes codec_error.json/.md/.png.
 
-    python benchmarks/codec_error.py [--model gpt-micro] [--steps 1200] [--at 75 300 1199] [--codecs q6 eq:0.5 kltr:2 ...] [--out DIR]
+    python experiments/codec_error.py [--model gpt-micro] [--steps 1200] [--at 75 300 1199] [--codecs q6 eq:0.5 kltr:2 ...] [--out DIR]
 """
 
 from __future__ import annotations

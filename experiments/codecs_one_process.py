@@ -28,7 +28,7 @@ same 16 batches the testbed runs use), so a ``none`` run reproduces ``convergenc
 the same seed up to float rounding order. "Fewer bytes": the raw bytes of the coded roles over
 the whole run (raw steps included) over what was sent.
 
-    python benchmarks/codecs_one_process.py --steps 1200 --seeds 0 1 2 3 4 5 6 7 \\
+    python experiments/codecs_one_process.py --steps 1200 --seeds 0 1 2 3 4 5 6 7 \\
         --variants none grad=eq:0.7,reduce=eq:0.7 [--jobs 2]
 
 Writes codecs_one_process.json/.md/.png: per variant the mean final loss, the paired difference

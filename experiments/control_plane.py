@@ -41,9 +41,9 @@ table also gives the bytes per step without the heartbeats of the step's seconds
 the JSON has the same for an evaluation and a checkpoint (per_eval_net, per_checkpoint_net, from
 the extra seconds per step that --eval-every 1 / --checkpoint-every 1 took).
 
-    .venv/bin/python benchmarks/control_plane.py --code both --models gpt-micro,gpt2
-    .venv/bin/python benchmarks/control_plane.py --code after   # only the new code again
-    .venv/bin/python benchmarks/control_plane.py --report-only   # table and plot again from the JSON
+    .venv/bin/python experiments/control_plane.py --code both --models gpt-micro,gpt2
+    .venv/bin/python experiments/control_plane.py --code after   # only the new code again
+    .venv/bin/python experiments/control_plane.py --report-only   # table and plot again from the JSON
 
 It counts bytes, not seconds, so a busy machine changes only the step seconds (and with them the
 heartbeats in per step); it needs no bench lock, but runs one cluster at a time.

@@ -14,7 +14,7 @@ micro-batches. For the second micro-batch it reports:
   tensor, and the error in the faint directions (past the 16th of the tensor's own) against the
   signal there.
 
-    python benchmarks/cut_structure.py [--model gpt-mini] [--cut 2] [--steps 240] [--at 60 200 239]
+    python experiments/cut_structure.py [--model gpt-mini] [--cut 2] [--steps 240] [--at 60 200 239]
 
 Writes cut_structure.json/.md.
 """

@@ -11,7 +11,7 @@ no tokenisation per step, only the windows' gather.
 
 Writes data_prepare.json and data_prepare.md (and data_prepare.png).
 
-    python benchmarks/data_prepare.py --gigabytes 1
+    python experiments/data_prepare.py --gigabytes 1
 """
 
 from __future__ import annotations

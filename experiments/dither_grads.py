@@ -15,7 +15,7 @@ It reports the relative error of the tensor sent and of the weight gradients it 
 of the tensor is about the same for nearest and dithered; what differs is whether the errors of many
 tokens add up in a weight gradient (nearest: a fixed function of each value) or average out.
 
-    python benchmarks/dither_grads.py [--cut 1] [--steps 240] [--at 5 20 80 160]
+    python experiments/dither_grads.py [--cut 1] [--steps 240] [--at 5 20 80 160]
 
 Writes dither_grads.json/.md.
 """

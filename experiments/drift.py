@@ -11,7 +11,7 @@ final weights' relative difference per tensor, and the mean loss over the last s
 The soak's synchronous check (``soak.py``) compares every loss of a faulted run with one process;
 this says how close two runs can stay, fault or no fault, over that many steps.
 
-    python benchmarks/drift.py [--steps 18104] [--every 500]
+    python experiments/drift.py [--steps 18104] [--every 500]
 """
 
 from __future__ import annotations

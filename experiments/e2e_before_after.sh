@@ -1,7 +1,7 @@
 #!/bin/bash
 # Tokens/s of two checkouts side by side, interleaved (after, before, after, before ...), as root (the testbed):
 #   git worktree add /tmp/fcp-before <commit before the change>
-#   BEFORE=/tmp/fcp-before OUT=/tmp/e2e-ab ROUNDS=2 benchmarks/e2e_before_after.sh
+#   BEFORE=/tmp/fcp-before OUT=/tmp/e2e-ab ROUNDS=2 experiments/e2e_before_after.sh
 # Each run: benchmarks/e2e.py --quick --clusters $CLUSTERS --systems $SYSTEMS, with the python of this checkout's .venv and each
 # checkout's own src (PYTHONPATH). The JSONs land in $OUT/<after|before>-<round>/.
 AFTER=$(cd "$(dirname "$0")/.." && pwd)

@@ -6,7 +6,7 @@ is killed or stopped. Measured: seconds from the fault to the coordinator's reco
 plus re-planning plus re-assigning the stages), the steps run again (since the newest checkpoint), and
 the whole run's wall time against an undisturbed run. Writes faults.json and faults.md.
 
-    python benchmarks/faults.py [--out benchmarks/results/faults]
+    python experiments/faults.py [--out benchmarks/results/faults]
 """
 
 from __future__ import annotations

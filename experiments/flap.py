@@ -15,7 +15,7 @@ Two ways to drop it:
 Both check that the losses equal the undisturbed run's and that nothing was re-planned. Writes
 flap.json and flap.md.
 
-    python benchmarks/flap.py [--mode proxy|testbed|both] [--outage 5] [--steps 200 --at 50] [--out benchmarks/results/flap]
+    python experiments/flap.py [--mode proxy|testbed|both] [--outage 5] [--steps 200 --at 50] [--out benchmarks/results/flap]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ JSON (``OpGraph.from_json``).
 
 Writes fuzz_decoders.json and fuzz_decoders.md (and a PNG of inputs per target).
 
-    python benchmarks/fuzz_decoders.py --inputs 1000000 --seed 0
+    python experiments/fuzz_decoders.py --inputs 1000000 --seed 0
 """
 
 from __future__ import annotations

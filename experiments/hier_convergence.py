@@ -13,7 +13,7 @@ the outer optimiser) on the first model and seed.
 
 Writes hier_convergence.json, .md and .png (validation loss against tokens, both modes).
 
-    python benchmarks/hier_convergence.py [--models gpt-nano gpt-micro] [--seeds 0 1] [--steps 200] [--inner-steps 20]
+    python experiments/hier_convergence.py [--models gpt-nano gpt-micro] [--seeds 0 1] [--steps 200] [--inner-steps 20]
 """
 
 from __future__ import annotations

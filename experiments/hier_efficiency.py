@@ -12,7 +12,7 @@ outer learning rate and Nesterov momentum given, optionally after ``K`` warm ste
 Runs in one process (``runtime/single_groups.py``, held equal to the distributed hierarchical run
 by ``tests/test_single_groups.py``): what a group learns per token does not depend on the links.
 
-    python benchmarks/hier_efficiency.py [--model gpt-micro] [--seeds 0 1] [--tokens 491520] [--batch 16] [--seq-len 64]
+    python experiments/hier_efficiency.py [--model gpt-micro] [--seeds 0 1] [--tokens 491520] [--batch 16] [--seq-len 64]
         [--variants sync M=4,b=4,H=8,lr=0.7,mu=0.9 ...]
 
 A variant is ``sync`` (batch B), ``sync,B=64``, ``sync,x=0.5`` (half the tokens, its own whole schedule) or ``M=..,b=..,H=..,lr=..,mu=..[,K=..][,codec=q4]``.

@@ -22,7 +22,7 @@ again with the link's bandwidth set to each rate (20 Mbit/s is the file's; 200 M
 in flight on a 100 ms round trip). Goal: one-way within 10% of the configured latency, throughput
 within 10% of the shaped rate (TCP/IP headers take about 4% of it).
 
-    sudo .venv/bin/python benchmarks/latency.py [--cluster FILE] [--rates 20mbit,200mbit] [--pings 30]
+    sudo .venv/bin/python experiments/latency.py [--cluster FILE] [--rates 20mbit,200mbit] [--pings 30]
 
 Writes benchmarks/results/latency/latency.json, latency.md and latency.png.
 """

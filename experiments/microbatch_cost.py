@@ -10,7 +10,7 @@ and planning. CPU time, not wall time, because the machine is shared: other proc
 do not land in it. With a model whose ops cost next to nothing (the default, gpt-nano on 16 x 8
 tokens) the slope against M is the runtime's own cost of a micro-batch. Needs root (the testbed).
 
-    flock /tmp/fusionllm-bench.lock python benchmarks/microbatch_cost.py [--model gpt-nano] [--micro-batches 1,4,16]
+    flock /tmp/fusionllm-bench.lock python experiments/microbatch_cost.py [--model gpt-nano] [--micro-batches 1,4,16]
 """
 
 from __future__ import annotations

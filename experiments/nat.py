@@ -24,8 +24,8 @@ Reported:
 - ``random:SEED``: a random CPU cluster (``cluster.random``, 2-3 sites, 3-4 devices, random rates) whose
   sites are put behind NAT at random (at least one, never all: the first reachable worker relays).
 
-    sudo python benchmarks/nat.py            # writes benchmarks/results/nat/nat.{json,md,png}
-    sudo python benchmarks/nat.py --clusters nat-site two-nats random:1 random:2 --models gpt-micro gpt-nano
+    sudo python experiments/nat.py            # writes benchmarks/results/nat/nat.{json,md,png}
+    sudo python experiments/nat.py --clusters nat-site two-nats random:1 random:2 --models gpt-micro gpt-nano
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                     f"{statistics.median(direct):.2f} (min {direct[0]:.2f})."]
     out += ["", "Sites: " + "; ".join(f"{r['cluster']}: " + ", ".join(f"{k} {v}" for k, v in r["sites"].items())
                                       for r in {r["cluster"]: r for r in rows}.values()), "",
-            f"Command: `python benchmarks/nat.py --rate {args.rate} --steps {args.steps} --clusters {' '.join(args.clusters)} --models {' '.join(args.models)}`; "
+            f"Command: `python experiments/nat.py --rate {args.rate} --steps {args.steps} --clusters {' '.join(args.clusters)} --models {' '.join(args.models)}`; "
             "probed rates are the coordinator's own link probes (`MeasureTo`, through the relays), shaped rates what the testbed's tc allows."]
     return out
 

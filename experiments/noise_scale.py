@@ -10,7 +10,7 @@ tokens; above it, it spends tokens (McCandlish et al., arXiv 1812.06162).
 
 Writes noise_scale.json, noise_scale.md and noise_scale.png.
 
-    python benchmarks/noise_scale.py [--model gpt-micro] [--steps 300] [--seeds 0 1]
+    python experiments/noise_scale.py [--model gpt-micro] [--steps 300] [--seeds 0 1]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ each, with ``NumpyStageExecutor`` and with ``StageExecutor``, on the same weight
 the table gives the median time of a few repetitions and the NumPy / torch ratio, and checks that
 both computed the same thing. Writes numpy_backend.json/.md.
 
-    python benchmarks/numpy_backend.py [--batch 4] [--seq 128] [--reps 5] [--out benchmarks/results/numpy_backend]
+    python experiments/numpy_backend.py [--batch 4] [--seq 128] [--reps 5] [--out benchmarks/results/numpy_backend]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ that exchange compressed pseudo-gradients every round, sim/rounds.py). Every pla
 the fraction of the cluster's aggregate compute doing training work (sim/utilization.py); the issue's
 goal is at least 50%. Writes paper_scale.json, paper_scale.md and paper_scale.png.
 
-    python benchmarks/paper_scale.py [--out benchmarks/results/paper_scale] [--quick] [--models gpt2 resnet101 ...]
+    python experiments/paper_scale.py [--out benchmarks/results/paper_scale] [--quick] [--models gpt2 resnet101 ...]
 
 ResNet models (``--task vision``: ResNet-101 at 224x224, the paper's) count images where the GPT
 rows count tokens (their "tokens/s" columns are images/s); ``--image-size`` sets the resolution.

@@ -10,7 +10,7 @@ fails when planning crashes, returns a plan the validator rejects, or the simula
 Writes plan_fuzz.json/.md/.png. Ops are counted, not timed (no calibration), so results are the
 same on any machine except the planning times.
 
-    python benchmarks/plan_fuzz.py [--cases 2000] [--seed 0] [--out benchmarks/results/plan_fuzz]
+    python experiments/plan_fuzz.py [--cases 2000] [--seed 0] [--out benchmarks/results/plan_fuzz]
 """
 
 from __future__ import annotations

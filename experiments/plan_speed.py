@@ -5,7 +5,7 @@ The 1,000-op graph is GPT-2 XL traced at `fine` granularity (the glue inside eac
 The 1,000-device clusters are 50 sites of 20 GPUs and a random one (`fusionllm.cluster.random`, seeded).
 Writes plan_speed.json/.md.
 
-    python benchmarks/plan_speed.py [--out benchmarks/results/plan_speed]
+    python experiments/plan_speed.py [--out benchmarks/results/plan_speed]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Reported: final validation loss, its difference from fp32 in one process, the me
 the last 10 steps, the bytes between workers per step and tokens/s. Writes precision.json,
 precision.md and precision.png (validation loss against step).
 
-    python benchmarks/precision.py --model gpt-micro --steps 300 --seeds 0 1 --workers 3
+    python experiments/precision.py --model gpt-micro --steps 300 --seeds 0 1 --workers 3
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ and how many buckets the workers started before REDUCE (from their logs).
 On a machine with fewer cores than workers, the backward and gloo's threads compete for the same
 cores: overlap then hides little, or nothing.
 
-    python benchmarks/reduce_overlap.py [--model gpt-micro] [--steps 8] [--rounds 2] [--out benchmarks/results/reduce_overlap]
+    python experiments/reduce_overlap.py [--model gpt-micro] [--steps 8] [--rounds 2] [--out benchmarks/results/reduce_overlap]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ embedding's rows (a scale per token, ``runtime/reduce.row_width``). For each it 
 the error over the whole half (what the error budget measures), each row's own error (what Adam,
 which scales every coordinate by its own history, sees), and the rows that arrive as zeros.
 
-    python benchmarks/reduce_rows.py [--model gpt-micro] [--steps 240] [--at 0 10 40 120]
+    python experiments/reduce_rows.py [--model gpt-micro] [--steps 240] [--at 0 10 40 120]
 
 Writes reduce_rows.json/.md.
 """

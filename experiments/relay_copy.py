@@ -10,7 +10,7 @@ more. For each mode (``--copy kernel`` or ``python`` to both helper processes: t
 sink's answer) and the CPU seconds the relay process and the worker process spent (utime + stime
 from /proc), per GiB moved. Modes alternate, so both see the same load on a shared machine.
 
-    python benchmarks/relay_copy.py [--mb 1024] [--repeats 3]
+    python experiments/relay_copy.py [--mb 1024] [--repeats 3]
 
 Writes benchmarks/results/relay_copy/relay_copy.json, relay_copy.md and relay_copy.png.
 """

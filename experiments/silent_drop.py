@@ -8,7 +8,7 @@ trains gpt-nano in a pipeline through all four workers. After step 8, worker 1's
 exceeds the outage by, whether the coordinator declared a worker lost (a ``recovery`` event), and
 the run's wall time. Needs root.
 
-    python benchmarks/silent_drop.py [--drop 10] [--dead-after 10 15]
+    python experiments/silent_drop.py [--drop 10] [--dead-after 10 15]
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ Both runs use the same model, data, seed and plan; the losses of every step are 
 1e-5 relative). The torch versions reported are those the workers themselves sent when they joined
 (the plan record's ``software``). Writes two_torch.json and two_torch.md.
 
-    python benchmarks/two_torch.py                 # torch 2.4.1 in the middle, gpt-micro, 30 steps
-    python benchmarks/two_torch.py --old 2.5.1 --steps 60
+    python experiments/two_torch.py                 # torch 2.4.1 in the middle, gpt-micro, 30 steps
+    python experiments/two_torch.py --old 2.5.1 --steps 60
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> int:
         f"largest relative loss difference {max(errors):.2e} (goal {GOAL:g}: {'met' if max(errors) <= GOAL else 'missed'}), "
         f"first step {errors[0]:.2e}. Versions as each worker reported them when it joined.",
         "",
-        f"Command: `python benchmarks/two_torch.py --old {args.old} --model {args.model} --steps {args.steps}`",
+        f"Command: `python experiments/two_torch.py --old {args.old} --model {args.model} --steps {args.steps}`",
     ]
     write(args.out, "two_torch", row, table)
     return 0 if max(errors) <= GOAL else 1

@@ -1,4 +1,4 @@
-"""Random planning cases and what must hold for each: the property tests and ``benchmarks/plan_fuzz.py``.
+"""Random planning cases and what must hold for each: the property tests and ``experiments/plan_fuzz.py``.
 
 A case is a random cluster file (``fusionllm.cluster.random``), a model, a scheduler, a pipeline
 schedule, a codec, a batch and a micro-batch count. For each, planning must end in one of two ways:

@@ -92,7 +92,7 @@ def test_the_vision_goal_needs_accuracy_within_a_point_and_inside_the_seed_sprea
 
 
 def test_codec_error_codes_one_cut_with_every_codec_at_the_steps_asked() -> None:
-    from benchmarks import codec_error
+    from experiments import codec_error
 
     rows = codec_error.measure_run("gpt-micro", 4, [0, 3], ["q8", "eq:0.7", "kltr:2"], seed=0, cut=1, warmup=1)
     assert [(r["step"], r["codec"]) for r in rows] == [(s, c) for s in (0, 3) for c in ("q8", "eq:0.7", "kltr:2")]

@@ -2,7 +2,7 @@
 
 In process, on loopback: a worker behind NAT is one that the coordinator does not try to reach; its
 listen host (127.0.0.x) stands for its NAT's public address, as the relay sees it. The testbed's real
-NAT (namespaces, nftables masquerade) is covered in ``test_testbed_nat.py`` and ``benchmarks/nat.py``.
+NAT (namespaces, nftables masquerade) is covered in ``test_testbed_nat.py`` and ``experiments/nat.py``.
 
 Why these can fail: a relayed tensor that is lost, doubled or changed moves a loss beyond 1e-5; a
 worker that is not served through its relay never joins (its private address is not reachable);

@@ -172,7 +172,7 @@ def test_raw_bytes_cross_the_relay_whole_both_ways_with_half_close(kernel: bool)
             w.close()
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        relay = Relay(TOKEN, kernel_copy=kernel)  # off: the Python copy, as benchmarks/relay_copy.py compares
+        relay = Relay(TOKEN, kernel_copy=kernel)  # off: the Python copy, as experiments/relay_copy.py compares
         tunnel = Tunnel(f"127.0.0.1:{await relay.start('127.0.0.1')}", TOKEN, [f"127.0.0.1:{server.sockets[0].getsockname()[1]}"], kernel_copy=kernel)
         await tunnel.open()
         before = zerocopy.bridged

@@ -139,7 +139,7 @@ def test_unreachable_data_port_is_a_transport_error() -> None:
 
 @pytest.mark.parametrize("case", ["truncated header", "unhashable key"])
 def test_what_the_fuzzer_found_is_refused_in_one_line(case: str) -> None:
-    """Found by benchmarks/fuzz_decoders.py's data-plane target: a connection that ends inside a tensor
+    """Found by experiments/fuzz_decoders.py's data-plane target: a connection that ends inside a tensor
     header, and a header whose edge is a list (an unhashable inbox key), made the server log a
     traceback ("tensor handler failed") instead of refusing the message."""
 

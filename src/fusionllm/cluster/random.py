@@ -1,4 +1,4 @@
-"""Random cluster files: what property tests and ``benchmarks/plan_fuzz.py`` plan on.
+"""Random cluster files: what property tests and ``experiments/plan_fuzz.py`` plan on.
 
 A generated cluster is an ordinary cluster file (TOML text), so it goes through the same parser,
 checks and ``Hardware.from_spec`` as a user's file. The draw covers the shapes users bring: a few

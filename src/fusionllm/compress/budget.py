@@ -46,7 +46,7 @@ The activations' budget was set on 240-step runs, where ``kltr:2`` errs 0.02-0.0
 inside it. Late in a 1,200-step gpt-micro run its activations spread over more directions: every
 candidate near 10x then errs 0.12-0.145, at the budget, and in one process that late error cost
 about 1% within a group (activations at 6 bits late: +0.76%; ``kltr:2``: +1.52%); an error near 0.1
-costs 8.6-8.9x instead of 10x (``benchmarks/codec_error.py``; docs/compression.md, "Why 1,200 steps
+costs 8.6-8.9x instead of 10x (``experiments/codec_error.py``; docs/compression.md, "Why 1,200 steps
 cost more than 240"). The budget is left as it is: the goal is 10x.
 """
 

@@ -55,7 +55,7 @@ class CostModel:
     # to nothing (gpt-nano, batch 16 x 8, uniform cluster, M = 1, 4, 16; docs/scheduler.md):
     # 3.8-5.8 ms per micro-batch on a middle stage (2 compute actions, 4 message ends), 1.9-3.3 ms on
     # the first and last stages (2 actions, 2 message ends), 5-9 ms per step, in two runs of
-    # benchmarks/microbatch_cost.py's measurement.
+    # experiments/microbatch_cost.py's measurement.
     action_overhead_s: float = 4e-4  # one compute action beyond its ops: thread hand-off, feeds, outputs
     message_overhead_s: float = 2e-4  # one tensor message on the wire (stream set-up, wake-ups)
     message_cpu_s: float = 1e-3  # CPU one message costs its sender, and again its receiver: asyncio task, framing, the data plane, the inbox

@@ -6,7 +6,7 @@ the *per-token efficiency* ``e`` of a plan (1: every token counts as much as in 
 0.5: the plan needs twice the tokens to reach the same loss). The planner ranks candidates by
 *goodput*, tokens/s times ``e``: the one with the most reaches the target first.
 
-The model, fitted to ``benchmarks/hier_efficiency.py`` (docs/scheduler.md, "Time to target", has the
+The model, fitted to ``experiments/hier_efficiency.py`` (docs/scheduler.md, "Time to target", has the
 table and the commands)::
 
     tokens multiplier  1 / e = (1 + s(N) * GROUP_PENALTY * (M - 1) ** GROUPS_EXPONENT * H ** H_EXPONENT) * batch_factor

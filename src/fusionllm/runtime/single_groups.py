@@ -11,7 +11,7 @@ as one group of ``batch_size`` rows (``--regroup K:GROUPS``), whose weights and 
 group starts from. The learning-rate schedule is the run's, over each group's own steps.
 
 A test holds it equal to the distributed run (``tests/test_single_groups.py``); the per-token
-efficiency sweeps (``benchmarks/hier_efficiency.py``) run it, since what a group learns per token
+efficiency sweeps (``experiments/hier_efficiency.py``) run it, since what a group learns per token
 does not depend on the links that carry its traffic.
 """
 

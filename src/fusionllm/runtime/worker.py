@@ -100,7 +100,7 @@ class WorkerConfig:
     behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
     relay: bool = False  # a reachable worker that relays for workers behind NAT
     relay_port: int = 0
-    reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, benchmarks/reduce_overlap.py)
+    reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, experiments/reduce_overlap.py)
 
 
 class Worker(CoordinatorLink, NatLink, WorldLink):

@@ -122,7 +122,7 @@ class Hosted:
 class Relay:
     """The relay server: ``start`` binds the tunnel port; public ports are bound per hosted worker.
     ``kernel_copy=False`` copies relayed bytes in Python even where the kernel could
-    (``benchmarks/relay_copy.py`` compares the two)."""
+    (``experiments/relay_copy.py`` compares the two)."""
 
     def __init__(self, token: str, *, role: str = "relay", kernel_copy: bool = True) -> None:
         self.token = token
