@@ -50,9 +50,41 @@ def test_docs_benchmarks_shows_each_reports_first_table_under_its_provenance(tmp
     (tmp_path / "e2e" / "e2e.json").write_text(json.dumps(doc))
     (tmp_path / "e2e" / "e2e.md").write_text("# e2e\n\nintro\n\n| system | loss |\n|---|---|\n| opfence | 2.5 |\n\n| second | table |\n")
     text = index.render_docs(tmp_path)
-    assert "### [e2e/e2e.md](../benchmarks/results/e2e/e2e.md)" in text
+    assert "#### [e2e/e2e.md](../benchmarks/results/e2e/e2e.md)" in text
     assert "commit bbbbbbbbbbbb, 2026-12-03 10:00 UTC; command: `python benchmarks/e2e.py --quick`" in text
-    assert "| opfence | 2.5 |" in text and "second" not in text
+    assert "| opfence | 2.5 |" in text and "| second | table |" not in text
+
+
+def test_docs_benchmarks_lists_each_script_with_what_it_measures_and_how_to_run_it(tmp_path: Path) -> None:
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "speed.py").write_text('"""Speed of a thing: MB/s.\n\n    python benchmarks/speed.py [--quick]   # a minute\n"""\n')
+    (scripts / "helper.py").write_text('"""What speed.py shares."""\n')
+    (scripts / "other.py").write_text('"""Another: a second thing."""\nfrom helper import x\n')
+    results = tmp_path / "results"
+    for name in ("speed", "study"):
+        (results / name).mkdir(parents=True)
+        (results / name / f"{name}.json").write_text(json.dumps({"benchmark": name, "results": []}))
+        (results / name / f"{name}.md").write_text(f"# {name}\n\n| a |\n|---|\n| {name}-row |\n")
+    text = index.render_docs(results, scripts)
+    assert "| [speed.py](../benchmarks/speed.py) | Speed of a thing: MB/s. | `python benchmarks/speed.py [--quick]` |" in text
+    assert "| [helper.py](../benchmarks/helper.py) | What speed.py shares. | imported by `other.py` (no command of its own) |" in text
+    assert "| [other.py](../benchmarks/other.py) | Another: a second thing. | no command |" in text
+    assert "| speed-row |" in text  # a benchmark's result: its table
+    assert "| study-row |" not in text and "- [study/study.md](../benchmarks/results/study/study.md)" in text  # a study's: a link
+
+
+def test_benchmarks_holds_few_scripts_each_described_and_the_studies_are_listed() -> None:
+    scripts = sorted(p for p in (common.ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert 0 < len(scripts) <= 16, [p.name for p in scripts]
+    assert (common.ROOT / "benchmarks" / "gpu_check.py").is_file()  # other tooling runs it by this path
+    table = index.render_docs(common.RESULTS).split("## Results", 1)[0]
+    for path in scripts:
+        row = next((line for line in table.splitlines() if line.startswith(f"| [{path.name}]")), None)
+        assert row and "| no command |" not in row, f"{path.name}: no usage line (python benchmarks/{path.name} ...) in its docstring and no user"
+    studies = sorted(p for p in (common.ROOT / "experiments").iterdir() if p.suffix in (".py", ".sh"))
+    readme = (common.ROOT / "experiments" / "README.md").read_text()
+    assert studies and all(f"[{p.name}]({p.name})" in readme for p in studies), [p.name for p in studies if f"[{p.name}]" not in readme]
 
 
 def test_stop_ends_the_processes_it_is_given_and_waits_for_them() -> None:
