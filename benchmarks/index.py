@@ -55,6 +55,7 @@ def rows(results: Path) -> list[dict[str, Any]]:
 def render(results: Path) -> str:
     lines = ["# Benchmark results", "",
              "Made by `python benchmarks/index.py` from the JSONs in this folder: do not edit by hand. Each benchmark",
+             "(`benchmarks/`) and each study (`experiments/`, [../../experiments/README.md](../../experiments/README.md))",
              "writes to `benchmarks/results/<script>/` (a variant in a subfolder); its JSON records the commit it",
              "measured (`-dirty`: with uncommitted changes), the command line, the machine and the date. Results",
              f'written before these were recorded say "{NOT_RECORDED}", with the commit that first added the file',
