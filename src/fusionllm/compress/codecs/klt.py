@@ -8,7 +8,14 @@ import numpy as np
 
 from fusionllm.compress.base import CodecSpec, LinkState, checked_shape, numel, raw_record, register
 from fusionllm.compress.codecs.eq import Stepped, encode_stepped
-from fusionllm.compress.subspace import Subspace, decode_klt, decode_kltr, encode_klt, encode_kltr, fits
+from fusionllm.compress.subspace import (
+    Subspace,
+    decode_klt,
+    decode_kltr,
+    encode_klt,
+    encode_kltr,
+    fits,
+)
 
 
 @register
