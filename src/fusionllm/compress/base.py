@@ -195,6 +195,12 @@ def decoder_of(tag: str) -> Codec:
         raise WireError(f"unknown codec {tag!r}") from None
 
 
+def decodes(tag: object) -> bool:
+    """Whether ``tag`` (a header's ``codec`` field, any type) is a wire tag some codec decodes."""
+    _load()
+    return isinstance(tag, str) and tag in _BY_TAG
+
+
 def registered() -> list[Codec]:
     """Every registered codec, once each, in the order registered."""
     return list({id(c): c for c in _BY_KIND.values()}.values())

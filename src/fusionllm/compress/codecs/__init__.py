@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fusionllm.compress.base import CodecSpec, codec_of, decoder_of, registered, usage
+from fusionllm.compress.base import CodecSpec, codec_of, decoder_of, decodes, registered, usage
 from fusionllm.core.errors import ConfigError
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
@@ -39,7 +39,7 @@ from fusionllm.compress.codecs.topk import (  # noqa: E402
 )
 
 __all__ = [
-    "EXACT_BELOW", "ROTATED", "SAMPLE", "CodecSpec", "byte_ratio", "decode", "encode", "parse_codec",
+    "EXACT_BELOW", "ROTATED", "SAMPLE", "CodecSpec", "byte_ratio", "decode", "decodes", "encode", "parse_codec",
     "registered", "select_topk", "select_topk_rows", "topk_ratio_for",
 ]
 
