@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fusionllm.control.steps import budget_scale, compressed_cuts
+from fusionllm.planning.adatopk import budget_scale, compressed_cuts
 from fusionllm.schedule.plan import Plan, StagePlan
 
 

@@ -173,8 +173,8 @@ def test_senders_learn_kltrs_leading_directions_and_klts_energy_basis_for_activa
 
     for compress, leading in (("kltr:1", True), ("adatopk", True), ("klt:0.25", False)):
         sender = _sender(compress)[0]
-        sub = sender.subspace(1, "e", "act", parse_codec(compress))
-        assert sub is not None and sub.leading is leading, compress
-        assert sender.subspace(1, "e", "act", parse_codec(compress)) is sub  # one learner per destination, edge and role
-        assert sender.subspace(1, "e", "grad", parse_codec(compress)) is None
-    assert _sender("eq:0.5")[0].subspace(1, "e", "act", parse_codec("eq:0.5")) is None
+        sub = sender.link_state(1, "e", "act")
+        assert isinstance(sub, Subspace) and sub.leading is leading, compress
+        assert sender.link_state(1, "e", "act") is sub  # one learner per destination, edge and role
+        assert sender.link_state(1, "e", "grad") is None
+    assert _sender("eq:0.5")[0].link_state(1, "e", "act") is None

@@ -14,7 +14,7 @@ import asyncio
 import numpy as np
 
 from fusionllm.graph.ir import Edge
-from fusionllm.runtime.faults import Fault
+from fusionllm.runtime.faults import Fault, FaultyLinkSender
 from fusionllm.runtime.link_sender import LinkSender
 from fusionllm.runtime.peers import Inbox
 from fusionllm.runtime.step import StepState
@@ -46,7 +46,10 @@ class _Host:
 def _sender(compress: str = "none", faults: tuple[Fault, ...] = ()) -> tuple[LinkSender, dict[int, Inbox], MemoryNet]:
     inboxes = {0: Inbox(1 << 20), 1: Inbox(1 << 20)}
     net = MemoryNet(inboxes)
-    return LinkSender(0, net, _Host(), EDGES, Hyper(lr=0.1, compress=compress, recv_timeout=5.0), faults=faults), inboxes, net  # type: ignore[arg-type]
+    hyper = Hyper(lr=0.1, compress=compress, recv_timeout=5.0)
+    if faults:
+        return FaultyLinkSender(0, net, _Host(), EDGES, hyper, faults=faults), inboxes, net  # type: ignore[arg-type]
+    return LinkSender(0, net, _Host(), EDGES, hyper), inboxes, net  # type: ignore[arg-type]
 
 
 def _send(sender: LinkSender, inbox: Inbox, st: StepState, kind: str, x: np.ndarray, mb: int = 0) -> np.ndarray:
@@ -97,12 +100,12 @@ def test_a_dithered_gradient_is_not_error_fed_and_what_rounds_to_zero_still_arri
 def test_adatopk_told_to_dither_gradients_drops_a_residual_left_from_before() -> None:
     g = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
     sender, inboxes, _ = _sender("adatopk")
-    assert sender.chooser.dither == ()  # by default it does not (measured no better)
-    sender.chooser.dither = ("grad",)
-    sender.ratios = {1: 0.09}
+    assert sender.codecs.chooser.dither == ()  # by default it does not (measured no better)
+    sender.codecs.chooser.dither = ("grad",)
+    sender.codecs.targets = {1: 0.09}
     sender.feedback.apply(("e", 1, 0), g, lambda t: t * 0.5)  # a residual from an earlier codec
     _send(sender, inboxes[1], StepState(0, 0.1, {}), "grad", g)
-    assert sender.chooser.chosen[(1, "grad")].startswith("eqd:")
+    assert sender.codecs.chooser.chosen[(1, "grad")].startswith("eqd:")
     assert sender.feedback.residual(("e", 1, 0)) is None
 
 
@@ -121,12 +124,12 @@ def test_an_uncompressed_link_sends_the_tensor_as_it_is() -> None:
 
 def test_adatopk_sends_a_link_at_ratio_one_raw_and_compresses_a_slow_one() -> None:
     sender, inboxes, net = _sender("adatopk")
-    sender.ratios = {1: 1.0}
+    sender.codecs.targets = {1: 1.0}
     _send(sender, inboxes[1], StepState(0, 0.1, {}), "act", GRAD)
-    sender.ratios = {1: 0.1}
+    sender.codecs.targets = {1: 0.1}
     _send(sender, inboxes[1], StepState(1, 0.1, {}), "act", GRAD)
     assert net.sent[0]["codec"] == "raw" and net.sent[1]["codec"] != "raw"
-    assert set(sender.chooser.chosen_by_destination()["1"]) == {"act"}  # what the step reports
+    assert set(sender.codecs.chosen()["1"]) == {"act"}  # what the step reports
 
 
 def test_a_poisoned_step_stamps_what_it_sends_as_tainted() -> None:

@@ -149,6 +149,7 @@ def simulate(
     fraction of the cluster's compute used (`--sync hierarchical`: rounds of the hierarchical plan)."""
     import json
 
+    from fusionllm.compress.codecs import parse_codec
     from fusionllm.launch.config import task_model
     from fusionllm.launch.offline import offline, offline_hier, task_request
     from fusionllm.planning.adatopk import compression_aware, with_compression
@@ -183,7 +184,7 @@ def simulate(
         print("  device utilization: " + " ".join(f"w{k}={v:.0%}" for k, v in rounds.device_busy.items()))
         return
     _, _, cost, plan = offline(model, str(cluster), scheduler, req, candidates=candidates, **on_task)
-    if compress == "adatopk" and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
+    if parse_codec(compress).adaptive and scheduler == "opfence":  # as the coordinator plans: slow links may be used compressed
         plan, _ = compression_aware(plan, cost, req)
     cost = with_compression(plan, cost, req, compress)
     result = run_sim(plan, cost, req, keep_timeline=gantt is not None)

@@ -87,9 +87,9 @@ def check_mode(mode: str) -> str:
 def raw_link(compress: str, ratios: Mapping[tuple[int, int], float] | None, a: int, b: int) -> bool:
     """Whether the traffic between ``a`` and ``b`` crosses uncompressed."""
     codec = parse_codec(compress)
-    if codec.kind == "none":
+    if codec.lossless:
         return True
-    if codec.kind == "adatopk":  # the policy's decision at plan time
+    if codec.adaptive:  # the policy's decision at plan time
         ratios = ratios or {}
         return ratios.get((a, b), 1.0) >= 1.0 and ratios.get((b, a), 1.0) >= 1.0
     return False

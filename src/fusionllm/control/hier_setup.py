@@ -215,7 +215,7 @@ class GroupSetup:
         for line in hier_lines(hier, addresses):
             self.say(line)
         codec = parse_codec(c.compress)
-        if codec.kind == "adatopk":  # each group's own link policy, as a synchronous plan's
+        if codec.adaptive:  # each group's own link policy, as a synchronous plan's
             await self.policies(graph, hier, runs, clients)
         if self.ctx.data_spec is not None:  # every group reads batches of its own size; validation: the same windows, in smaller batches
             self.ctx.data_spec = replace(self.ctx.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))

@@ -84,13 +84,13 @@ class Setup:
             graph, plan, cost = await self.schedule(graph, clients)
         else:
             plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
-            cost = await self.cost(graph, clients) if codec.kind == "adatopk" else None
+            cost = await self.cost(graph, clients) if codec.adaptive else None
         infos = {w: m.info for w, m in self.membership.members.items()}
         plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)  # each stage on workers that run its op kinds
         programs = await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
         await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
         run = Run(graph, plan, clients, actions=programs)
-        if codec.kind == "adatopk":
+        if codec.adaptive:
             run.policy = self.adatopk(plan, cost, t.batch_size)
         run.worlds = await self.worlds(run, infos, cost)
         carried = sorted(carried_links(run.worlds))

@@ -14,16 +14,15 @@ for each inner step of each group. Either way:
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from fusionllm.compress.wire import encode_array
 from fusionllm.core.errors import FusionError
 from fusionllm.core.metrics import StepRecord
+from fusionllm.planning.adatopk import sender_budgets
 from fusionllm.schedule.actions import format_grid
 from fusionllm.schedule.plan import routes
 from fusionllm.transport.control import Step, StepDone
@@ -67,11 +66,11 @@ class StepRunner:
         """One attempt: every worker's reply (a failed or lost worker raises)."""
         batch = self.task.batch(data_step) if run.fed else None
         calls = {}
-        share = budget_scale(run.plan, run.policy)  # the same for every worker of the step
         for w in run.plan.workers:
             inputs = inputs_for(run, w, *batch) if batch is not None and w in run.fed else None
-            calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, ratios_of(run.policy, w), attempt=attempt, budget_scale=share,
-                                                        budget_cap=cap if run.policy is not None else 1.0, trust_norms=trust_norms))
+            targets, share, most = sender_budgets(run.plan, run.policy, w, cap)  # AdaTopK's decision for this worker's links
+            calls[w] = self.live.call_step(run, w, Step(data_step, lr, inputs, targets, attempt=attempt, budget_scale=share,
+                                                        budget_cap=most, trust_norms=trust_norms))
         replies: dict[int, StepDone] = await self.live.calls(run, calls)
         if any(rep.failed is not None or rep.aborted for rep in replies.values()):
             await self.live.raise_if_lost(run, "a step failed")
@@ -110,31 +109,6 @@ def inputs_for(run: Run, w: int, *arrays: np.ndarray) -> dict[str, dict[str, byt
     edges = [(n.outputs[0].id, data) for n, data in zip(run.graph.input_nodes, arrays, strict=False)]
     return {str(mb): {e: encode_array(np.ascontiguousarray(d[mb * size : (mb + 1) * size])) for e, d in edges if stage in r.consumers.get(e, [])}
             for mb in run.plan.mbs_of(w)}
-
-
-def compressed_cuts(plan: Any, policy: Any) -> int:
-    """Stage boundaries of ``plan`` whose links AdaTopK compresses (a byte target under 1, either way)."""
-    if policy is None:
-        return 0
-    ratios = policy.ratios()
-    return sum(any(ratios.get((a, b), 1.0) < 1.0 or ratios.get((b, a), 1.0) < 1.0 for a in s.workers for b in t.workers)
-               for s, t in zip(plan.stages, plan.stages[1:], strict=False))
-
-
-def budget_scale(plan: Any, policy: Any) -> float:
-    """The share of the error budgets each compressed cut gets: an activation crosses every cut of
-    the pipeline, and their errors add up (in squares: independent errors), so ``k`` cuts get
-    1/sqrt(k) each and the last stage's input errs as much as one cut's budget. Measured on
-    random-11 (three cuts at the full budget): validation loss +5.1% over four seeds, where one cut
-    (slow-link) was within 1%. Gradients share it too, though their error is fed back: with their
-    whole budget on random-11 (``eq:0.7``, 10.7x instead of 8.5x on their links) four seeds ended
-    +1.13% against -0.39% shared, seed 1 +2.4% against -1.1% (random-11-actshare)."""
-    return 1.0 / math.sqrt(max(1, compressed_cuts(plan, policy)))
-
-
-def ratios_of(policy: Any, worker: int) -> dict[str, float] | None:
-    """What a Step tells ``worker`` about its links' AdaTopK ratios (None: no policy)."""
-    return {str(b): r for (a, b), r in policy.ratios().items() if a == worker} if policy is not None else None
 
 
 def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: int, elapsed: float, compress: str, rows: int = 0) -> StepRecord:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from fusionllm.cluster.hardware import Hardware
 from fusionllm.cluster.spec import load_cluster
+from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.cost.model import CostModel
 from fusionllm.cost.work import OpWork
@@ -50,9 +51,10 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, w
     if place is not None:
         plan = place(plan)
     judged = cost
-    if compress == "adatopk" and scheduler == "opfence":
+    codec = parse_codec(compress)
+    if codec.adaptive and scheduler == "opfence":
         plan, judged = compression_aware(plan, cost, req)
-    elif compress != "none":
+    elif not codec.lossless:
         judged = with_compression(plan, cost, req, compress)  # the prediction counts the codec too
     predicted = simulate(plan, judged, req)
     plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})

@@ -228,7 +228,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
         raise ConfigError(f"--fragments must be >= 1, got {fragments}")
     if codec is not None:
         spec = parse_codec(codec)
-        if spec.kind == "adatopk":
+        if spec.adaptive:
             raise ConfigError(f"--outer-codec {codec!r}: choose a fixed codec (none, fp16, q8 .. q2, topk:RATIO), or leave it out and the planner chooses per pair of groups")
         codec = str(spec)
     cost = CostModel(graph, work, hw)

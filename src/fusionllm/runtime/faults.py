@@ -20,15 +20,25 @@ fragment, every attempt: a resend is poisoned too), while its own group averages
 - ``outer-split@R``: different deltas to different groups (times 1.5 to odd-numbered workers).
 
 A worker that sends no tensors of that role (the first stage sends no gradients) injects nothing.
+
+A faulty worker's stage sends through a ``FaultyLinkSender``: the link sender of every worker, with
+the corruption put in front of it, so the send path itself has no fault branch. The corruption comes
+before the sender measures what it sends (``SentNorms``), as a broken device's would: the blame of a
+spike (``control/blame.py``) follows the faulty worker's own report of it. That is why this is a
+sender and not a wrapper around the peer network: a network sees a tensor after it was measured and
+encoded, and never sees what a ``torch.distributed`` world carries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from fusionllm.core.errors import ConfigError
+from fusionllm.runtime.link_sender import LinkSender
+from fusionllm.runtime.step import StepState
 
 KINDS = ("nan", "scale", "outer-nan", "outer-scale", "outer-flip", "outer-split")
 SCALED = {"scale": 1e6, "outer-scale": 100.0}  # the default factor of each scaling kind
@@ -92,3 +102,22 @@ def tamper_outer(faults: tuple[Fault, ...], round_: int, x: np.ndarray) -> np.nd
         elif f.kind == "outer-flip":
             x = -x
     return x
+
+
+class FaultyLinkSender(LinkSender):
+    """A link sender that corrupts what it sends at its faults' steps (``tamper``), before it is measured."""
+
+    def __init__(self, *args: Any, faults: tuple[Fault, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+
+    def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int,
+                 dtype: str = "float32") -> tuple[dict, np.ndarray | None]:
+        return super().outgoing(st, header, None if x is None else tamper(self.faults, st.step, role, x), role, dst, dtype)
+
+    def as_carried(self, st: StepState, dst: int, kind: str, edge: str, t: Any) -> Any:
+        if t is None:
+            return t
+        dtype = self.edges[edge].meta.dtype
+        _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst, dtype)
+        return None if x is None else self.backend.from_host(x, dtype)

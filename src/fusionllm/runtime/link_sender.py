@@ -1,4 +1,4 @@
-"""What a stage sends to another worker, as it leaves: encoded, with error feedback, tainted, tampered.
+"""What a stage sends to another worker, as it leaves: encoded, with error feedback, tainted.
 
 Every tensor a stage sends goes through one ``LinkSender``: an activation or gradient of a
 ``SEND_*`` action (``send``) and a chunk of the data plane's ring all-reduce (``push``,
@@ -6,16 +6,20 @@ Every tensor a stage sends goes through one ``LinkSender``: an activation or gra
 
 - is stamped ``taint`` when the step is poisoned (a bad tensor arrived: ``runtime/guards.py``),
   so that the receiver neither trusts nor blames it;
-- is corrupted on purpose at the steps a faulty worker was told (``runtime/faults.py``, tests);
 - is measured, an activation or gradient, against the worker's own estimate of what it sends on
   that edge (``SentNorms``, where the numeric guards are on: the blame of a spike, ``control/blame.py``);
-- is encoded with the run's codec where its role (act, grad, reduce) is compressed, per
-  destination for AdaTopK (``ratios``, byte targets set by the coordinator each step; the codec
-  within the role's error budget, ``compress/budget.py``); a gradient's or a
-  reduce chunk's compression error is kept (``ErrorFeedback``) and added to its next value.
+- is encoded with the codec ``compress/adaptive.py`` gives it for its destination and role (act,
+  grad, reduce): the run's codec, or AdaTopK's choice from the byte target the coordinator sets each
+  step; a codec's per-link state (a learnt basis) is kept here; a gradient's or a reduce chunk's
+  compression error is kept (``ErrorFeedback``) and added to its next value, unless the codec's
+  error is dithered (zero-mean already).
+
+No codec name and no test fault is read here: codecs are behind ``compress/base.Codec``, and a
+faulty worker (tests) is a ``FaultyLinkSender`` (``runtime/faults.py``) that corrupts a tensor
+before this class measures and encodes it.
 
 Links the worker's ``torch.distributed`` world carries (``runtime/carrier.py``) take the tensor
-itself, uncompressed, with the same taint and faults.
+itself, uncompressed, with the same taint.
 """
 
 from __future__ import annotations
@@ -27,13 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from fusionllm.compress.budget import BudgetChooser
-from fusionllm.compress.codecs import DITHERED, CodecSpec, decode, encode, parse_codec
+from fusionllm.compress.adaptive import LinkCodecs
+from fusionllm.compress.base import LinkState
+from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
-from fusionllm.compress.subspace import Subspace
 from fusionllm.graph.ir import Edge
 from fusionllm.runtime.backend import StageBackend
-from fusionllm.runtime.faults import Fault, tamper
 from fusionllm.runtime.guards import SentNorms, note
 from fusionllm.runtime.peers import PeerNet
 from fusionllm.runtime.step import StepState
@@ -56,16 +59,13 @@ def world_tag(edge_index: Mapping[str, int], edge: str, mb: int, micro_batches: 
 class LinkSender:
     def __init__(
         self, worker: int, peers: PeerNet, backend: StageBackend, edges: Mapping[str, Edge], hyper: Hyper, *,
-        faults: tuple[Fault, ...] = (), micro_batches: int = 1, edge_index: Mapping[str, int] | None = None,
+        micro_batches: int = 1, edge_index: Mapping[str, int] | None = None,
     ) -> None:
         self.worker, self.peers, self.backend, self.edges = worker, peers, backend, edges
         self.timeout = hyper.recv_timeout
-        self.codec = parse_codec(hyper.compress)
-        self.ratios: dict[int, float] = {}  # per destination worker (adatopk); set by the coordinator each step
+        self.codecs = LinkCodecs(parse_codec(hyper.compress))  # the codec per tensor (AdaTopK's targets: set each step)
         self.feedback = ErrorFeedback()
-        self.chooser = BudgetChooser()  # adatopk: the codec per tensor within its role's error budget
-        self.subspaces: dict[tuple[int, str, str], Subspace] = {}  # klt: a basis per (destination, edge, role)
-        self.faults = faults
+        self.states: dict[tuple[int, str, str], LinkState | None] = {}  # a codec's learnt state per (destination, edge, role)
         self.micro_batches = micro_batches
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
         self.world: Any = None  # the worker's world (runtime/collective.py), where it has one
@@ -75,25 +75,15 @@ class LinkSender:
     # ---- what leaves ---------------------------------------------------------------------------------
     def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int,
                  dtype: str = "float32") -> tuple[dict, np.ndarray | None]:
-        """Stamp a poisoned step's tensors as tainted; a faulty worker (tests) corrupts them here; measure them."""
+        """Stamp a poisoned step's tensors as tainted; measure them (a faulty worker's corrupts them first: ``runtime/faults.py``)."""
         if st.poisoned:
             header = {**header, "taint": 1}
-        if self.faults and x is not None:
-            x = tamper(self.faults, st.step, role, x)
         if self.norms is not None and st.step >= 0 and role in ("act", "grad") and x is not None:
             note(st.sent_excess, role, self.norms.measure((role, header.get("edge"), dst), x, dtype))
         return header, x
 
-    def ratio(self, dst: int) -> float | None:
-        if self.codec.kind == "adatopk":
-            return self.ratios.get(dst, 1.0)
-        return None
-
     def compressed(self, x: np.ndarray | None, dtype: str, dst: int, role: str = "act") -> bool:
-        if x is None or dtype != "float32" or self.codec.kind == "none":
-            return False
-        r = self.ratio(dst)
-        return r is None or r < 1.0
+        return x is not None and self.codecs.compresses(dst, dtype)
 
     def host(self, t: Any) -> np.ndarray | None:
         return None if t is None else self.backend.to_host(t)
@@ -117,22 +107,13 @@ class LinkSender:
         task.add_done_callback(_seen)  # a failed step cancels its sends unawaited: their errors are the step's, not stray ones
         return task
 
-    def subspace(self, dst: int, edge: str, role: str, spec: CodecSpec) -> Subspace | None:
-        """The basis learner for activations sent as ``klt``/``kltr`` (or AdaTopK's ``kltr`` candidates) on
-        this edge: learnt from what this sender sent before there, never from the tensor it codes.
-        ``kltr`` learns its leading directions, ``klt`` the directions that hold nearly all the energy."""
-        if role != "act":
-            return None
-        if spec.kind in ("klt", "kltr"):
-            leading = spec.kind == "kltr"
-        elif spec.kind == "adatopk" and self.chooser.klt:
-            leading = all(c.kind == "kltr" for c in self.chooser.klt)
-        else:
-            return None
+    def link_state(self, dst: int, edge: str, role: str) -> LinkState | None:
+        """The state the codec keeps for this destination, edge and role (``klt``'s basis, for
+        activations): learnt from what this sender sent before there, never from the tensor it codes."""
         key = (dst, edge, role)
-        if key not in self.subspaces:
-            self.subspaces[key] = Subspace(leading=leading)
-        return self.subspaces[key]
+        if key not in self.states:
+            self.states[key] = self.codecs.link_state(role)
+        return self.states[key]
 
     async def push(
         self, st: StepState, dst: int, header: dict, x: np.ndarray | None, dtype: str = "float32",
@@ -147,27 +128,24 @@ class LinkSender:
             await self.peers.push(dst, header, x, self.timeout, dtype=dtype)
             return x
         assert x is not None
-        spec, ratio = self.codec, self.ratio(dst)
-
-        sub = self.subspace(dst, str(header.get("edge", "")), role, spec)
+        state = self.link_state(dst, str(header.get("edge", "")), role)
 
         def prepare() -> tuple[tuple[str, bytes], np.ndarray | None]:
-            nonlocal spec, ratio, feedback_key
-            basis = None if sub is None else sub.basis
-            if spec.kind == "adatopk":  # the link's byte target -> a codec within the role's error budget
-                spec, ratio = self.chooser.choose(x, dst, role, ratio if ratio is not None else 1.0, basis), None
-            if feedback_key is not None and role == "grad" and spec.kind in DITHERED:
+            nonlocal feedback_key
+            basis = None if state is None else state.basis
+            spec = self.codecs.codec_for(x, dst, role, basis)
+            if feedback_key is not None and role == "grad" and spec.dithered:
                 self.feedback.discard(feedback_key)  # a pipeline gradient's residual belongs to other samples: a
                 feedback_key = None  # dithered error is already unbiased, and feeding it back would double it
             if feedback_key is None:
-                encoded = encode(x, spec, ratio, basis)
-                if sub is not None:
-                    sub.learn(x)  # for the next tensor, after this one is encoded
+                encoded = encode(x, spec, basis=basis)
+                if state is not None:
+                    state.learn(x)  # for the next tensor, after this one is encoded
                 return encoded, (decode(*encoded, x.shape) if keep_decoded else None)
             out: list[tuple[str, bytes]] = []
 
             def roundtrip(total: np.ndarray) -> np.ndarray:
-                out.append(encode(total, spec, ratio))
+                out.append(encode(total, spec))
                 return decode(out[0][0], out[0][1], total.shape)
 
             sent = self.feedback.apply(feedback_key, x, roundtrip)
@@ -186,16 +164,19 @@ class LinkSender:
         """Send a backend tensor to ``dst`` through the world, uncompressed, a poisoned step's tainted."""
         from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
 
-        on_host = getattr(getattr(t, "device", None), "type", "cpu") == "cpu"  # a GPU tensor is not copied out to be measured
-        if t is not None and (self.faults or (self.norms is not None and on_host)):  # a faulty worker (tests) corrupts what it sends; measured
-            _, x = self.outgoing(st, {"edge": edge}, self.host(t), kind, dst, self.edges[edge].meta.dtype)
-            if self.faults:
-                t = None if x is None else self.backend.from_host(x, self.edges[edge].meta.dtype)
+        t = self.as_carried(st, dst, kind, edge, t)
         tag = world_tag(self.edge_index, edge, mb, self.micro_batches, kind)
         started = time.perf_counter()
         nbytes = await in_daemon_thread(carrier.send, self.world, dst, tag, t, st.poisoned)
         self.peers.record(dst, started, time.perf_counter(), nbytes)  # measured like the data plane's links
         self.carried_to[dst] = self.carried_to.get(dst, 0) + nbytes
+
+    def as_carried(self, st: StepState, dst: int, kind: str, edge: str, t: Any) -> Any:
+        """The backend tensor ``t`` as the world carries it, measured like the data plane's (a GPU
+        tensor is not copied out to be measured)."""
+        if t is not None and self.norms is not None and getattr(getattr(t, "device", None), "type", "cpu") == "cpu":
+            self.outgoing(st, {"edge": edge}, self.host(t), kind, dst, self.edges[edge].meta.dtype)
+        return t
 
 
 def _seen(task: asyncio.Task) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fusionllm.compress.codecs import decode, encode, parse_codec
+from fusionllm.compress.codecs import CodecSpec, decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.config import TrainConfig, TrainResult, lr_at
 from fusionllm.core.errors import ConfigError
@@ -171,9 +171,9 @@ def _clone(group: _Group, config: TrainConfig) -> _Group:
     return other
 
 
-def _roundtrip(feedback: ErrorFeedback, name: str, delta: np.ndarray, codec: object) -> np.ndarray:
+def _roundtrip(feedback: ErrorFeedback, name: str, delta: np.ndarray, codec: CodecSpec) -> np.ndarray:
     """What the other groups decode of this delta (``OuterState._encode``): its own sent copy."""
-    if getattr(codec, "kind", "none") == "none":
+    if codec.lossless:
         return delta
 
     def roundtrip(total: np.ndarray) -> np.ndarray:

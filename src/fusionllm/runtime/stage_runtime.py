@@ -22,6 +22,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
 from fusionllm.runtime.backend import Backend, StageBackend
-from fusionllm.runtime.faults import Fault
+from fusionllm.runtime.faults import Fault, FaultyLinkSender
 from fusionllm.runtime.global_norm import gather_norm_sq
 from fusionllm.runtime.guards import NumericGuard
 from fusionllm.runtime.link_receiver import LinkReceiver
@@ -100,7 +101,8 @@ class StageRuntime:
         # tensors a forward changes in place (BatchNorm's running statistics): put back when a step is skipped
         self._buffers = [n for n in self.executor.params if n in graph.params and not graph.params[n].trainable] if self.guard else []
         edge_index = {e: i for i, e in enumerate(sorted(self.edges))}  # the same on every worker: the world's tags
-        self.sender = LinkSender(worker, peers, self.backend, self.edges, hyper, faults=faults, micro_batches=plan.micro_batches, edge_index=edge_index)
+        make = partial(FaultyLinkSender, faults=faults) if faults else LinkSender  # a faulty worker (tests) corrupts what it sends
+        self.sender = make(worker, peers, self.backend, self.edges, hyper, micro_batches=plan.micro_batches, edge_index=edge_index)
         self.receiver = LinkReceiver(worker, inbox, self.backend, self.edges, self.guard, hyper.recv_timeout,
                                      micro_batches=plan.micro_batches, edge_index=edge_index)
         # parameters shared with other workers (replicas, tied weights), and those counted in the global norm here, once
@@ -168,9 +170,7 @@ class StageRuntime:
         st = StepState(step, lr, inputs)
         if self.capabilities.keyed_random:  # dropout masks as any split draws them
             self.executor.random_key = (self.hyper.seed, step)
-        if ratios is not None:
-            self.sender.ratios = ratios
-        self.sender.chooser.scale, self.sender.chooser.cap = budget_scale, budget_cap
+        self.sender.codecs.set_step(ratios, budget_scale, budget_cap)
         started = time.perf_counter()
         kept = self._keep() if self.guard is not None else None
         st.rerun, self._last_step = self._last_step is not None and step <= self._last_step, step
@@ -188,7 +188,7 @@ class StageRuntime:
             bytes_to={str(k): v for k, v in self.peers.bytes_to.items()},
             carried_to={str(k): v for k, v in self.sender.carried_to.items()},
             link_stats={str(k): [float(x) for x in v] for k, v in self.peers.link_stats().items()},
-            codecs=self.sender.chooser.chosen_by_destination(),
+            codecs=self.sender.codecs.chosen(),
             world_stats={str(k): [float(x) for x in v] for k, v in self.peers.world_stats().items()},
             bad=st.bad, skipped=st.skipped,
             received_excess={k: {str(w): r for w, r in per.items()} for k, per in st.received_excess.items()},

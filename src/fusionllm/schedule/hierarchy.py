@@ -39,7 +39,7 @@ class GroupPlan:
 class HierPlan:
     groups: list[GroupPlan]
     fragments: list[list[str]]  # parameter names, each fragment synced at its own offset in the round
-    codec: str = "q4"  # pseudo-gradients across groups (a codec of compress/codecs.py), with error feedback
+    codec: str = "q4"  # pseudo-gradients across groups (a codec of compress/codecs/), with error feedback
     link_codecs: dict[str, str] = field(default_factory=dict)  # "gA" -> codec of group A's pseudo-gradients, where not ``codec``
     outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
     outer_momentum: float = 0.0

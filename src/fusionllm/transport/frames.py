@@ -2,7 +2,7 @@
 
 Header keys: ``v`` (frame version), ``kind`` (``act``, ``grad``, ``reduce``, ``weights``, ...),
 ``step``, ``mb``, ``edge``, ``src`` (sending stage or rank), ``dtype``, ``shape``, ``codec``
-(``raw``, ``fp16``, ``bf16``, ``topk``: see ``fusionllm.compress``), ``nbytes``, and ``none`` (true for "no gradient", with no payload). The receiver checks
+(a registered codec's wire tag: ``raw``, ``fp16``, ``eq``, ...: see ``fusionllm.compress.codecs``), ``nbytes``, and ``none`` (true for "no gradient", with no payload). The receiver checks
 the declared size against the dtype, shape and its limit before it allocates, and the total after.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fusionllm.compress.codecs import decode
+from fusionllm.compress.codecs import decode, decodes
 from fusionllm.compress.wire import DEFAULT_MAX_PAYLOAD, array_from_payload, check_meta
 from fusionllm.core.errors import WireError
 from fusionllm.transport.messages import pack, unpack
@@ -21,7 +21,6 @@ from fusionllm.transport.messages import pack, unpack
 FRAME_VERSION = 1
 CHUNK = 2 << 20  # 2 MiB
 MAX_HEADER = 64 << 10
-CODECS = ("raw", "fp16", "bf16", "quant", "hq", "eq", "klt", "kltr", "topk")
 
 
 def tensor_frames(header: dict[str, Any], payload: bytes | memoryview | None) -> Iterator[bytes]:
@@ -43,7 +42,7 @@ async def read_tensor(frames: AsyncIterator[bytes], *, max_payload: int = DEFAUL
     if header.get("v") != FRAME_VERSION:
         raise WireError(f"tensor frame version {header.get('v')!r} not supported (this side speaks {FRAME_VERSION})")
     codec = header.get("codec", "raw")
-    if codec not in CODECS:
+    if not decodes(codec):  # the registered codecs' wire tags (compress/codecs/)
         raise WireError(f"unknown codec {codec!r}")
     if header.get("none"):
         if await anext(frames, None) is not None:
