@@ -6,7 +6,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,6 +45,43 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
         for g in grads:
             g.mul_(coef)
     return total
+
+
+@contextlib.contextmanager
+def per_use_gradients(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a weight that several modules share (a language model's tied embedding and
+    head) takes each use's gradient apart, summed over the micro-batches; on leaving, the uses' sums
+    are added in the order of the modules (as a pipeline does: the stages that hold the uses each
+    accumulate their own, and the step's reduce adds them). Autograd alone adds the uses within each
+    micro-batch, which rounds differently: 1 of gpt-micro's 52 gradients differed in the last bits
+    after 4 micro-batches, and AdamW carries that into every weight within a few steps. A split that
+    keeps two uses on one stage adds them per micro-batch, as autograd does."""
+    uses: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                uses.setdefault(id(p), []).append((module, name))
+                params[id(p)] = p
+    shared = {k: v for k, v in uses.items() if len(v) > 1}
+    copies: dict[int, list[torch.nn.Parameter]] = {}
+    for k, registered in shared.items():
+        copies[k] = [torch.nn.Parameter(params[k].detach()) for _ in registered]  # the same storage, a gradient each
+        for (module, name), copy_ in zip(registered, copies[k], strict=True):
+            module._parameters[name] = copy_
+    try:
+        yield
+    finally:
+        for k, registered in shared.items():
+            for module, name in registered:
+                module._parameters[name] = params[k]
+            grads = [c.grad for c in copies[k] if c.grad is not None]
+            if grads:
+                total = grads[0]
+                for g in grads[1:]:
+                    total = total + g
+                p = params[k]
+                p.grad = total if p.grad is None else p.grad + total
 
 
 def mean_loss(parts: list[float]) -> float:
@@ -109,12 +146,13 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             optimizer.zero_grad(set_to_none=True)
             size = x.shape[0] // micro_batches
             parts = []
-            for mb in range(micro_batches):  # the micro-batches a pipeline runs, each with its own masks
-                with autocast(config), masks(step, mb):
-                    logits = model(x[mb * size : (mb + 1) * size])
-                part = lm_loss(logits.float(), y[mb * size : (mb + 1) * size])
-                (part / micro_batches if micro_batches > 1 else part).backward()
-                parts.append(float(part.detach()))
+            with per_use_gradients(model):
+                for mb in range(micro_batches):  # the micro-batches a pipeline runs, each with its own masks
+                    with autocast(config), masks(step, mb):
+                        logits = model(x[mb * size : (mb + 1) * size])
+                    part = lm_loss(logits.float(), y[mb * size : (mb + 1) * size])
+                    (part / micro_batches if micro_batches > 1 else part).backward()
+                    parts.append(float(part.detach()))
             grad_norm = clip_grad_norm(model, config.grad_clip)
             optimizer.step()
             result.tokens += x.numel()
@@ -180,13 +218,14 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
             size = rows // micro_batches
             optimizer.zero_grad(set_to_none=True)
             parts = []
-            for mb in range(micro_batches):
-                part = [a[mb * size : (mb + 1) * size] for a in arrays]
-                with autocast(config), masks(step, mb):
-                    out = model(*part[: task.inputs])
-                loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
-                (loss / micro_batches if micro_batches > 1 else loss).backward()
-                parts.append(float(loss.detach()))
+            with per_use_gradients(model):
+                for mb in range(micro_batches):
+                    part = [a[mb * size : (mb + 1) * size] for a in arrays]
+                    with autocast(config), masks(step, mb):
+                        out = model(*part[: task.inputs])
+                    loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
+                    (loss / micro_batches if micro_batches > 1 else loss).backward()
+                    parts.append(float(loss.detach()))
             total = mean_loss(parts)
             grad_norm = clip_grad_norm(model, config.grad_clip)
             optimizer.step()
