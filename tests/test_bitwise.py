@@ -33,7 +33,7 @@ from fusionllm.runtime.torch_backend import square_sum
 
 STEPS = 20
 LM = {"task": "lm", "model": "gpt-micro", "seq_len": 64, "batch_size": 8, "micro_batches": 4}
-VISION = {"task": "vision", "model": "resnet18", "image_size": 16, "batch_size": 8, "micro_batches": 4}
+VISION = {"task": "vision", "model": "resnet18", "image_size": 8, "batch_size": 4, "micro_batches": 2}
 
 
 @pytest.fixture
