@@ -72,7 +72,11 @@ class StageBackend(Protocol):
         """The inverse of ``flat_grads``: replace those gradients."""
 
     def grad_sq(self, names: set[str]) -> float:
-        """The sum of squares of the gradients of ``names`` (in float64)."""
+        """The sum of squares of the gradients of ``names`` (fast: the noise scale takes it after each micro-batch)."""
+
+    def grad_squares(self, names: set[str]) -> list[float]:
+        """Each gradient's sum of squares in float64, of ``names`` in name order (the global norm
+        adds them up exactly, ``runtime/global_norm.py``)."""
 
     def step(self, coef: float, lr: float) -> None:
         """Scale every gradient by ``coef`` (clipping), apply AdamW at ``lr``, clear the gradients."""

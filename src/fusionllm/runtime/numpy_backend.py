@@ -70,6 +70,10 @@ class NumpyStage:
     def grad_sq(self, names: set[str]) -> float:
         return sum(float(np.sum(np.square(g, dtype=np.float64))) for n, g in self.executor.param_grads().items() if n in names and g is not None)
 
+    def grad_squares(self, names: set[str]) -> list[float]:
+        grads = self.executor.param_grads()
+        return [float(np.sum(np.square(grads[n], dtype=np.float64))) for n in sorted(names) if grads.get(n) is not None]
+
     def step(self, coef: float, lr: float) -> None:
         scale = np.float32(coef)
         grads = {n: g * scale for n, g in self.executor.param_grads().items() if g is not None}

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,9 +19,11 @@ from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
+from fusionllm.runtime.global_norm import total_sq
 from fusionllm.runtime.masks import split_masks
 from fusionllm.runtime.model_graph import trace_lm, trace_task
 from fusionllm.runtime.optim import make_adamw
+from fusionllm.runtime.torch_backend import square_sum
 
 if TYPE_CHECKING:
     from fusionllm.models.task import Task
@@ -30,18 +32,62 @@ StepCallback = Callable[[dict], None]
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip by the global gradient norm as the pipeline does (``StageRuntime``: the squares summed in
-    float64, the coefficient ``min(1, max_norm / (norm + 1e-6))``); returns the norm. Not
+    """Clip by the global gradient norm as the pipeline does (``runtime/global_norm.py``): each
+    gradient's squares summed in float64, those sums added up exactly (``math.fsum``, whatever the
+    order or the split), the coefficient ``min(1, max_norm / (norm + 1e-6))``; returns the norm. Not
     ``torch.nn.utils.clip_grad_norm_``: its float32 norm of per-tensor norms rounds differently, and
     AdamW's first steps turn a 1e-7 change of the coefficient into 1e-3 of the loss within a few steps
     (measured on ResNet-18: bitwise equal losses without clipping, 2.9e-5 apart at step 3 with it)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    total = math.sqrt(total_sq(square_sum(g) for g in grads))
     if max_norm > 0:
         coef = min(1.0, max_norm / (total + 1e-6))
         for g in grads:
             g.mul_(coef)
     return total
+
+
+@contextlib.contextmanager
+def per_use_gradients(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a weight that several modules share (a language model's tied embedding and
+    head) takes each use's gradient apart, summed over the micro-batches; on leaving, the uses' sums
+    are added in the order of the modules (as a pipeline does: the stages that hold the uses each
+    accumulate their own, and the step's reduce adds them). Autograd alone adds the uses within each
+    micro-batch, which rounds differently: 1 of gpt-micro's 52 gradients differed in the last bits
+    after 4 micro-batches, and AdamW carries that into every weight within a few steps. A split that
+    keeps two uses on one stage adds them per micro-batch, as autograd does."""
+    uses: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                uses.setdefault(id(p), []).append((module, name))
+                params[id(p)] = p
+    shared = {k: v for k, v in uses.items() if len(v) > 1}
+    copies: dict[int, list[torch.nn.Parameter]] = {}
+    for k, registered in shared.items():
+        copies[k] = [torch.nn.Parameter(params[k].detach()) for _ in registered]  # the same storage, a gradient each
+        for (module, name), copy_ in zip(registered, copies[k], strict=True):
+            module._parameters[name] = copy_
+    try:
+        yield
+    finally:
+        for k, registered in shared.items():
+            for module, name in registered:
+                module._parameters[name] = params[k]
+            grads = [c.grad for c in copies[k] if c.grad is not None]
+            if grads:
+                total = grads[0]
+                for g in grads[1:]:
+                    total = total + g
+                p = params[k]
+                p.grad = total if p.grad is None else p.grad + total
+
+
+def mean_loss(parts: list[float]) -> float:
+    """A step's loss from its micro-batches' losses as the coordinator takes it (``control/steps.py``):
+    their float64 sum in micro-batch order over their count."""
+    return sum(parts) / len(parts)
 
 
 def autocast(config: TrainConfig) -> torch.autocast:
@@ -99,18 +145,18 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
             x, y = train_batches.get(step)
             optimizer.zero_grad(set_to_none=True)
             size = x.shape[0] // micro_batches
-            total = 0.0
-            for mb in range(micro_batches):  # the micro-batches a pipeline runs, each with its own masks
-                with autocast(config), masks(step, mb):
-                    logits = model(x[mb * size : (mb + 1) * size])
-                part = lm_loss(logits.float(), y[mb * size : (mb + 1) * size])
-                (part / micro_batches if micro_batches > 1 else part).backward()
-                total += float(part.detach()) / micro_batches
-            loss = torch.tensor(total)
+            parts = []
+            with per_use_gradients(model):
+                for mb in range(micro_batches):  # the micro-batches a pipeline runs, each with its own masks
+                    with autocast(config), masks(step, mb):
+                        logits = model(x[mb * size : (mb + 1) * size])
+                    part = lm_loss(logits.float(), y[mb * size : (mb + 1) * size])
+                    (part / micro_batches if micro_batches > 1 else part).backward()
+                    parts.append(float(part.detach()))
             grad_norm = clip_grad_norm(model, config.grad_clip)
             optimizer.step()
             result.tokens += x.numel()
-            result.losses.append(loss.item())
+            result.losses.append(mean_loss(parts))
             elapsed = time.perf_counter() - started
             record = {
                 "step": step, "loss": result.losses[-1], "tokens": result.tokens, "elapsed_s": round(elapsed, 4),
@@ -171,14 +217,16 @@ def train_single_task(config: TrainConfig, on_step: StepCallback = lambda _: Non
                 raise ConfigError(f"the task's batch of {rows} rows does not split into {micro_batches} micro-batches")
             size = rows // micro_batches
             optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for mb in range(micro_batches):
-                part = [a[mb * size : (mb + 1) * size] for a in arrays]
-                with autocast(config), masks(step, mb):
-                    out = model(*part[: task.inputs])
-                loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
-                (loss / micro_batches).backward()
-                total += float(loss.detach()) / micro_batches
+            parts = []
+            with per_use_gradients(model):
+                for mb in range(micro_batches):
+                    part = [a[mb * size : (mb + 1) * size] for a in arrays]
+                    with autocast(config), masks(step, mb):
+                        out = model(*part[: task.inputs])
+                    loss = task.loss(out.float() if isinstance(out, torch.Tensor) else out, *part[task.inputs :])
+                    (loss / micro_batches if micro_batches > 1 else loss).backward()
+                    parts.append(float(loss.detach()))
+            total = mean_loss(parts)
             grad_norm = clip_grad_norm(model, config.grad_clip)
             optimizer.step()
             result.tokens += rows * task.items_per_row

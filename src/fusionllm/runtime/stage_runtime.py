@@ -280,11 +280,11 @@ class StageRuntime:
     async def _step(self, a: Action, st: StepState) -> None:
         await asyncio.gather(*st.sends)  # every tensor of this step has left
         st.sends.clear()
-        sq = self.backend.grad_sq(self.owned)
-        if self.guard is not None and not math.isfinite(sq) and not st.poisoned:  # this worker's own gradients went bad
+        squares = self.backend.grad_squares(self.owned)
+        if self.guard is not None and not all(map(math.isfinite, squares)) and not st.poisoned:  # this worker's own gradients went bad
             st.bad.append(BadTensor(self.worker, self.worker, "own", "grad_sq", 0, "non-finite gradients of its own weights"))
             st.poisoned = True
-        total_sq = await gather_norm_sq(st, sq, worker=self.worker, workers=self.plan.workers, peers=self.peers, inbox=self.inbox,
+        total_sq = await gather_norm_sq(st, squares, worker=self.worker, workers=self.plan.workers, peers=self.peers, inbox=self.inbox,
                                         guard=self.guard, timeout=self.hyper.recv_timeout)
         st.grad_norm = math.sqrt(total_sq) if total_sq >= 0 else math.nan
         if st.skipped:  # a bad tensor somewhere: no worker applies this step

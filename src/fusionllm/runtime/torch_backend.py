@@ -71,6 +71,11 @@ class TorchStage:
             return 0.0
         return float(torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum())
 
+    def grad_squares(self, names: set[str]) -> list[float]:
+        """Each gradient's squares summed in float64 (each square exact), as ``single.clip_grad_norm`` takes them."""
+        params = self.executor.trainable()
+        return [square_sum(params[n].grad) for n in sorted(names) if n in params and params[n].grad is not None]
+
     def step(self, coef: float, lr: float) -> None:
         for p in self.executor.trainable().values():
             if p.grad is not None:
@@ -157,6 +162,12 @@ class TorchBackend:
 
 
 BACKEND = TorchBackend()
+
+
+def square_sum(g: torch.Tensor) -> float:
+    """A gradient's sum of squares in float64: the same float for the same tensor on any worker and in
+    the one-process reference (``runtime/single.py``), where both run torch at the same thread count."""
+    return float(g.detach().double().pow(2).sum())
 
 
 def gpu_identity(props: Any) -> str:
