@@ -92,3 +92,41 @@ def _read_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Pat
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", is_eager=True, callback=_read_config_file, help="A config file (TOML: [train], [cluster], [sync], [compress], [reliability]; docs/config.md) whose options this run takes; flags given too override it. --print-config writes one.")]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print every option as resolved (the config file, then the flags) as a config file, and exit without running.")]
+
+
+BEGIN, END = "<!-- options: generated from core/options.py by `python -m fusionllm.cli.options docs/config.md` -->", "<!-- options: end -->"
+
+
+def reference(root: type[Any] = Options) -> str:
+    """Every option as a markdown table per section: key, default, the commands that take it, help."""
+    out: list[str] = []
+    by_section: dict[str, list[Leaf]] = {}
+    for leaf in leaves(root).values():
+        by_section.setdefault(leaf.section, []).append(leaf)
+    for section, group in by_section.items():
+        doc = (inspect.getdoc(type(getattr(root(), section))) or "").split(": ", 1)[-1]
+        out += [f"### [{section}]", "", doc[:1].upper() + doc[1:], "", "| key | default | commands | what it does |", "|---|---|---|---|"]
+        for leaf in group:
+            default = "required" if leaf.meta("required") else "not set" if leaf.default is None else f"`{_shown(leaf.default)}`"
+            out.append(f"| `{leaf.name.replace('_', '-')}` | {default} | {', '.join(leaf.commands)} | {leaf.help.replace('|', '&#124;')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def write_reference(path: Path) -> bool:
+    """Put ``reference()`` between the markers of ``path``; whether the file changed."""
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    new = f"{head}{BEGIN}\n{reference()}{END}{rest.split(END, 1)[1]}"
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("rewritten" if write_reference(Path(sys.argv[1])) else "already current")

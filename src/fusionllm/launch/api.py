@@ -53,19 +53,20 @@ def train(task: Any = None, model: str | None = None, cluster: str | Path | Clus
     return run_train(resolve_options(config, {**given, **options}), on_step=on_step)
 
 
-def resolve_options(config: str | Path | None, options: dict[str, Any]) -> Options:
-    """Every option of a run: the defaults, then the config file's, then ``options``; an unknown
-    option or a value of the wrong type is a ``ConfigError`` naming it."""
+def resolve_options(config: str | Path | None, options: dict[str, Any], *, root: type[Any] = Options) -> Any:
+    """Every option of a run (an instance of ``root``, the declaration): the defaults, then the config
+    file's, then ``options``; an unknown option or a value of the wrong type is a ``ConfigError`` naming it."""
     from fusionllm.launch.config_file import read_config
 
+    known = defaults(TRAIN, root)
     values: dict[str, Any] = {}
     if config is not None:
-        values.update(read_config(Path(config), TRAIN_DEFAULTS))
+        values.update(read_config(Path(config), known, root=root))
     for key in options:
-        if key not in TRAIN_DEFAULTS:
-            raise ConfigError(f"fusionllm.train: unknown option {key!r}: {suggest(key, TRAIN_DEFAULTS)}")
+        if key not in known:
+            raise ConfigError(f"fusionllm.train: unknown option {key!r}: {suggest(key, known)}")
     try:
-        return Options.from_values({**values, **options})
+        return Options.from_values({**values, **options}, root=root)
     except ConfigError as exc:
         raise ConfigError(f"fusionllm.train: {exc}") from None
 

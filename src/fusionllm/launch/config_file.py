@@ -19,6 +19,7 @@ options as comments; paths made absolute for the file a run keeps, which starts 
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Iterable
@@ -39,10 +40,12 @@ SECTION_OF = {leaf.name: leaf.section for leaf in leaves().values()}
 NOT_IN_FILES = frozenset({"config_file", "print_config"})  # the options that name or print the file itself
 
 
-def read_config(path: Path, options: Iterable[str]) -> dict[str, Any]:
+def read_config(path: Path, options: Iterable[str], *, root: type[Any] = Options) -> dict[str, Any]:
     """The options ``path`` sets, by parameter name (``batch_size``), checked against ``options``
-    (the command's parameter names)."""
+    (the command's parameter names) and the sections of the declaration ``root``."""
     known = set(options)
+    section_of = {leaf.name: leaf.section for leaf in leaves(root).values()}
+    sections = dict.fromkeys(section_of.values())
     try:
         doc = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -54,16 +57,16 @@ def read_config(path: Path, options: Iterable[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, table in doc.items():
         if not isinstance(table, dict):
-            home = SECTION_OF.get(section.replace("-", "_"))
-            where = f"put it under [{home}]" if home else f"keys go under one of {', '.join(f'[{s}]' for s in SECTIONS)}"
+            home = section_of.get(section.replace("-", "_"))
+            where = f"put it under [{home}]" if home else f"keys go under one of {', '.join(f'[{s}]' for s in sections)}"
             raise ConfigError(f"{path}: key {section!r} is outside every section: {where}")
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}]; the sections are {', '.join(f'[{s}]' for s in SECTIONS)}")
+        if section not in sections:
+            raise ConfigError(f"{path}: unknown section [{section}]; the sections are {', '.join(f'[{s}]' for s in sections)}")
         for key, value in table.items():
             name = key.replace("-", "_")
-            home = SECTION_OF.get(name)
+            home = section_of.get(name)
             if home is None or name not in known:
-                raise ConfigError(f"{path}: [{section}] has no key {key!r}: {_suggest(name, known)}")
+                raise ConfigError(f"{path}: [{section}] has no key {key!r}: {_suggest(name, known, section_of)}")
             if home != section:
                 raise ConfigError(f"{path}: key {key!r} belongs in [{home}], not [{section}]")
             if isinstance(value, dict):
@@ -74,10 +77,11 @@ def read_config(path: Path, options: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _suggest(name: str, known: set[str]) -> str:
-    close = [k for k in known if k in SECTION_OF and (name in k or k in name)]
+def _suggest(name: str, known: set[str], section_of: dict[str, str]) -> str:
+    close = [k for k in known if k in section_of and (name in k or k in name)]
+    close = close or [k for k in difflib.get_close_matches(name, list(known), n=2) if k in section_of]
     if close:
-        return "did you mean " + " or ".join(sorted(f"{k.replace('_', '-')} (in [{SECTION_OF[k]}])" for k in close)) + "?"
+        return "did you mean " + " or ".join(sorted(f"{k.replace('_', '-')} (in [{section_of[k]}])" for k in close)) + "?"
     return "not an option of this command (fusionllm train --print-config lists them)"
 
 
@@ -86,14 +90,14 @@ def dump_config(options: Options, header: str = "", *, command: str = TRAIN, abs
     (``read_config``) to the same options; ``absolute``: paths made absolute, so that the file starts the
     same run from any directory."""
     lines = [f"# {line}" for line in header.splitlines()]
-    ours = command_leaves(command)
-    for section, names in SECTIONS.items():
-        present = [n for n in names if n in ours]
+    ours = command_leaves(command, type(options))
+    for section in fields(options):
+        present = [f.name for f in fields(getattr(options, section.name)) if f.name in ours]
         if not present:
             continue
-        lines += ["", f"[{section}]"] if lines else [f"[{section}]"]
+        lines += ["", f"[{section.name}]"] if lines else [f"[{section.name}]"]
         for name in present:
-            value = getattr(getattr(options, section), name)
+            value = getattr(getattr(options, section.name), name)
             key = name.replace("_", "-")
             if value is None or (isinstance(value, (list, tuple)) and not value):
                 lines.append(f"# {key} = (not set)")
