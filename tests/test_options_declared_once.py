@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from fusionllm.cli.main import app
 from fusionllm.cli.options import BEGIN, END, reference, with_options
 from fusionllm.control.config import ClusterConfig
+from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.options import (
     COMMANDS,
@@ -76,16 +77,17 @@ def test_the_toml_keys_and_the_api_keywords_are_the_declared_options() -> None:
 def test_every_mode_lists_its_values_once() -> None:
     """A mode's values are a Literal in core/options.py; no other source file spells the tuple again."""
     assert SYNC_MODES == ("synchronous", "hierarchical", "auto")
-    spelled = re.compile(r"\(\s*\"synchronous\",\s*\"hierarchical\",\s*\"auto\"\s*\)|\(\s*\"retry\",\s*\"stop\",\s*\"off\"\s*\)")
+    spelled = re.compile(r"\(\s*\"synchronous\",\s*\"hierarchical\",\s*\"auto\"\s*\)|\(\s*\"retry\",\s*\"stop\",\s*\"off\"\s*\)"
+                         r"|\(\s*\"fp32\",\s*\"bf16\"\s*\)|\(\s*\"mean\",\s*\"clipped\",\s*\"trimmed\"\s*\)")
     files = sorted((ROOT / "src" / "fusionllm").rglob("*.py"))
     assert len(files) > 100
     again = [str(f.relative_to(ROOT)) for f in files if f.name != "options.py" and spelled.search(f.read_text())]
     assert not again, f"a mode's values listed outside core/options.py: {again}"
 
 
-def test_cluster_config_takes_the_options_names_and_defaults() -> None:
-    """The coordinator's ClusterConfig is a view of the options: no field renamed on the way
-    (dead_after, not dead_after_s), and the declaration's default where it has one."""
+def test_cluster_and_train_config_take_the_options_names_and_defaults() -> None:
+    """The coordinator's ClusterConfig and the TrainConfig are views of the options: no field renamed on
+    the way (dead_after, not dead_after_s), and the declaration's default where it has one."""
     known = leaves()
     names = {f.name for f in fields(ClusterConfig)}
     assert names - set(known) == {"token", "tls", "step_timeout", "max_replans"}  # what only the coordinator's process knows
@@ -93,6 +95,9 @@ def test_cluster_config_takes_the_options_names_and_defaults() -> None:
     for f in fields(ClusterConfig):
         if f.name in known and f.name not in resolved and f.default is not MISSING:
             assert f.default == known[f.name].default, f.name
+    train = {f.name: f.default for f in fields(TrainConfig)}
+    assert set(train) - set(known) == {"weight_decay", "grad_clip"}
+    assert {n: d for n, d in train.items() if n in known and n != "metrics"} == {n: known[n].default for n in train if n in known and n != "metrics"}
 
 
 def test_sections_check_their_values_when_built() -> None:

@@ -34,6 +34,7 @@ SchedulerName = Literal["opfence", "uniform", "params", "compute"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 GUARD_MODES: tuple[str, ...] = get_args(GuardMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+OUTER_AGGREGATES: tuple[str, ...] = get_args(OuterAggregate)
 
 TRAIN, COORDINATOR = "train", "coordinator"
 COMMANDS = (TRAIN, COORDINATOR)
