@@ -78,7 +78,8 @@ def test_every_mode_lists_its_values_once() -> None:
     """A mode's values are a Literal in core/options.py; no other source file spells the tuple again."""
     assert SYNC_MODES == ("synchronous", "hierarchical", "auto")
     spelled = re.compile(r"\(\s*\"synchronous\",\s*\"hierarchical\",\s*\"auto\"\s*\)|\(\s*\"retry\",\s*\"stop\",\s*\"off\"\s*\)"
-                         r"|\(\s*\"fp32\",\s*\"bf16\"\s*\)|\(\s*\"mean\",\s*\"clipped\",\s*\"trimmed\"\s*\)")
+                         r"|\(\s*\"fp32\",\s*\"bf16\"\s*\)|\(\s*\"mean\",\s*\"clipped\",\s*\"trimmed\"\s*\)"
+                         r"|\(\s*\"auto\",\s*\"off\"\s*\)|\(\s*\"opfence\",\s*\"uniform\",\s*\"params\",\s*\"compute\"\s*\)")
     files = sorted((ROOT / "src" / "fusionllm").rglob("*.py"))
     assert len(files) > 100
     again = [str(f.relative_to(ROOT)) for f in files if f.name != "options.py" and spelled.search(f.read_text())]

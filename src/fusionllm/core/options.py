@@ -35,6 +35,8 @@ SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 GUARD_MODES: tuple[str, ...] = get_args(GuardMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OUTER_AGGREGATES: tuple[str, ...] = get_args(OuterAggregate)
+COLLECTIVES_MODES: tuple[str, ...] = get_args(CollectivesMode)
+SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
 
 TRAIN, COORDINATOR = "train", "coordinator"
 COMMANDS = (TRAIN, COORDINATOR)
