@@ -45,7 +45,7 @@ def run(model: str, seed: int, args: argparse.Namespace, *, hier: bool, codec: s
         fields |= {"sync": "hierarchical", "groups": [[i] for i in range(g)], "inner_steps": args.inner_steps, "fragments": args.fragments,
                    "outer_codec": codec, "outer_lr": args.outer_lr if outer_lr is None else outer_lr,
                    "outer_momentum": args.outer_momentum if outer_momentum is None else outer_momentum,
-                   "overlap_steps": args.overlap_steps if overlap_steps is None else overlap_steps, "overlap": not blocking}
+                   "overlap_steps": args.overlap_steps if overlap_steps is None else overlap_steps, "blocking_sync": blocking}
     started = time.perf_counter()
     result, _ = run_in_process(train, cluster_config(g if hier else 1, **fields))
     tokens_per_eval = batch * args.seq_len * (g if hier else 1)

@@ -67,7 +67,7 @@ def _run() -> Any:
 
 def _strikes(events: list[dict], evict_after: int = 3) -> Strikes:
     membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
-    return Strikes(SimpleNamespace(guard="retry", evict_after=evict_after, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+    return Strikes(SimpleNamespace(numeric_guard="retry", evict_after=evict_after, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
 
 def test_the_step_runner_retries_a_bad_step_once_and_returns_the_good_attempt() -> None:

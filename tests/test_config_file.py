@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from fusionllm.cli.main import app
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import Options
 from fusionllm.launch.config_file import NOT_IN_FILES, SECTION_OF, dump_config, read_config
 
 RUNNER = CliRunner()
@@ -37,12 +38,22 @@ def test_every_option_of_the_command_has_a_section(command: str) -> None:
 
 def test_a_file_reads_back_as_the_options_it_was_written_from(tmp_path: Path) -> None:
     values = {"model": "gpt-nano", "steps": 7, "lr": 1e-3, "recompute": True, "regroup": ["40:0/1", "80:0,1"], "metrics": tmp_path / "m.jsonl",
-              "compress": "eq:0.5", "guard_factor": float("inf"), "data": 'a "quoted" path, é', "threads": None}
+              "compress": "eq:0.5", "guard_factor": float("inf"), "data": 'a "quoted" path, é', "threads": None, "sync": "hierarchical"}
+    options = Options.from_values(values)
     path = tmp_path / "run.toml"
-    path.write_text(dump_config(values, "a header\nof two lines"))
-    got = read_config(path, values)
-    assert got == {**{k: v for k, v in values.items() if v is not None}, "metrics": str((tmp_path / "m.jsonl").resolve())}
+    path.write_text(dump_config(options, "a header\nof two lines"))
+    got = read_config(path, SECTION_OF)
+    assert Options.from_values(got) == options
+    assert got["metrics"] == str(tmp_path / "m.jsonl") and "threads" not in got
     assert "# threads = (not set)" in path.read_text()
+
+
+def test_the_file_a_run_keeps_has_its_paths_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.toml"
+    path.write_text(dump_config(Options.from_values({"metrics": "m.jsonl", "run_dir": "runs/x"}), absolute=True))
+    got = read_config(path, SECTION_OF)
+    assert got["metrics"] == str(tmp_path / "m.jsonl") and got["run_dir"] == str(tmp_path / "runs" / "x")
 
 
 @pytest.mark.parametrize(("text", "says"), [

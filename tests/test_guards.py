@@ -109,14 +109,14 @@ def test_a_worker_that_sends_nan_and_garbage_is_named_skipped_around_and_evicted
 
 def test_stop_policy_ends_the_run_naming_the_worker(tmp_path: Path) -> None:
     train = _train(tmp_path / "m.jsonl")
-    cluster = cluster_config(2, micro_batches=2, step_timeout=STEP_TIMEOUT, guard="stop")
+    cluster = cluster_config(2, micro_batches=2, step_timeout=STEP_TIMEOUT, numeric_guard="stop")
     with pytest.raises(FusionError, match=r"step 1: a bad tensor .*blamed: worker\(s\) \[0\]"):
         run_in_process(train, cluster, worker_options=[{"faults": (Fault("nan", 1),)}, {}])
 
 
 def test_guard_flags_are_checked_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="--numeric-guard"):
-        cluster_config(2, guard="sometimes")
+        cluster_config(2, numeric_guard="sometimes")
     with pytest.raises(ConfigError, match="--guard-factor"):
         cluster_config(2, guard_factor=1.0)
 
@@ -154,7 +154,7 @@ def test_strikes_are_forgotten_after_the_window_and_evict_within_it() -> None:
 
     events: list[dict] = []
     membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
-    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+    strikes = Strikes(SimpleNamespace(numeric_guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
     def attempt(step: int, n: int) -> int:
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "norm 0.0651 is 169x its running estimate")])
@@ -183,7 +183,7 @@ def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> 
 
     events: list[dict] = []
     membership = SimpleNamespace(members={1: SimpleNamespace(address="10.0.0.2:7100")})
-    strikes = Strikes(SimpleNamespace(guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+    strikes = Strikes(SimpleNamespace(numeric_guard="retry", evict_after=3, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
 
     def attempt(step: int, n: int, ratio: float) -> int:
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, f"norm is {ratio:.3g}x its running estimate", ratio)])
@@ -198,7 +198,7 @@ def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> 
         attempt(18, 1, 151.0)
     assert strikes.count(1) == 3 and not strikes.data_spike(18)
     for step, ratio in ((30, math.inf), (40, 1e6)):  # a NaN or a flipped exponent bit, however often the same
-        fresh = Strikes(SimpleNamespace(guard="retry", evict_after=0, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
+        fresh = Strikes(SimpleNamespace(numeric_guard="retry", evict_after=0, guard_factor=100.0), membership, events.append, lambda _: None)  # type: ignore[arg-type]
         reply = StepDone(skipped=True, bad=[BadTensor(1, 0, "grad", "n7.0", 0, "bad", ratio)])
         assert fresh.judge(step, 0, {0: reply}) == 1 and fresh.judge(step, 1, {0: reply}) == -1 and fresh.count(1) == 2
 

@@ -240,7 +240,7 @@ def test_one_group_with_a_plain_outer_step_trains_as_synchronous() -> None:
     train = TrainConfig(model="gpt-nano", steps=6, batch_size=4, seq_len=16, eval_every=0, warmup=0)
     sync, _ = run_in_process(train, cluster_config(2, micro_batches=2))
     hier, _ = run_in_process(train, cluster_config(2, micro_batches=2, sync="hierarchical", groups=[[0, 1]], inner_steps=2, fragments=2,
-                                                   outer_codec="none", outer_lr=1.0, outer_momentum=0.0, overlap=False))
+                                                   outer_codec="none", outer_lr=1.0, outer_momentum=0.0, blocking_sync=True))
     np.testing.assert_allclose(hier.losses, sync.losses, rtol=1e-5)
 
 
@@ -445,7 +445,7 @@ def test_a_worker_that_hangs_in_a_pause_checkpoint_takes_its_group_out_and_anoth
     ckpt = tmp_path / "ckpt"
     train = TrainConfig(model="gpt-nano", steps=16, batch_size=4, seq_len=16, eval_every=0, warmup=0)
     cluster = cluster_config(2, sync="hierarchical", groups=[[0], [1]], inner_steps=2, fragments=1, micro_batches=2,
-                             checkpoint_dir=str(ckpt), checkpoint_every=8, dead_after_s=3.0, step_timeout=3600.0)
+                             checkpoint_dir=str(ckpt), checkpoint_every=8, dead_after=3.0, step_timeout=3600.0)
 
     async def main() -> InProcessCluster:
         async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:
@@ -474,7 +474,7 @@ def test_a_worker_that_hangs_in_an_outer_check_takes_its_group_out_within_dead_a
     step timeout (an hour here: the test would time out)."""
     train = TrainConfig(model="gpt-nano", steps=16, batch_size=4, seq_len=16, eval_every=0, warmup=0)
     cluster = cluster_config(3, sync="hierarchical", groups=[[0], [1], [2]], inner_steps=2, fragments=1, micro_batches=2,
-                             dead_after_s=3.0, step_timeout=3600.0)
+                             dead_after=3.0, step_timeout=3600.0)
 
     async def main() -> InProcessCluster:
         async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:

@@ -131,7 +131,7 @@ def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_
     """Worker 0 relays for workers 1 and 2 and dies mid-run: they move to the coordinator's relay and the
     run re-plans on them from the newest checkpoint, and finishes."""
     train = _train(steps=10)
-    cluster = cluster_config(3, micro_batches=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, dead_after_s=6.0, step_timeout=60.0)
+    cluster = cluster_config(3, micro_batches=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, dead_after=6.0, step_timeout=60.0)
     options = [{"listen": "127.0.0.1:0", "relay": True}, {"listen": "127.0.0.2:0", "behind_nat": True}, {"listen": "127.0.0.3:0", "behind_nat": True}]
     seen: dict = {}
 

@@ -209,7 +209,7 @@ def test_with_numeric_guard_stop_a_refused_pseudo_gradient_ends_the_run_naming_t
     from fusionllm.core.errors import FusionError
 
     with pytest.raises(FusionError, match=r"group 2's pseudo-gradient was refused .*--numeric-guard stop"):
-        _poisoned_run(tmp_path, "scale", guard="stop")
+        _poisoned_run(tmp_path, "scale", numeric_guard="stop")
 
 
 def test_clipped_scales_down_a_group_whose_deltas_are_large_but_not_refused(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_a_bad_option_is_one_error_naming_it_before_anything_starts(options: dic
 def test_a_config_file_gives_options_that_keywords_override(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('[train]\nsteps = 7\nmodel = "gpt-nano"\n\n[cluster]\nrun-dir = "runs/x"\n')
-    values = resolve_options(path, {"steps": 9})
+    values = resolve_options(path, {"steps": 9}).values()
     assert values["steps"] == 9 and values["model"] == "gpt-nano" and values["run_dir"] == Path("runs/x")
     path.write_text("[train]\nstep = 7\n")
     with pytest.raises(ConfigError, match=r"\[train\] has no key 'step'"):

@@ -261,7 +261,7 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
     link comes back, under another address, it registers again as a spare and the next re-plan
     (another worker lost) takes it in."""
     train = TrainConfig(model="gpt-nano", steps=100_000, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0)
-    cluster = cluster_config(3, dead_after_s=4.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3, step_timeout=120.0)
+    cluster = cluster_config(3, dead_after=4.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3, step_timeout=120.0)
     options = [{"heartbeat_s": 0.5}, {"heartbeat_s": 0.5}, {"heartbeat_s": 0.5, "listen": "0.0.0.0:0"}]
 
     async def until(what: str, ready: Callable[[], bool], run: asyncio.Task, timeout: float = 120) -> None:
@@ -316,7 +316,7 @@ def test_a_worker_that_hangs_in_a_checkpoint_is_lost_by_its_heartbeat_not_the_st
     --dead-after and re-plan. Before that watch it waited for the SaveShard reply until the step
     timeout (an hour here: the test would time out)."""
     train = TrainConfig(model="gpt-nano", steps=100_000, batch_size=8, seq_len=32, lr=3e-3, warmup=1, eval_every=0, seed=0)
-    cluster = cluster_config(3, dead_after_s=3.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, step_timeout=3600.0)
+    cluster = cluster_config(3, dead_after=3.0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, step_timeout=3600.0)
 
     async def main() -> None:
         async with InProcessCluster(train, cluster, worker_options={"heartbeat_s": 0.5}) as c:

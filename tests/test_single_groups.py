@@ -25,7 +25,7 @@ def _distributed(train: TrainConfig, tmp_path, **cluster) -> list[dict]:
     metrics = tmp_path / "m.jsonl"
     run_in_process(TrainConfig(**{**train.__dict__, "metrics": str(metrics)}),
                    cluster_config(2, micro_batches=1, inner_steps=2, fragments=1, outer_lr=0.7, outer_momentum=0.5,
-                                  overlap=False, **cluster))
+                                  blocking_sync=True, **cluster))
     return read_metrics(metrics).steps
 
 

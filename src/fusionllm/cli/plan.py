@@ -9,10 +9,8 @@ import typer
 
 from fusionllm.cli.common import user_errors
 from fusionllm.cli.options import (
-    DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_PLAN_CANDIDATES,
-    SYNC_MODES,
     BatchOpt,
     CandidatesOpt,
     CollectivesOpt,
@@ -29,6 +27,7 @@ from fusionllm.cli.options import (
     SyncOpt,
     TaskOpt,
 )
+from fusionllm.core.options import DEFAULT_OUTER_LR, SYNC_MODES
 
 
 def _check_sync(sync: str) -> None:

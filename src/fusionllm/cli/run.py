@@ -4,138 +4,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from fusionllm.cli.common import console, progress_bar, summary, user_errors
 from fusionllm.cli.options import (
-    DEFAULT_OUTER_LR,
-    DEFAULT_OUTER_MOMENTUM,
     BackendOpt,
-    BatchOpt,
-    BlockingOpt,
-    CkptDirOpt,
-    CkptEveryOpt,
-    CollectivesOpt,
-    CompressOpt,
-    ConfigOpt,
-    DashboardOpt,
-    DataOpt,
-    DeadAfterOpt,
-    EvalBatchesOpt,
-    EvalOpt,
-    EvictAfterOpt,
-    FragmentsOpt,
-    GroupBatchOpt,
-    GroupsOpt,
-    GuardFactorOpt,
-    GuardOpt,
-    HardwareOpt,
-    ImageSizeOpt,
-    InitFromOpt,
-    InnerStepsOpt,
-    KeepCkptOpt,
-    LogToOpt,
-    LrOpt,
-    MaxRecoveriesOpt,
-    MetricsOpt,
-    MicroOpt,
-    ModelOpt,
-    OuterAggregateOpt,
-    OuterCodecOpt,
-    OuterLrOpt,
-    OuterMomentumOpt,
-    OverlapStepsOpt,
-    PrecisionOpt,
-    PrintConfigOpt,
-    RecomputeOpt,
-    RegroupOpt,
-    ReplanOpt,
-    ReplicasOpt,
-    ResumeOpt,
-    ScheduleOpt,
-    SchedulerOpt,
-    SeedOpt,
-    SeqOpt,
-    StepsOpt,
-    StopTimeoutOpt,
-    SyncOpt,
-    TaskOpt,
     ThreadsOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
-    TokenizerOpt,
-    WarmupOpt,
+    with_options,
 )
 
 
+@with_options("coordinator")
 @user_errors
-def coordinator(
-    ctx: typer.Context,
-    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on (0.0.0.0:PORT for other machines).")],
-    token_file: Annotated[Path, typer.Option("--token-file", help="Shared secret every call presents.")],
-    workers: Annotated[int, typer.Option(help="Workers to wait for.")],
-    model: ModelOpt = "gpt-micro",
-    steps: StepsOpt = 200,
-    batch_size: BatchOpt = 16,
-    seq_len: SeqOpt = 128,
-    lr: LrOpt = 3e-3,
-    seed: SeedOpt = 0,
-    data: DataOpt = None,
-    metrics: MetricsOpt = None,
-    log_to: LogToOpt = None,
-    warmup: WarmupOpt = 20,
-    schedule: ScheduleOpt = "1f1b",
-    micro_batches: MicroOpt = 4,
-    replicas: ReplicasOpt = None,
-    checkpoint_dir: CkptDirOpt = None,
-    checkpoint_every: CkptEveryOpt = 0,
-    resume: ResumeOpt = False,
-    stop_timeout: StopTimeoutOpt = 60.0,
-    relay_port: Annotated[int, typer.Option("--relay-port", min=0, max=65535, help="The port workers behind NAT open tunnels to (the coordinator's relay, on --listen's host; 0: any free port).")] = 0,
-    join_timeout: Annotated[float, typer.Option("--join-timeout", help="Seconds to wait for the workers.")] = 300.0,
-    scheduler: SchedulerOpt = None,
-    hardware: HardwareOpt = None,
-    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Seconds of streaming per link probe.")] = 1.0,
-    compress: CompressOpt = "none",
-    collectives: CollectivesOpt = "auto",
-    eval_every: EvalOpt = 50,
-    eval_batches: EvalBatchesOpt = 4,
-    tls_cert: TlsCertOpt = None,
-    tls_key: TlsKeyOpt = None,
-    tls_ca: TlsCaOpt = None,
-    dashboard: DashboardOpt = None,
-    replan_factor: ReplanOpt = 2.0,
-    dead_after: DeadAfterOpt = 15.0,
-    numeric_guard: GuardOpt = "retry",
-    guard_factor: GuardFactorOpt = 100.0,
-    evict_after: EvictAfterOpt = 3,
-    keep_checkpoints: KeepCkptOpt = 0,
-    max_recoveries: MaxRecoveriesOpt = 3,
-    sync: SyncOpt = "synchronous",
-    groups: GroupsOpt = None,
-    regroup: RegroupOpt = None,
-    inner_steps: InnerStepsOpt = None,
-    fragments: FragmentsOpt = None,
-    outer_codec: OuterCodecOpt = None,
-    outer_lr: OuterLrOpt = DEFAULT_OUTER_LR,
-    outer_momentum: OuterMomentumOpt = DEFAULT_OUTER_MOMENTUM,
-    outer_aggregate: OuterAggregateOpt = "mean",
-    overlap_steps: OverlapStepsOpt = None,
-    blocking_sync: BlockingOpt = False,
-    group_batch: GroupBatchOpt = None,
-    task: TaskOpt = "lm",
-    image_size: ImageSizeOpt = 32,
-    tokenizer: TokenizerOpt = None,
-    init_from: InitFromOpt = None,
-    precision: PrecisionOpt = "fp32",
-    recompute: RecomputeOpt = False,
-    port_file: Annotated[Path | None, typer.Option("--port-file", help="Write the port it serves on to this file once it listens (for a launcher that asked for port 0).")] = None,
-    config_file: ConfigOpt = None,
-    print_config: PrintConfigOpt = False,
-) -> None:
+def coordinator(ctx: typer.Context, **values: Any) -> None:
     """Wait for the workers, trace and plan the model, hand out stages, drive training.
 
     ``--config`` also takes a ``run.json`` as `fusionllm train` writes it for the coordinator it
@@ -143,37 +29,33 @@ def coordinator(
     from fusionllm.control.config import RunConfig
     from fusionllm.control.coordinator import run_coordinator
     from fusionllm.control.restart import Stopped
+    from fusionllm.core.options import Options
     from fusionllm.launch.config import cluster_config, load_run, train_config
     from fusionllm.launch.config_file import dump_config
     from fusionllm.launch.task import run_task
     from fusionllm.transport.auth import load_token
 
+    config_file, print_config = values.pop("config_file"), values.pop("print_config")
+    options = Options.from_values(values)
     if print_config:
-        print(dump_config(ctx.params), end="")
+        print(dump_config(options, command="coordinator"), end="")
         raise typer.Exit(0)
-    token = load_token(token_file)
+    c = options.cluster
+    assert c.listen is not None and c.token_file is not None and c.workers is not None  # required by the command line
+    token = load_token(c.token_file)
     if config_file is not None and config_file.suffix == ".json":  # `fusionllm train` built the run: nothing is built again
-        run = load_run(config_file, listen=listen, token=token, workers=workers)
+        run = load_run(config_file, listen=c.listen, token=token, workers=c.workers)
     else:
-        train = train_config(
-            model=model, task=task, metrics=metrics, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, data=data,
-            warmup=warmup, eval_every=eval_every, eval_batches=eval_batches, image_size=image_size, tokenizer=tokenizer, init_from=init_from,
-            precision=precision, recompute=recompute, log_to=log_to,
-        )
-        run = RunConfig(train, cluster_config(
-            train, listen=listen, token=token, workers=workers, schedule=schedule, micro_batches=micro_batches, replicas=replicas,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, join_timeout=join_timeout, stop_timeout=stop_timeout,
-            scheduler=scheduler, hardware=hardware, probe_seconds=probe_seconds, compress=compress, tls=(tls_cert, tls_key, tls_ca),
-            dead_after=dead_after, replan_factor=replan_factor, numeric_guard=numeric_guard, guard_factor=guard_factor, evict_after=evict_after,
-            keep_checkpoints=keep_checkpoints, max_recoveries=max_recoveries, dashboard=dashboard, relay_port=relay_port, collectives=collectives,
-            sync=sync, groups=groups, inner_steps=inner_steps, fragments=fragments, outer_codec=outer_codec, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, outer_aggregate=outer_aggregate, overlap_steps=overlap_steps, blocking_sync=blocking_sync, group_batch=group_batch, regroup=regroup,
-        ))
-        if checkpoint_dir is not None:  # the checkpoints' directory keeps the options that made them
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (checkpoint_dir / "config.toml").write_text(dump_config(ctx.params, "The options of the coordinator that wrote these checkpoints."))
+        train = train_config(options)
+        run = RunConfig(train, cluster_config(options, train, listen=c.listen, token=token, workers=c.workers))
+        ckpt = options.reliability.checkpoint_dir
+        if ckpt is not None:  # the checkpoints' directory keeps the options that made them
+            ckpt.mkdir(parents=True, exist_ok=True)
+            (ckpt / "config.toml").write_text(dump_config(options, "The options of the coordinator that wrote these checkpoints.",
+                                                          command="coordinator", absolute=True))
     train_cfg, cluster_cfg = run.train, run.cluster
     bar, on_step, first = progress_bar(train_cfg.steps, "train")
+    port_file = c.port_file
 
     def say(msg: str) -> None:
         console.print(msg, highlight=False, markup=False)

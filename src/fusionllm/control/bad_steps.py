@@ -72,7 +72,7 @@ class Strikes:
         blamed = self._blamed[key] if repeated else sources(bad, replies, c.guard_factor)
         self._blamed[key] = blamed
         named = sorted(set(blamed))
-        spike = (repeated and bool(bad) and self.cluster.guard == "retry"
+        spike = (repeated and bool(bad) and self.cluster.numeric_guard == "retry"
                  and all(math.isfinite(b.ratio) and 0 < b.ratio <= SPIKE_CAP for b in bad) and not self._trusting.get(key))
         for old in [k for k in self._signatures if k[1] <= step - STRIKE_WINDOW]:  # steps long done: forgotten
             self._signatures.pop(old, None)
@@ -99,7 +99,7 @@ class Strikes:
         if group is not None:
             event["group"] = group
         evict = {w for w in named if c.evict_after and event["strikes"].get(str(w), 0) >= c.evict_after}
-        if c.guard == "stop":
+        if c.numeric_guard == "stop":
             event["action"] = "stop"
         elif spike:
             event["action"] = "trust"

@@ -32,13 +32,13 @@ from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import COLLECTIVES_MODES as MODES
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, shared_groups
 from fusionllm.transport.worker_info import DeviceInfo, WorkerInfo
 
 FAST_BPS = 1e9  # a link at least this fast (bit/s) is inside a fence
-MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)

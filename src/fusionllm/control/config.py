@@ -6,11 +6,22 @@ import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
+from fusionllm.core.options import (
+    GUARD_MODES,
+    SYNC_MODES,
+    CollectivesMode,
+    GuardMode,
+    Options,
+    OuterAggregate,
+    ScheduleName,
+    SchedulerName,
+    SyncMode,
+)
 from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.noise_scale import NoiseScale
 from fusionllm.schedule.actions import Action
@@ -22,51 +33,59 @@ Say = Callable[[str], None]
 OnStep = Callable[[dict], None]
 
 
+_D = Options()  # the declaration's defaults (core/options.py): an option's default, help and values are set there, once
+_C, _S, _R = _D.cluster, _D.sync, _D.reliability
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
+    """The coordinator's view of a run's options: every field that is an option has the option's name and
+    default (``core/options.py``); lists and paths in the form the coordinator reads (``launch/config.py``
+    builds it). The rest is what only the coordinator's process knows (its address, the token, TLS files)
+    and two limits no flag sets (``step_timeout``, ``max_replans``)."""
+
     listen: str
     token: str
     workers: int
-    schedule: str = "1f1b"
-    micro_batches: int = 4
-    replicas: list[int] | None = None
+    schedule: ScheduleName = _C.schedule
+    micro_batches: int = _C.micro_batches
+    replicas: list[int] | None = None  # --replicas parsed (launch/config.parse_replicas)
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 0  # the newest N complete checkpoints are kept, older ones removed (0: keep all)
-    resume: bool = False
-    join_timeout: float = 300.0
+    checkpoint_every: int = _R.checkpoint_every
+    keep_checkpoints: int = _R.keep_checkpoints
+    resume: bool = _R.resume
+    join_timeout: float = _C.join_timeout
     step_timeout: float = 600.0
-    scheduler: str | None = None  # None: the plan balanced by parameters (or --replicas)
+    scheduler: SchedulerName | None = _C.scheduler  # None: the plan balanced by parameters (or --replicas)
     hardware: str | None = None  # a cluster file to plan with; None: probe the workers
-    probe_seconds: float = 1.0
-    compress: str = "none"  # none | fp16 | bf16 | topk:R | topk-token:R | adatopk
-    eval_every: int = 0  # validation loss in the pipeline every N steps (and at the end); 0: never
-    eval_batches: int = 4
-    dead_after_s: float = 15.0  # a worker whose heartbeat (every 2 s) is older than this is lost (a 10 s silent link drop is not)
-    max_recoveries: int = 3  # re-plans after lost workers before giving up
-    replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
+    probe_seconds: float = _C.probe_seconds
+    compress: str = _D.compress.compress
+    eval_every: int = 0  # the TrainConfig's (launch/config.py); 0 (never) where a test builds a ClusterConfig alone
+    eval_batches: int = _D.train.eval_batches
+    dead_after: float = _R.dead_after  # a 10 s silent link drop is not a lost worker
+    max_recoveries: int = _R.max_recoveries
+    replan_factor: float = _R.replan_factor
     max_replans: int = 2
-    dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
-    guard: str = "retry"  # numeric guards (runtime/guards.py): retry (a bad step once, then skip it) | stop | off
-    guard_factor: float = 100.0  # a received tensor whose norm is this many times its edge's running estimate is bad
-    evict_after: int = 3  # bad tensors blamed on one worker before it is evicted and the run re-planned without it (0: never)
+    dashboard: str | None = _D.train.dashboard
+    numeric_guard: GuardMode = _R.numeric_guard  # runtime/guards.py
+    guard_factor: float = _R.guard_factor
+    evict_after: int = _R.evict_after
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
-    # hierarchical mode (--sync hierarchical): groups that each hold the model, synchronised every few steps
-    sync: str = "synchronous"  # synchronous | hierarchical | auto (the planner chooses one group or several)
-    groups: list[list[int]] | None = None  # the groups by hand (worker ids); None: the planner forms them (needs --scheduler)
-    inner_steps: int | None = None  # H: inner steps per round (of the fastest group); None: the planner's
-    fragments: int | None = None  # parameter fragments synced staggered over a round; None: the planner's
-    outer_codec: str | None = None  # codec of the pseudo-gradients; None: the planner's
-    outer_lr: float = 1.0  # measured better than DiLoCo's 0.7 / 0.9 at the H this planner picks (benchmarks/results/hier_convergence.md)
-    outer_momentum: float = 0.0
-    outer_aggregate: str = "mean"  # how checked pseudo-gradients are combined: mean | clipped | trimmed (control/outer_checks.py)
-    overlap: bool = True  # apply a fragment's average later than it is sent (the inner loop does not wait for the network)
-    group_batch: int | None = None  # rows per inner step of every group; None: --batch-size
-    overlap_steps: int | None = None  # inner steps between a fragment's send and its apply (0: one round); None: the planner's
-    regroup: list[tuple[int, list[list[int]]]] | None = None  # at step K the run becomes these groups (one group: synchronous), from live weights
-    stop_timeout: float = 60.0  # Ctrl+C/SIGTERM: seconds for the step in flight and the final checkpoint (then stop regardless)
-    relay_port: int = 0  # the coordinator's relay for workers behind NAT (control/reach.py): its tunnel port on --listen's host (0: any)
-    collectives: str = "auto"  # auto: torch.distributed (gloo/NCCL) inside fast fences of torch workers (control/collectives.py); off: the data plane only
+    sync: SyncMode = "synchronous"  # resolved: never None here
+    groups: list[list[int]] | None = None  # --groups parsed; None: the planner forms them (needs --scheduler)
+    inner_steps: int | None = _S.inner_steps
+    fragments: int | None = _S.fragments
+    outer_codec: str | None = _S.outer_codec
+    outer_lr: float = _S.outer_lr
+    outer_momentum: float = _S.outer_momentum
+    outer_aggregate: OuterAggregate = _S.outer_aggregate  # control/outer_checks.py
+    blocking_sync: bool = _S.blocking_sync
+    group_batch: int | None = _S.group_batch
+    overlap_steps: int | None = _S.overlap_steps
+    regroup: list[tuple[int, list[list[int]]]] | None = None  # --regroup parsed
+    stop_timeout: float = _R.stop_timeout
+    relay_port: int = _C.relay_port  # the coordinator's relay for workers behind NAT (control/reach.py)
+    collectives: CollectivesMode = _C.collectives  # control/collectives.py
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -80,17 +99,17 @@ class ClusterConfig:
             raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
         if not self.stop_timeout > 0:
             raise ConfigError(f"--stop-timeout must be > 0 seconds, got {self.stop_timeout}")
-        if self.collectives not in ("auto", "off"):
+        if self.collectives not in get_args(CollectivesMode):
             raise ConfigError(f"--collectives {self.collectives!r}: choose auto (torch.distributed inside fast fences) or off")
-        if self.guard not in ("retry", "stop", "off"):
-            raise ConfigError(f"--numeric-guard {self.guard!r}: choose retry, stop or off")
+        if self.numeric_guard not in GUARD_MODES:
+            raise ConfigError(f"--numeric-guard {self.numeric_guard!r}: choose retry, stop or off")
         if not self.guard_factor > 1:
             raise ConfigError(f"--guard-factor must be > 1, got {self.guard_factor}")
         if self.evict_after < 0:
             raise ConfigError(f"--evict-after must be >= 0, got {self.evict_after}")
-        if self.outer_aggregate not in ("mean", "clipped", "trimmed"):
+        if self.outer_aggregate not in get_args(OuterAggregate):
             raise ConfigError(f"--outer-aggregate {self.outer_aggregate!r}: choose mean, clipped or trimmed")
-        if self.sync not in ("synchronous", "hierarchical", "auto"):
+        if self.sync not in SYNC_MODES:
             raise ConfigError(f"--sync {self.sync!r}: choose synchronous, hierarchical or auto")
         if self.sync == "auto" and (not self.scheduler or self.groups or self.replicas or self.regroup):
             raise ConfigError("--sync auto lets the planner choose one group or several: it needs --scheduler and no --groups, --replicas "

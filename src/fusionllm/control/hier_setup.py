@@ -181,7 +181,7 @@ class GroupSetup:
             rows = c.group_batch or group_rows(t.batch_size, len(groups or []))  # the global batch kept
             hier = make_hier_plan(graph, groups or [], inner_steps=c.inner_steps or 4, fragments=c.fragments or 1, schedule=c.schedule,
                                   micro_batches=math.gcd(rows, c.micro_batches), codec=c.outer_codec or "q4", outer_lr=c.outer_lr,
-                                  outer_momentum=c.outer_momentum, overlap=c.overlap,
+                                  outer_momentum=c.outer_momentum, overlap=not c.blocking_sync,
                                   delay_steps=c.overlap_steps or 0)
             hier.group_batch = rows
         traced = batch // c.micro_batches
@@ -272,7 +272,7 @@ class GroupSetup:
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
-            overlap=c.overlap, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps),
+            overlap=not c.blocking_sync, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps),
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps

@@ -305,7 +305,7 @@ class Groups:
         """The live groups that sent round ``r`` of fragment ``f`` within a round's time (the caller
         holds ``hr.changed``)."""
         loop = asyncio.get_running_loop()
-        patience = max(self.ctx.cluster.dead_after_s, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
+        patience = max(self.ctx.cluster.dead_after, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
         deadline = loop.time() + patience
         while not hr.expected(r) <= set(hr.sent.get((f, r), {})):
             left = deadline - loop.time()

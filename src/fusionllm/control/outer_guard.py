@@ -30,7 +30,7 @@ class OuterGuard:
 
     @property
     def on(self) -> bool:
-        return self.ctx.cluster.guard != "off"
+        return self.ctx.cluster.numeric_guard != "off"
 
     async def check(self, hr: HierRun, f: int, r: int, groups: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
         """The groups of ``groups`` (-> tokens) whose deltas of round ``r`` of fragment ``f`` are
@@ -41,7 +41,7 @@ class OuterGuard:
         estimates = self.estimates.setdefault(f, {})
         verdict = judge(senders, await self.reports(hr, f, r, senders, []), estimates, self.aggregate)
         again: list[int] = []
-        if verdict.refused and self.ctx.cluster.guard == "retry":
+        if verdict.refused and self.ctx.cluster.numeric_guard == "retry":
             again = sorted(g for g in verdict.refused if g in hr.alive)
             self.ctx.say(f"outer round {r} of fragment {f}: refused group(s) {again} ({self._why(verdict)}); asking them to send again")
             if await self.resend(hr, f, r, again):
@@ -92,7 +92,7 @@ class OuterGuard:
         its connection stays open, so only its heartbeat tells): then a TransportError, and its group
         gives no report, instead of every group waiting for it until the step timeout. Its group's own
         loop finds it lost."""
-        dead_after = self.ctx.cluster.dead_after_s
+        dead_after = self.ctx.cluster.dead_after
 
         def look() -> None:
             if w in self.ctx.membership.stale(dead_after) or w not in self.ctx.membership.members:
@@ -119,7 +119,7 @@ class OuterGuard:
         rounds = [x for x in self.strikes.get(g, []) if x > r - STRIKE_ROUNDS and x != r] + [r]
         self.strikes[g] = rounds
         workers = sorted(hr.runs[g].plan.workers)
-        action = "stop" if c.guard == "stop" else "evict" if c.evict_after and len(rounds) >= c.evict_after else "left out"
+        action = "stop" if c.numeric_guard == "stop" else "evict" if c.evict_after and len(rounds) >= c.evict_after else "left out"
         self.ctx.event({"event": "outer_refused", "group": g, "fragment": f, "round": r, "why": why, "strikes": len(rounds),
                         "workers": workers, "action": action, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
         if action == "stop":

@@ -84,13 +84,13 @@ class Liveness:
 
     def raise_if_stale(self, run: Run) -> None:
         """WorkerLost for the plan's workers whose heartbeat is older than --dead-after."""
-        stale = set(self.membership.stale(self.cluster.dead_after_s)) & set(run.plan.workers)
+        stale = set(self.membership.stale(self.cluster.dead_after)) & set(run.plan.workers)
         if stale:
-            raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after_s:.0f} s")
+            raise WorkerLost(stale, f"no heartbeat for {self.cluster.dead_after:.0f} s")
 
     async def raise_if_lost(self, run: Run, why: str) -> None:
         """WorkerLost for the plan's workers that do not answer a Ping (or whose heartbeat is stale)."""
-        dead_after = self.cluster.dead_after_s
+        dead_after = self.cluster.dead_after
 
         async def alive(w: int) -> bool:  # a dropped link is given --dead-after to come back; a refused connection is not
             began = time.monotonic()

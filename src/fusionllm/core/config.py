@@ -7,31 +7,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import PRECISIONS, Precision, TrainOptions
+
+_T = TrainOptions()  # the declaration's defaults (core/options.py): an option's default, help and values are set there, once
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = "gpt-micro"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    seed: int = 0
-    data: str | None = None
-    metrics: str | None = None
-    warmup: int = 20
+    """What a run trains and how, as every layer reads it: each field an option names has that option's
+    name and default (``launch/config.train_config`` builds it from the options); ``weight_decay``
+    and ``grad_clip`` are no option."""
+
+    model: str = _T.model
+    steps: int = _T.steps
+    batch_size: int = _T.batch_size
+    seq_len: int = _T.seq_len
+    lr: float = _T.lr
+    seed: int = _T.seed
+    data: str | None = _T.data
+    metrics: str | None = None  # the option's path, as a string
+    warmup: int = _T.warmup
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    threads: int | None = None
-    task: str = "lm"  # lm, vision or package.module:factory (models/task.py)
-    image_size: int = 32  # --task vision: images are resized to this many pixels square
-    tokenizer: str | None = None  # bytes (None), a tokenizer.json or a directory with one (data/bpe.py)
-    init_from: str | None = None  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
-    precision: str = "fp32"  # fp32, or bf16: autocast compute with fp32 master weights and AdamW state
-    recompute: bool = False  # activation checkpointing per stage: module ops run again in the backward
-    log_to: str | None = None  # tensorboard or tensorboard:DIR: the records as TensorBoard scalars too (core/tensorboard.py)
+    eval_every: int = _T.eval_every
+    eval_batches: int = _T.eval_batches
+    threads: int | None = _T.threads
+    task: str = _T.task  # lm, vision or package.module:factory (models/task.py)
+    image_size: int = _T.image_size
+    tokenizer: str | None = _T.tokenizer  # bytes (None), a tokenizer.json or a directory with one (data/bpe.py)
+    init_from: str | None = _T.init_from  # a Hugging Face checkpoint directory the LM starts from (models/hf.py)
+    precision: Precision = _T.precision
+    recompute: bool = _T.recompute
+    log_to: str | None = _T.log_to  # core/tensorboard.py
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -47,9 +54,6 @@ class TrainConfig:
             from fusionllm.core.tensorboard import parse_log_to
 
             parse_log_to(self.log_to, self.metrics)  # a bad --log-to fails here, before anything starts
-
-
-PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass

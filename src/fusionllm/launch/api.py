@@ -19,7 +19,6 @@ behind. A run that fails raises ``RunFailed`` with the coordinator's exit status
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from collections.abc import Callable
@@ -28,22 +27,11 @@ from typing import Any
 
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import Metrics, read_metrics
+from fusionllm.core.options import TRAIN, Options, defaults, suggest
 from fusionllm.launch.cluster import Cluster
 from fusionllm.launch.run_result import Run
 
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "model": "gpt-micro", "steps": 200, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "seed": 0, "data": None, "metrics": None,
-    "log_to": None, "warmup": 20, "eval_every": 50, "eval_batches": 4, "threads": None, "single_process": False, "cluster": None,
-    "schedule": "1f1b", "micro_batches": 4, "replicas": None, "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
-    "stop_timeout": 60.0, "run_dir": Path("runs/local"), "device": "cpu", "scheduler": None, "probe_links": False, "probe_seconds": 1.0,
-    "hardware": None, "compress": "none", "collectives": "auto", "backends": None, "worker_python": None, "tls_cert": None,
-    "tls_key": None, "tls_ca": None, "dead_after": 15.0, "numeric_guard": "retry", "guard_factor": 100.0, "evict_after": 3,
-    "keep_checkpoints": 0, "max_recoveries": 3, "replan_factor": 2.0, "dashboard": None, "sync": None, "groups": None, "regroup": None,
-    "inner_steps": None, "fragments": None, "outer_codec": None, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_aggregate": "mean", "overlap_steps": None,
-    "blocking_sync": False, "group_batch": None, "task": "lm", "image_size": 32, "tokenizer": None, "init_from": None,
-    "precision": "fp32", "recompute": False,
-}
-PATH_OPTIONS = ("run_dir", "metrics", "checkpoint_dir", "tls_cert", "tls_key", "tls_ca")
+TRAIN_DEFAULTS: dict[str, Any] = defaults(TRAIN)  # generated from the one declaration (core/options.py)
 BACKENDS = ("torch", "numpy")
 StepCallback = Callable[[dict], None]
 
@@ -65,35 +53,22 @@ def train(task: Any = None, model: str | None = None, cluster: str | Path | Clus
     return run_train(resolve_options(config, {**given, **options}), on_step=on_step)
 
 
-def resolve_options(config: str | Path | None, options: dict[str, Any]) -> dict[str, Any]:
-    """Every option of a run: the defaults, then the config file's, then ``options``; an unknown
-    option or a value of the wrong type is a ``ConfigError`` naming it."""
+def resolve_options(config: str | Path | None, options: dict[str, Any], *, root: type[Any] = Options) -> Any:
+    """Every option of a run (an instance of ``root``, the declaration): the defaults, then the config
+    file's, then ``options``; an unknown option or a value of the wrong type is a ``ConfigError`` naming it."""
     from fusionllm.launch.config_file import read_config
 
-    values = dict(TRAIN_DEFAULTS)
+    known = defaults(TRAIN, root)
+    values: dict[str, Any] = {}
     if config is not None:
-        values.update(read_config(Path(config), TRAIN_DEFAULTS))
-    for key, value in options.items():
-        if key not in TRAIN_DEFAULTS:
-            close = difflib.get_close_matches(key, TRAIN_DEFAULTS, n=2)
-            hint = f"did you mean {' or '.join(close)}?" if close else "the options are fusionllm train's, by parameter name (batch_size for --batch-size)"
-            raise ConfigError(f"fusionllm.train: unknown option {key!r}: {hint}")
-        values[key] = value
-    for key, value in values.items():
-        _check_type(key, value)
-        if key in PATH_OPTIONS and isinstance(value, str):
-            values[key] = Path(value)
-    return values
-
-
-def _check_type(key: str, value: Any) -> None:
-    default = TRAIN_DEFAULTS[key]
-    if value is None or default is None or key in ("task", "cluster"):
-        return
-    want: tuple[type, ...] = (bool,) if isinstance(default, bool) else (int,) if isinstance(default, int) else \
-        (int, float) if isinstance(default, float) else (str, Path) if isinstance(default, (str, Path)) else (object,)
-    if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
-        raise ConfigError(f"fusionllm.train: {key}={value!r}: expected {' or '.join(t.__name__ for t in want)}")
+        values.update(read_config(Path(config), known, root=root))
+    for key in options:
+        if key not in known:
+            raise ConfigError(f"fusionllm.train: unknown option {key!r}: {suggest(key, known)}")
+    try:
+        return Options.from_values({**values, **options}, root=root)
+    except ConfigError as exc:
+        raise ConfigError(f"fusionllm.train: {exc}") from None
 
 
 def factory_spec(factory: Callable[..., Any]) -> str:
@@ -105,11 +80,11 @@ def factory_spec(factory: Callable[..., Any]) -> str:
     return f"{module}:{name}"
 
 
-def run_train(values: dict[str, Any], *, on_step: StepCallback | None = None) -> Run:
+def run_train(options: Options, *, on_step: StepCallback | None = None) -> Run:
     """A run of resolved options (``resolve_options``; the CLI's parameters are the same)."""
     from fusionllm.models.task import Task
 
-    values = dict(values)
+    values = {k: v for k, v in options.values().items() if k in TRAIN_DEFAULTS}
     task_obj = values["task"] if isinstance(values["task"], Task) else None
     if task_obj is None and callable(values["task"]):
         values["task"] = factory_spec(values["task"])
@@ -128,16 +103,15 @@ def run_train(values: dict[str, Any], *, on_step: StepCallback | None = None) ->
     return _single_run(values, task_obj, on_step or (lambda _: None))
 
 
+def _options(values: dict[str, Any]) -> Options:
+    """``values`` with the task and the cluster as their import path and file (what a file and a worker read)."""
+    return Options.from_values({**values, "task": values["task"] if isinstance(values["task"], str) else "lm"})
+
+
 def _train_config(values: dict[str, Any], task: str | None = None) -> Any:
     from fusionllm.launch.config import train_config
 
-    v = values
-    return train_config(
-        model=v["model"], task=task or v["task"], metrics=v["metrics"], steps=v["steps"], batch_size=v["batch_size"], seq_len=v["seq_len"],
-        lr=v["lr"], seed=v["seed"], data=v["data"], warmup=v["warmup"], eval_every=v["eval_every"], threads=v["threads"],
-        eval_batches=v["eval_batches"], image_size=v["image_size"], tokenizer=v["tokenizer"], init_from=v["init_from"],
-        precision=v["precision"], recompute=v["recompute"], log_to=v["log_to"],
-    )
+    return train_config(_options(values), task=task or values["task"])
 
 
 def _single_run(values: dict[str, Any], task_obj: Any, on_step: StepCallback) -> Run:
@@ -182,17 +156,9 @@ def _cluster_run(values: dict[str, Any]) -> Run:
         plan_scheduler, plan_hardware = scheduler, v["hardware"]
     sync = default_sync(v["sync"], scheduler=plan_scheduler, groups=groups, replicas=replicas, regroup=v["regroup"], resume=v["resume"])
     # listen, token and workers are the spawned coordinator's command line (run.json leaves them out)
-    run = RunConfig(config, cluster_config(
-        config, listen="127.0.0.1:0", token="-", workers=1, schedule=v["schedule"], micro_batches=v["micro_batches"], replicas=replicas,
-        checkpoint_dir=v["checkpoint_dir"], checkpoint_every=v["checkpoint_every"], resume=v["resume"], stop_timeout=v["stop_timeout"],
-        scheduler=plan_scheduler, hardware=plan_hardware, probe_seconds=v["probe_seconds"], compress=v["compress"],
-        tls=(v["tls_cert"], v["tls_key"], v["tls_ca"]), dead_after=v["dead_after"], replan_factor=v["replan_factor"],
-        numeric_guard=v["numeric_guard"], guard_factor=v["guard_factor"], evict_after=v["evict_after"],
-        keep_checkpoints=v["keep_checkpoints"], max_recoveries=v["max_recoveries"], dashboard=v["dashboard"], collectives=v["collectives"],
-        sync=sync, groups=groups, inner_steps=v["inner_steps"], fragments=v["fragments"], outer_codec=v["outer_codec"],
-        outer_lr=v["outer_lr"], outer_momentum=v["outer_momentum"], outer_aggregate=v["outer_aggregate"], overlap_steps=v["overlap_steps"], blocking_sync=v["blocking_sync"],
-        group_batch=v["group_batch"], regroup=v["regroup"],
-    ))
+    options = _options(v)
+    run = RunConfig(config, cluster_config(options, config, listen="127.0.0.1:0", token="-", workers=1, sync=sync, scheduler=plan_scheduler,
+                                           hardware=plan_hardware))
     if toml and v["worker_python"]:
         raise ConfigError("--worker-python is for --cluster local:N; on a testbed cluster start the workers yourself (fusionllm worker)")
     n = None if toml else parse_cluster(cluster)
@@ -201,7 +167,8 @@ def _cluster_run(values: dict[str, Any]) -> Run:
     tls = _tls_args(v["tls_cert"], v["tls_key"], v["tls_ca"])
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run.json").write_text(run.to_json())
-    (run_dir / "config.toml").write_text(dump_config(values, "The options of the run started here: fusionllm train --config config.toml starts it again."))
+    (run_dir / "config.toml").write_text(dump_config(options, "The options of the run started here: fusionllm train --config config.toml starts it again.",
+                                                     absolute=True))
     args = ["--config", str((run_dir / "run.json").resolve())]
     if toml:
         rc = _train_on_testbed(Path(cluster), args, run_dir, v["device"], v["backends"], tls)

@@ -1,7 +1,7 @@
-"""One RunConfig from the command line, built once.
+"""One RunConfig from a run's options (``core/options.py``), built once.
 
-`fusionllm train` and `fusionllm coordinator` take the same options and turn them into a run with
-these functions; `train --cluster` writes the run to ``run.json`` and the coordinator it starts reads
+`fusionllm train` and `fusionllm coordinator` take the same options (one ``Options`` object) and turn
+them into a run with these functions; `train --cluster` writes the run to ``run.json`` and the coordinator it starts reads
 that file (``load_run``) and builds nothing again. Each option has one default, the command's; the
 validation and evaluation settings are the TrainConfig's, and the coordinator's copy of them
 (``ClusterConfig.eval_every``, ``eval_batches``) is taken from it, so the two cannot disagree.
@@ -9,12 +9,14 @@ validation and evaluation settings are the TrainConfig's, and the coordinator's 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from fusionllm.control.config import ClusterConfig, RunConfig
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import Options, SyncMode
 from fusionllm.transport.tls import TlsFiles
 
 
@@ -65,33 +67,38 @@ def parse_regroup(texts: list[str] | None) -> list[tuple[int, list[list[int]]]] 
     return out
 
 
-def train_config(*, model: str, task: str, metrics: Path | str | None, **fields: Any) -> TrainConfig:
-    """The TrainConfig of a command's options (``fields``: TrainConfig's, by name)."""
-    return TrainConfig(model=task_model(task, model), task=task, metrics=str(metrics) if metrics else None, **fields)
+def train_config(options: Options, *, task: str | None = None) -> TrainConfig:
+    """The TrainConfig of a run's options: every TrainConfig field an option names, by that name
+    (``task``: the task's import path where the options hold a Task object or factory)."""
+    t = options.train
+    given = {f.name: getattr(t, f.name) for f in fields(TrainConfig) if hasattr(t, f.name)}
+    task = task or str(t.task)
+    return TrainConfig(**{**given, "model": task_model(task, t.model), "task": task, "metrics": str(t.metrics) if t.metrics else None})
 
 
 def default_sync(sync: str | None, *, scheduler: str | None, groups: str | None, replicas: str | None,
-                 regroup: list[str] | None, resume: bool) -> str:
+                 regroup: list[str] | None, resume: bool) -> SyncMode:
     """``train --cluster``'s ``--sync`` when none is given: ``auto`` (the planner picks one group or several
     by predicted time to a target loss) when a planner forms the plan and nothing is given by hand;
     ``synchronous`` otherwise (a resumed run keeps the mode it is given)."""
     if sync is not None:
-        return sync
+        return sync  # type: ignore[return-value]
     return "auto" if scheduler and not (groups or replicas or regroup or resume) else "synchronous"
 
 
-def cluster_config(train: TrainConfig, *, listen: str, token: str, workers: int, replicas: str | None,
-                   checkpoint_dir: Path | str | None, compress: str, tls: tuple[Path | None, Path | None, Path | None],
-                   dead_after: float, numeric_guard: str, hardware: Path | str | None, sync: str, groups: str | None,
-                   blocking_sync: bool, regroup: list[str] | None = None, **fields: Any) -> ClusterConfig:
-    """The ClusterConfig of a command's options; ``fields`` are ClusterConfig's, by name."""
-    return ClusterConfig(
-        listen=listen, token=token, workers=workers, replicas=parse_replicas(replicas),
-        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, compress=wire_codec(compress, train.precision),
-        eval_every=train.eval_every, eval_batches=train.eval_batches, tls=TlsFiles.load(*tls), dead_after_s=dead_after,
-        guard=numeric_guard, hardware=str(hardware) if hardware else None, sync=sync, groups=parse_groups(groups),
-        overlap=not blocking_sync, regroup=parse_regroup(regroup), **fields,
-    )
+def cluster_config(options: Options, train: TrainConfig, *, listen: str, token: str, workers: int, **resolved: Any) -> ClusterConfig:
+    """The ClusterConfig of a run's options: every ClusterConfig field an option names, by that name, in the
+    form the coordinator reads (lists parsed, paths as strings, the wire codec of ``--precision``);
+    ``resolved``: options the launcher settled for this run (``sync``, ``scheduler``, ``hardware``)."""
+    v = {**options.values(), **resolved}
+    given = {f.name: v[f.name] for f in fields(ClusterConfig) if f.init and f.name in v}
+    return ClusterConfig(**{
+        **given, "listen": listen, "token": token, "workers": workers, "sync": v["sync"] or "synchronous",
+        "replicas": parse_replicas(v["replicas"]), "groups": parse_groups(v["groups"]), "regroup": parse_regroup(v["regroup"]),
+        "checkpoint_dir": str(v["checkpoint_dir"]) if v["checkpoint_dir"] else None, "hardware": str(v["hardware"]) if v["hardware"] else None,
+        "compress": wire_codec(v["compress"], train.precision), "eval_every": train.eval_every, "eval_batches": train.eval_batches,
+        "tls": TlsFiles.load(v["tls_cert"], v["tls_key"], v["tls_ca"]),
+    })
 
 
 def load_run(path: Path, *, listen: str, token: str, workers: int) -> RunConfig:

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import SYNC_MODES
 from fusionllm.launch.cluster import Cluster
-
-SYNC_MODES = ("synchronous", "hierarchical", "auto")
 
 
 def plan(model: str = "gpt-micro", cluster: str | Path | Cluster | None = None, *, scheduler: str = "opfence", batch_size: int = 16,

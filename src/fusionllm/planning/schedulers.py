@@ -19,14 +19,13 @@ import numpy as np
 
 from fusionllm.cluster.hardware import Device
 from fusionllm.core.errors import ConfigError
+from fusionllm.core.options import SCHEDULERS
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.fences import find_fences, order_fences
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
-
-SCHEDULERS = ("opfence", "uniform", "params", "compute")
 
 
 def _plan(stages: list[tuple[tuple[int, ...], list[str]]], req: Request, scheduler: str, micro_batches: int | None = None, schedule: str | None = None) -> Plan:

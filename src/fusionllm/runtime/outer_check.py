@@ -20,8 +20,7 @@ import hashlib
 import numpy as np
 
 from fusionllm.core.errors import FusionError
-
-AGGREGATES = ("mean", "clipped", "trimmed")
+from fusionllm.core.options import OUTER_AGGREGATES as AGGREGATES
 
 
 def _clean(x: np.ndarray) -> np.ndarray:
