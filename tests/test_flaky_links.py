@@ -218,7 +218,7 @@ def test_an_abort_that_overtakes_its_step_is_remembered_until_the_next_assignmen
             await worker._on_step(Step(3, 1e-3).to_wire())
         await worker._on_abort({})
         done = StepDone.from_wire(await asyncio.wait_for(worker._on_step(Step(3, 1e-3).to_wire()), 5))
-        assert done.aborted and worker._step_task is None  # answered at once, nothing started
+        assert done.aborted and worker.running.task is None  # answered at once, nothing started
 
     asyncio.run(main())
 

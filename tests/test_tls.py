@@ -142,7 +142,7 @@ def test_workers_behind_nat_keep_tls_end_to_end_through_the_relay(pki: dict) -> 
         async with InProcessCluster(train, cluster_config(3, tls=tls), worker_options=options) as c:
             result = await c.run()
             relayed["bytes"] = c.coordinator.reach.relay.bytes_relayed()
-            relayed["tunnels"] = [w.tunnel is not None for w in c.workers]
+            relayed["tunnels"] = [w.nat.tunnel is not None for w in c.workers]
         return result.losses
 
     losses = asyncio.run(main())

@@ -15,30 +15,27 @@ its backend, software versions and the op kinds it runs, which the coordinator p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import FusionError, WireError
-from fusionllm.core.logging import get_logger
 from fusionllm.runtime.backend import Backend, load_backend
 from fusionllm.runtime.coordinator_link import CoordinatorLink
 from fusionllm.runtime.evaluation import Metric, evaluate, task_metric
-from fusionllm.runtime.faults import Fault
 from fusionllm.runtime.nat_link import NatLink
 from fusionllm.runtime.outer import Average, OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
 from fusionllm.runtime.process_memory import current_rss, peak_rss, return_freed_memory
+from fusionllm.runtime.running import Running
 from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.stage_state import outer_blob, read_stage_shards
+from fusionllm.runtime.worker_config import Identity, WorkerConfig, advertise_host
 from fusionllm.runtime.worker_data import WorkerData, try_worker_data
 from fusionllm.runtime.world_link import WorldLink
 from fusionllm.schedule.actions import Action
@@ -70,64 +67,42 @@ from fusionllm.transport.messages import unpack
 from fusionllm.transport.rpc import RpcClient, RpcServer
 from fusionllm.transport.shards import write_shard
 from fusionllm.transport.stream import DataServer
-from fusionllm.transport.tls import TlsFiles
 
-__all__ = ["Worker", "WorkerConfig", "current_rss", "peak_rss", "return_freed_memory", "run_worker"]  # the memory functions: their old home
+__all__ = ["Worker", "WorkerConfig", "current_rss", "peak_rss", "return_freed_memory", "run_worker"]  # WorkerConfig, the memory functions: their old home
 
 MAX_WEIGHTS = 1 << 40
 PAGE = 64 << 20  # the largest page of state one GetState answers (well under the transport's message limit)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    join: str
-    token: str
-    device: str = "cpu"
-    threads: int | None = None
-    listen: str = "127.0.0.1:0"
-    data_port: int = 0  # the TCP port of the tensor data plane (0: any free port)
-    advertise: str | None = None
-    coordinator_timeout: float = 120.0  # seconds to wait, holding the stage, for a coordinator that went away (restarted) to answer again
-    join_timeout: float = 120.0
-    heartbeat_s: float = 2.0
-    max_payload: int = 8 << 30
-    rank: int | None = None
-    probe_seconds: float = 1.0  # the device probe (achieved matmul FLOP/s) when joining
-    backend: str = "torch"  # torch | numpy: the framework that runs the stage
-    tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
-    handle_signals: bool = True  # SIGINT/SIGTERM stop the worker; False where it shares a process (harness.py)
-    faults: tuple[Fault, ...] = ()  # tests only: tensors this worker corrupts on purpose (--inject-fault, runtime/faults.py)
-    behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
-    relay: bool = False  # a reachable worker that relays for workers behind NAT
-    relay_port: int = 0
-    reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, benchmarks/reduce_overlap.py)
+class Worker:
+    """A worker process's parts, composed: the coordinator link, NAT, its world, the step running now,
+    and the handlers of the coordinator's calls (which use them through small methods)."""
 
-
-class Worker(CoordinatorLink, NatLink, WorldLink):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.id: int | None = None
-        self.log = get_logger("worker", "worker")
+        self.me = Identity()
         self.done = asyncio.Event()
         self.exit_code = 0
         self.backend: Backend = load_backend(config.backend)
         self.inbox = Inbox(config.max_payload)
         self.runtime: StageRuntime | None = None
         self.peers: PeerNet | None = None
+        self.running = Running()
         self.coordinator = RpcClient(config.join, COORDINATOR_SERVICE, config.token, tls=config.tls)
+        self.nat = NatLink(config, self.coordinator, self.me, self.done, announce=self._announce)
+        self.link = CoordinatorLink(config, self.backend, self.coordinator, self.me, self.nat, self.running, self.done, self._stop,
+                                    outer_step=lambda: self.outer.snapshot.step if self.outer is not None else None)
+        self.worlds = WorldLink(config, self.backend.name)  # torch.distributed inside a fast fence (world_link.py)
         self.server = RpcServer(
             WORKER_SERVICE, config.token, role="worker",
             control={"Step": self._on_step, "Evaluate": self._on_evaluate, "SaveShard": self._on_save_shard, "Abort": self._on_abort,
-                     "GetState": self._on_get_state, "Shutdown": self._on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
+                     "GetState": self._on_get_state, "Shutdown": self.link.on_shutdown, "Ping": self._on_ping, "MeasureTo": self._on_measure_to,
                      "OuterSync": self._on_outer_sync, "OuterCheck": self._on_outer_check, "OuterResend": self._on_outer_resend,
                      "Regroup": self._on_regroup,
-                     "Rehome": self._on_rehome},
-            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls, fence=self.fence,
+                     "Rehome": self.nat.on_rehome},
+            streams={"Push": self.inbox.receive, "Assign": self._on_assign, "Sink": probe.sink}, tls=config.tls, fence=self.link.fence,
         )
         self.data = DataServer(config.token, self.inbox.receive, max_payload=config.max_payload, tls=config.tls)
-        self.data_address = ""
-        self.address = ""
-        self._step_task: asyncio.Task | None = None
         self._runs: dict[str, tuple[tuple, asyncio.Task]] = {}  # per method (Step, Evaluate, SaveShard): the last call's key and its run
         self.repeated_calls = 0  # calls asked again (a dropped link broke the coordinator's call) and answered by the same run
         self.data_source: WorkerData | None = None
@@ -135,32 +110,36 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
         self._aborted = False  # an Abort came: Steps are refused until the next assignment (one overtaken by its Abort too)
-        self._init_link()
-        self._init_nat()
-        self._init_world()  # torch.distributed inside a fast fence (world_link.py)
+
+    @property
+    def id(self) -> int | None:
+        return self.me.id
+
+    @property
+    def log(self) -> Any:
+        return self.me.log
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def run(self) -> int:
         beat: asyncio.Task | None = None
-        self._began = time.monotonic()
+        self.link.began = time.monotonic()
         try:  # everything started is stopped in `finally`, also when cancelled while starting
             if self.config.threads:
                 self.backend.set_threads(self.config.threads)
             info = self.backend.device_info(self.config.device)
             port = await self.server.start(self.config.listen)
-            address = f"{self._advertise_host()}:{port}"
-            self.address = address
+            host = advertise_host(self.config)
+            self.me.address = f"{host}:{port}"
             data_port = await self.data.start(self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", self.config.data_port)
-            self.data_address = f"{self._advertise_host()}:{data_port}"
-            await self._start_relay_offer(self._advertise_host())
-            self._start_device_probe()
-            await self._reach()  # behind NAT: hosted by a relay (nat_link.py)
-            address = self.address
+            self.me.data_address = f"{host}:{data_port}"
+            await self.nat.start_relay_offer(host)
+            self.link.start_device_probe()
+            await self.nat.reach(self.link.joining)  # behind NAT: hosted by a relay (nat_link.py)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM) if self.config.handle_signals else ():
                 loop.add_signal_handler(sig, self._stop, 130 if sig == signal.SIGINT else 143)
-            await self._register(address, info)
-            beat = asyncio.create_task(self._heartbeat())
+            await self.link.register(info)
+            beat = asyncio.create_task(self.link.heartbeat())
             await self.done.wait()
         except FusionError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -168,12 +147,12 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         finally:
             if beat is not None:
                 beat.cancel()
-            await self._abort_step()
-            self._drop_world()
-            await self._world_left(5.0)
+            await self.running.abort()
+            self.worlds.drop()
+            await self.worlds.left(5.0)
             if self.peers:
                 await self.peers.close()
-            await self._stop_nat()
+            await self.nat.stop()
             await self.coordinator.close()
             await self.data.stop()
             await self.server.stop(0.5)
@@ -183,20 +162,12 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         self.exit_code = code
         self.done.set()
 
-    def _advertise_host(self) -> str:
-        if self.config.advertise:
-            return self.config.advertise
-        host = self.config.listen.rpartition(":")[0].strip("[]")
-        if host not in ("0.0.0.0", "::", ""):
-            return host
-        # the address this machine uses towards the coordinator (a UDP connect sends nothing)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((self.config.join.rpartition(":")[0], 1))
-            return s.getsockname()[0]
+    async def _announce(self) -> None:
+        await self.link.announce()
 
     # ---- handlers --------------------------------------------------------------------------------
     async def _on_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"worker": self.id, "nonce": self.nonce}
+        return {"worker": self.id, "nonce": self.nat.nonce}
 
     async def _on_measure_to(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The link probe: stream to another worker for a while, through this transport."""
@@ -209,24 +180,15 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
 
     async def _on_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The coordinator gave up on the running step (a worker was lost): stop waiting for it."""
-        aborted = await self._abort_step()
+        aborted = await self.running.abort()
         self._aborted = True
-        self._drop_world()  # the next assignment forms a new one
+        self.worlds.drop()  # the next assignment forms a new one
         self._runs.clear()  # a call asked after an Abort runs anew
         if self.peers is not None:
             await self.peers.close()  # connections to a dead peer must not linger
         self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
         self.log.warning("step aborted by the coordinator")
         return Aborted(aborted).to_wire()
-
-    async def _abort_step(self) -> bool:
-        task, self._step_task = self._step_task, None
-        if task is None or task.done():
-            return False
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        return True
 
     async def _on_assign(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
         first = await anext(frames, None)
@@ -260,8 +222,8 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
         adam = {k: v for k, v in tensors.items() if k.startswith("adam/")}
         momentum = {k.removeprefix("outer/momentum/"): np.asarray(v, dtype=np.float32) for k, v in tensors.items()
                     if k.startswith("outer/momentum/")}
-        await self._abort_step()
-        self._drop_world()
+        await self.running.abort()
+        self.worlds.drop()
         if self.outer is not None:
             self.outer.cancel()
             self.outer = None
@@ -269,7 +231,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             await self.peers.close()
         self.inbox.reset(msg.epoch)
         self._runs.clear()
-        self.id = msg.worker
+        self.me.named(msg.worker)
         self.peers = PeerNet({int(k): v for k, v in msg.addresses.items()}, self.config.token,
                              data_addresses={int(k): v for k, v in msg.data_addresses.items()}, tls=self.config.tls, epoch=msg.epoch,
                              relayed=set(msg.relayed))
@@ -279,12 +241,12 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             reduce_overlap=self.config.reduce_overlap,
         )
         if msg.collective is not None:
-            self.runtime.use_world(await self._join_world(msg.collective, msg.worker, msg.hyper.recv_timeout))
+            self.runtime.use_world(await self.worlds.join(msg.collective, msg.worker, msg.hyper.recv_timeout))
         if msg.hier is not None:
             self.outer = await asyncio.to_thread(outer_state, graph, msg.hier, msg.worker, self.runtime.backend.get_params, momentum, msg.step)
-        self.live = LiveState(  # what it reports to a restarted coordinator (hierarchical mode: its outer state's step)
+        self.link.hold(LiveState(  # what it reports to a restarted coordinator (hierarchical mode: its outer state's step)
             msg.step, self.runtime.stage.index, len(plan.stages), msg.epoch, LiveState.digest(msg.plan), LiveState.graph_digest(msg.graph),
-            msg.hyper.seed, outer=msg.hier is not None)
+            msg.hyper.seed, outer=msg.hier is not None))
         self.data_source, why = await asyncio.to_thread(try_worker_data, msg.data)
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
@@ -311,18 +273,6 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
     def _fed(self, runtime: StageRuntime, inputs: dict[str, dict[str, bytes]]) -> dict[int, dict[str, Any]]:
         stage = runtime.backend
         return {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in inputs.items()}
-
-    async def _cancellable(self, work: Any) -> Any:
-        """Run a step's (or an evaluation's) program as a task the coordinator's Abort can cancel."""
-        task = asyncio.create_task(work)
-        self._step_task = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if task.cancelled() and not (me is not None and me.cancelling()):  # aborted by the coordinator
-                return None
-            raise
 
     async def _once(self, method: str, key: tuple, work: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
         """Run ``work`` for a call, once per ``key``. A call asked again (the coordinator's call broke on
@@ -362,7 +312,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             raise FusionError(f"step {req.step}: no batches (this worker reads no data and none were sent)")
         ratios = {int(k): v for k, v in req.ratios.items()} if req.ratios is not None else None
         try:
-            done = await self._cancellable(self._counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios, req.budget_scale, req.budget_cap)))
+            done = await self.running.run(self.link.counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios, req.budget_scale, req.budget_cap)))
         except StepFailure as exc:
             self.log.error("%s", exc)
             return StepDone(failed=exc.message()).to_wire()
@@ -452,7 +402,7 @@ class Worker(CoordinatorLink, NatLink, WorldLink):
             return task_metric(runtime, self.data_source, j) if self.backend.name == "torch" else None
 
         outer = self.outer if req.outer else None
-        return await evaluate(runtime, req, inputs, metric, self._cancellable, outer=outer)
+        return await evaluate(runtime, req, inputs, metric, self.running.run, outer=outer)
 
     async def _on_save_shard(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write this stage's weights and AdamW state into the checkpoint directory being made."""
