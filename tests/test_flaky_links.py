@@ -24,8 +24,8 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
-from fusionllm.runtime.peers import Inbox, PeerNet
-from fusionllm.runtime.worker import Worker, WorkerConfig
+from fusionllm.runtime.worker.peers import Inbox, PeerNet
+from fusionllm.runtime.worker.worker import Worker, WorkerConfig
 from fusionllm.testbed.flaky import FlakyLink, FlakyNet
 from fusionllm.testbed.sh import can_emulate
 from fusionllm.testbed.testbed import STATE

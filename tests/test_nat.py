@@ -18,9 +18,9 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
-from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.single import train_single
-from fusionllm.runtime.verify import TOLERANCE
+from fusionllm.runtime.reference.single import train_single
+from fusionllm.runtime.reference.verify import TOLERANCE
+from fusionllm.runtime.worker.nat_link import NatLink
 from fusionllm.transport.stream import DataClient
 
 STEPS = 4

@@ -52,7 +52,7 @@ def _plain(cls: ast.ClassDef) -> bool:
 
 def test_the_checks_read_the_package_and_catch_a_mixin() -> None:
     classes = dict(_classes())
-    assert len(classes) > 100 and "runtime/worker.py:Worker" in classes
+    assert len(classes) > 100 and "runtime/worker/worker.py:Worker" in classes
     mixin = ast.parse("class Link:\n    config: int\n    def f(self):\n        return self.config + self.done\n").body[0]
     own = ast.parse("class Link:\n    def __init__(self, config):\n        self.config = config\n    def f(self):\n        return self.config\n").body[0]
     assert isinstance(mixin, ast.ClassDef) and isinstance(own, ast.ClassDef)

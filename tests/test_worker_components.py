@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from fusionllm.core.errors import FusionError, TransportError
-from fusionllm.runtime.coordinator_link import CoordinatorLink
-from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.running import Running
-from fusionllm.runtime.worker_config import Identity, WorkerConfig
-from fusionllm.runtime.world_link import WorldLink
+from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
+from fusionllm.runtime.worker.nat_link import NatLink
+from fusionllm.runtime.worker.running import Running
+from fusionllm.runtime.worker.worker_config import Identity, WorkerConfig
+from fusionllm.runtime.worker.world_link import WorldLink
 from fusionllm.transport.control import (
     Collective,
     Heartbeat,
@@ -299,7 +299,7 @@ def test_an_abort_ends_the_running_step_and_a_settle_that_runs_out_aborts_it() -
 
 
 def test_the_worker_is_composed_of_its_parts() -> None:
-    from fusionllm.runtime.worker import Worker
+    from fusionllm.runtime.worker.worker import Worker
 
     worker = Worker(WorkerConfig(join="127.0.0.1:1", token=TOKEN, backend="numpy", handle_signals=False))
     assert worker.link.nat is worker.nat and worker.link.me is worker.me is worker.nat.me and worker.link.running is worker.running

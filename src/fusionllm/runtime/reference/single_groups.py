@@ -34,9 +34,9 @@ from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm, lm_tokenizer
-from fusionllm.runtime.optim import make_adamw
-from fusionllm.runtime.outer import nesterov_step
-from fusionllm.runtime.single import autocast, clip_grad_norm, evaluate
+from fusionllm.runtime.reference.single import autocast, clip_grad_norm, evaluate
+from fusionllm.runtime.stage.optim import make_adamw
+from fusionllm.runtime.stage.outer import nesterov_step
 from fusionllm.schedule.hierarchy import group_rows
 
 StepCallback = Callable[[dict], None]

@@ -25,19 +25,19 @@ import numpy as np
 
 from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import FusionError, WireError
-from fusionllm.runtime.backend import Backend, load_backend
-from fusionllm.runtime.coordinator_link import CoordinatorLink
-from fusionllm.runtime.evaluation import Metric, evaluate, task_metric
-from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.outer import Average, OuterState, hier_exchanges, outer_state
-from fusionllm.runtime.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.process_memory import current_rss, peak_rss, return_freed_memory
-from fusionllm.runtime.running import Running
-from fusionllm.runtime.stage_runtime import StageRuntime, StepFailure
-from fusionllm.runtime.stage_state import outer_blob, read_stage_shards
-from fusionllm.runtime.worker_config import Identity, WorkerConfig, advertise_host
-from fusionllm.runtime.worker_data import WorkerData, try_worker_data
-from fusionllm.runtime.world_link import WorldLink
+from fusionllm.runtime.backends.backend import Backend, load_backend
+from fusionllm.runtime.stage.outer import Average, OuterState, hier_exchanges, outer_state
+from fusionllm.runtime.stage.stage_runtime import StageRuntime, StepFailure
+from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
+from fusionllm.runtime.worker.evaluation import Metric, evaluate, task_metric
+from fusionllm.runtime.worker.nat_link import NatLink
+from fusionllm.runtime.worker.peers import WORKER_SERVICE, Inbox, PeerNet
+from fusionllm.runtime.worker.process_memory import current_rss, peak_rss, return_freed_memory
+from fusionllm.runtime.worker.running import Running
+from fusionllm.runtime.worker.stage_state import outer_blob, read_stage_shards
+from fusionllm.runtime.worker.worker_config import Identity, WorkerConfig, advertise_host
+from fusionllm.runtime.worker.worker_data import WorkerData, try_worker_data
+from fusionllm.runtime.worker.world_link import WorldLink
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport import probe

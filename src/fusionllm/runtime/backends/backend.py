@@ -21,7 +21,7 @@ import numpy as np
 from fusionllm.core.errors import ConfigError
 from fusionllm.graph.ir import OpGraph
 
-BACKENDS = {"torch": "fusionllm.runtime.torch_backend", "numpy": "fusionllm.runtime.numpy_backend"}
+BACKENDS = {"torch": "fusionllm.runtime.backends.torch_backend", "numpy": "fusionllm.runtime.backends.numpy_backend"}
 ALL_KINDS = "all"  # what a backend that runs every op kind of the registry advertises
 
 

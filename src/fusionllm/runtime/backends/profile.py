@@ -38,8 +38,8 @@ from fusionllm.core.meta import TensorMeta
 from fusionllm.cost.work import OpWork, signature
 from fusionllm.graph.ir import Edge, Node, OpGraph
 from fusionllm.graph.registry import SourceProvider
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.tensors import torch_dtype
+from fusionllm.runtime.backends.tensors import torch_dtype
+from fusionllm.runtime.stage.executor import StageExecutor
 
 CACHE = Path(os.environ.get("FUSIONLLM_CACHE", Path.home() / ".cache" / "fusionllm")) / "calibration.json"
 CACHE_VERSION = "cpu-median"  # CPU time, the median of up to 20 runs (older entries, wall time of 3, are not reused)

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from fusionllm.core.logging import get_logger
-from fusionllm.runtime.faults import Fault
+from fusionllm.runtime.stage.faults import Fault
 from fusionllm.transport.tls import TlsFiles
 
 

@@ -15,16 +15,16 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
 from fusionllm.models.task import Task
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.masks import split_masks, uncovered_random_ops
-from fusionllm.runtime.model_graph import (
+from fusionllm.runtime.backends.model_graph import (
     graph_source,
     model_tensors,
     root_source,
     trace_lm,
     trace_task,
 )
+from fusionllm.runtime.reference.local import LocalSplit
+from fusionllm.runtime.reference.masks import split_masks, uncovered_random_ops
+from fusionllm.runtime.stage.executor import StageExecutor
 
 TOLERANCE = 1e-5
 

@@ -20,7 +20,7 @@ from fusionllm.core.errors import ConfigError, WireError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.npexec.executor import NumpyStageExecutor, supported_kinds
 from fusionllm.npexec.optim import make_adamw
-from fusionllm.runtime.backend import Capabilities, cpu_info
+from fusionllm.runtime.backends.backend import Capabilities, cpu_info
 
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read once, when NumPy loads its BLAS
 

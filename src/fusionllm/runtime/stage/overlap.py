@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fusionllm.runtime.collective import BUCKET_BYTES, World, buckets_of
+from fusionllm.runtime.dist.collective import BUCKET_BYTES, World, buckets_of
 
 
 class OverlappedReduce:

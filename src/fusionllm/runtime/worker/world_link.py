@@ -17,15 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 from fusionllm.core.errors import FusionError
-from fusionllm.runtime.threads import in_daemon_thread
-from fusionllm.runtime.worker_config import WorkerConfig, advertise_host
+from fusionllm.runtime.dist.threads import in_daemon_thread
+from fusionllm.runtime.worker.worker_config import WorkerConfig, advertise_host
 from fusionllm.transport.control import Collective
 
 __all__ = ["WorldLink", "in_daemon_thread"]  # in_daemon_thread: its old home (runtime/threads.py)
 
 
 def _torch_world(spec: Collective, worker: int, join_host: str, own_host: str, timeout: float, device: str) -> Any:
-    from fusionllm.runtime.collective import World
+    from fusionllm.runtime.dist.collective import World
 
     return World(spec, worker, join_host=join_host, own_host=own_host, timeout=timeout, device=device)
 

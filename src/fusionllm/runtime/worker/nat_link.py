@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fusionllm.core.errors import FusionError, TransportError
-from fusionllm.runtime.worker_config import Identity, WorkerConfig, listen_host
+from fusionllm.runtime.worker.worker_config import Identity, WorkerConfig, listen_host
 from fusionllm.transport.control import Reach, ReachReply
 from fusionllm.transport.relay import Relay, Tunnel
 from fusionllm.transport.rpc import RpcClient

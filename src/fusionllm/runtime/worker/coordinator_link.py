@@ -22,10 +22,15 @@ from typing import Any
 
 from fusionllm import __version__
 from fusionllm.core.errors import AuthError, FusionError, RemoteError, TransportError
-from fusionllm.runtime.backend import Backend
-from fusionllm.runtime.nat_link import NatLink
-from fusionllm.runtime.running import Running
-from fusionllm.runtime.worker_config import Identity, WorkerConfig, advertise_host, listen_host
+from fusionllm.runtime.backends.backend import Backend
+from fusionllm.runtime.worker.nat_link import NatLink
+from fusionllm.runtime.worker.running import Running
+from fusionllm.runtime.worker.worker_config import (
+    Identity,
+    WorkerConfig,
+    advertise_host,
+    listen_host,
+)
 from fusionllm.transport import PROTOCOL_VERSION
 from fusionllm.transport.control import (
     Empty,

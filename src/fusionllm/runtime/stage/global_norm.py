@@ -16,9 +16,9 @@ import math
 import numpy as np
 
 from fusionllm.core.errors import FusionError
-from fusionllm.runtime.guards import NumericGuard
-from fusionllm.runtime.peers import Inbox, PeerNet
-from fusionllm.runtime.step import StepState
+from fusionllm.runtime.stage.guards import NumericGuard
+from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.worker.peers import Inbox, PeerNet
 
 
 async def gather_norm_sq(

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from fusionllm.core.errors import GraphError
 from fusionllm.graph import registry, template
 from fusionllm.graph.ir import Edge, Node, OpGraph
-from fusionllm.runtime.tensors import torch_dtype
+from fusionllm.runtime.backends.tensors import torch_dtype
 
 OpFn = Callable[[list[Any], dict[str, Any]], Any]
 RANDOM_NAME = re.compile(r"dropout|rand|bernoulli|multinomial|normal|poisson|rrelu|exponential_|geometric_|cauchy_|log_normal_", re.I)

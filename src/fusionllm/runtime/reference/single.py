@@ -19,9 +19,9 @@ from fusionllm.data import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
-from fusionllm.runtime.masks import split_masks
-from fusionllm.runtime.model_graph import trace_lm, trace_task
-from fusionllm.runtime.optim import make_adamw
+from fusionllm.runtime.backends.model_graph import trace_lm, trace_task
+from fusionllm.runtime.reference.masks import split_masks
+from fusionllm.runtime.stage.optim import make_adamw
 
 if TYPE_CHECKING:
     from fusionllm.models.task import Task
@@ -52,7 +52,7 @@ def autocast(config: TrainConfig) -> torch.autocast:
 def seeded_masks(model: torch.nn.Module, trace: Callable[[], Any], seed: int) -> Callable[[int, int], Any]:
     """``masks(step, micro_batch)``: a block in which the model's forward draws the masks the split
     draws (``masks.split_masks``); a model with no random op is not traced and gets no hooks."""
-    from fusionllm.runtime.executor import RANDOM_MODULES
+    from fusionllm.runtime.stage.executor import RANDOM_MODULES
 
     if not any(isinstance(m, RANDOM_MODULES) for m in model.modules()) and not _user_forward(model):
         return lambda step, mb: contextlib.nullcontext()

@@ -32,12 +32,12 @@ from fusionllm.compress.codecs import DITHERED, CodecSpec, decode, encode, parse
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.compress.subspace import Subspace
 from fusionllm.graph.ir import Edge
-from fusionllm.runtime.backend import StageBackend
-from fusionllm.runtime.faults import Fault, tamper
-from fusionllm.runtime.guards import SentNorms, note
-from fusionllm.runtime.peers import PeerNet
-from fusionllm.runtime.step import StepState
-from fusionllm.runtime.world_link import in_daemon_thread
+from fusionllm.runtime.backends.backend import StageBackend
+from fusionllm.runtime.dist.threads import in_daemon_thread
+from fusionllm.runtime.stage.faults import Fault, tamper
+from fusionllm.runtime.stage.guards import SentNorms, note
+from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.worker.peers import PeerNet
 from fusionllm.transport.control import Hyper
 
 
@@ -48,7 +48,7 @@ def carried(world: Any, src: int, dst: int) -> bool:
 
 
 def world_tag(edge_index: Mapping[str, int], edge: str, mb: int, micro_batches: int, kind: str) -> int:
-    from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
+    from fusionllm.runtime.dist import carrier  # torch: only a worker in a world gets here
 
     return carrier.tag(edge_index[edge], mb, micro_batches, kind)
 
@@ -184,7 +184,7 @@ class LinkSender:
 
     async def _carry(self, st: StepState, dst: int, kind: str, mb: int, edge: str, t: Any) -> None:
         """Send a backend tensor to ``dst`` through the world, uncompressed, a poisoned step's tainted."""
-        from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
+        from fusionllm.runtime.dist import carrier  # torch: only a worker in a world gets here
 
         on_host = getattr(getattr(t, "device", None), "type", "cpu") == "cpu"  # a GPU tensor is not copied out to be measured
         if t is not None and (self.faults or (self.norms is not None and on_host)):  # a faulty worker (tests) corrupts what it sends; measured

@@ -17,12 +17,12 @@ import numpy as np
 
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import Edge
-from fusionllm.runtime.backend import StageBackend
-from fusionllm.runtime.guards import NumericGuard, note
-from fusionllm.runtime.link_sender import carried, world_tag
-from fusionllm.runtime.peers import Inbox
-from fusionllm.runtime.step import StepState
-from fusionllm.runtime.world_link import in_daemon_thread
+from fusionllm.runtime.backends.backend import StageBackend
+from fusionllm.runtime.dist.threads import in_daemon_thread
+from fusionllm.runtime.stage.guards import NumericGuard, note
+from fusionllm.runtime.stage.link_sender import carried, world_tag
+from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.worker.peers import Inbox
 
 log = get_logger("runtime", "stage")
 
@@ -71,7 +71,7 @@ class LinkReceiver:
 
     async def _uncarry(self, st: StepState, key: tuple) -> Any:
         """The tensor ``key`` names, from the world, checked by the numeric guard as the data plane's are."""
-        from fusionllm.runtime import carrier  # torch: only a worker in a world gets here
+        from fusionllm.runtime.dist import carrier  # torch: only a worker in a world gets here
 
         kind, _, mb, edge, src = key
         tag = world_tag(self.edge_index, edge, mb, self.micro_batches, kind)

@@ -15,8 +15,8 @@ from safetensors.numpy import save as st_save
 
 from fusionllm.core.errors import FusionError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.outer import OuterState
-from fusionllm.runtime.stage_runtime import StageRuntime
+from fusionllm.runtime.stage.outer import OuterState
+from fusionllm.runtime.stage.stage_runtime import StageRuntime
 from fusionllm.schedule.plan import Plan
 from fusionllm.transport.shards import read_selected, stage_keep
 

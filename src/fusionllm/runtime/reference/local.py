@@ -13,8 +13,8 @@ import torch
 
 from fusionllm.core.errors import GraphError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.tensors import tensor_from_wire, tensor_to_wire
+from fusionllm.runtime.backends.tensors import tensor_from_wire, tensor_to_wire
+from fusionllm.runtime.stage.executor import StageExecutor
 
 
 class LocalSplit:

@@ -11,11 +11,11 @@ import torch
 
 from fusionllm.core.errors import FusionError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.backend import ALL_KINDS, Capabilities, cpu_info
-from fusionllm.runtime.checkpoint import pack_tensors, unpack_tensors
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.model_graph import graph_source
-from fusionllm.runtime.optim import make_adamw
+from fusionllm.runtime.backends.backend import ALL_KINDS, Capabilities, cpu_info
+from fusionllm.runtime.backends.checkpoint import pack_tensors, unpack_tensors
+from fusionllm.runtime.backends.model_graph import graph_source
+from fusionllm.runtime.stage.executor import StageExecutor
+from fusionllm.runtime.stage.optim import make_adamw
 
 
 class TorchStage:
@@ -139,7 +139,7 @@ class TorchBackend:
         return torch.get_num_threads()
 
     def matmul_flops(self, device: str, seconds: float) -> float:
-        from fusionllm.runtime.profile import matmul_flops
+        from fusionllm.runtime.backends.profile import matmul_flops
 
         return matmul_flops(device, seconds=seconds)
 

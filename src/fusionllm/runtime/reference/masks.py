@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fusionllm.graph.ir import Node, OpGraph
-from fusionllm.runtime.executor import RANDOM_NAME, may_be_random, op_seed
+from fusionllm.runtime.stage.executor import RANDOM_NAME, may_be_random, op_seed
 
 
 def _module_of(model: nn.Module, node_name: str) -> nn.Module | None:

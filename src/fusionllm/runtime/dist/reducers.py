@@ -25,12 +25,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from fusionllm.core.logging import get_logger
-from fusionllm.runtime.backend import StageBackend
-from fusionllm.runtime.link_receiver import LinkReceiver
-from fusionllm.runtime.link_sender import LinkSender
-from fusionllm.runtime.reduce import ring_allreduce, row_width
-from fusionllm.runtime.step import StepState
-from fusionllm.runtime.world_link import in_daemon_thread
+from fusionllm.runtime.backends.backend import StageBackend
+from fusionllm.runtime.stage.link_receiver import LinkReceiver
+from fusionllm.runtime.stage.link_sender import LinkSender
+from fusionllm.runtime.dist.reduce import ring_allreduce, row_width
+from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.dist.threads import in_daemon_thread
 
 log = get_logger("runtime", "stage")
 
@@ -141,7 +141,7 @@ class OverlapReduce(InOrder):
         carried = [p for p in self.parts if isinstance(p, WorldReduce) and self.world.reduces(p.group)]
         if not carried:
             return
-        from fusionllm.runtime.overlap import OverlappedReduce
+        from fusionllm.runtime.stage.overlap import OverlappedReduce
 
         params = self.backend.executor.trainable()
         for p in carried:
@@ -152,7 +152,7 @@ class OverlapReduce(InOrder):
     async def reduce(self, st: StepState) -> None:
         armed = self._armed
         if armed:  # buckets started during the last backward: launch the rest, wait for all
-            from fusionllm.runtime.overlap import finish
+            from fusionllm.runtime.stage.overlap import finish
 
             started = time.perf_counter()
             await in_daemon_thread(finish, list(armed.values()))

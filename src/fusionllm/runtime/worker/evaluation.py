@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from fusionllm.core.logging import get_logger
-from fusionllm.runtime.outer import OuterState
-from fusionllm.runtime.stage_runtime import StageRuntime
-from fusionllm.runtime.step import StepFailure
+from fusionllm.runtime.stage.outer import OuterState
+from fusionllm.runtime.stage.stage_runtime import StageRuntime
+from fusionllm.runtime.stage.step import StepFailure
 from fusionllm.transport.control import Evaluate, Evaluated
 
 log = get_logger("worker", "worker")

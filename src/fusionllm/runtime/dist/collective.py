@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
-from fusionllm.runtime.threads import in_daemon_thread
+from fusionllm.runtime.dist.threads import in_daemon_thread
 from fusionllm.transport.control import Collective
 
 BUCKET_BYTES = 25 << 20  # as DDP: few enough calls, and buckets reduce while later ones are still being sent

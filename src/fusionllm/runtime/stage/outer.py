@@ -35,8 +35,8 @@ from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.faults import Fault, tamper_outer
-from fusionllm.runtime.outer_check import average, digests, report
+from fusionllm.runtime.stage.faults import Fault, tamper_outer
+from fusionllm.runtime.stage.outer_check import average, digests, report
 from fusionllm.schedule.hierarchy import Exchange, HierPlan, exchange
 
 Push = Callable[..., Awaitable[None]]  # (destination, header, array, (codec, payload), attempt=None)

@@ -29,15 +29,15 @@ import numpy as np
 from fusionllm.core.errors import FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.graph.ir import OpGraph
-from fusionllm.runtime.backend import Backend, StageBackend
-from fusionllm.runtime.faults import Fault
-from fusionllm.runtime.global_norm import gather_norm_sq
-from fusionllm.runtime.guards import NumericGuard
-from fusionllm.runtime.link_receiver import LinkReceiver
-from fusionllm.runtime.link_sender import LinkSender
-from fusionllm.runtime.peers import Inbox, PeerNet
-from fusionllm.runtime.reducers import Group, InOrder, RingReduce, choose_reducer
-from fusionllm.runtime.step import StepFailure, StepState
+from fusionllm.runtime.backends.backend import Backend, StageBackend
+from fusionllm.runtime.dist.reducers import Group, InOrder, RingReduce, choose_reducer
+from fusionllm.runtime.stage.faults import Fault
+from fusionllm.runtime.stage.global_norm import gather_norm_sq
+from fusionllm.runtime.stage.guards import NumericGuard
+from fusionllm.runtime.stage.link_receiver import LinkReceiver
+from fusionllm.runtime.stage.link_sender import LinkSender
+from fusionllm.runtime.stage.step import StepFailure, StepState
+from fusionllm.runtime.worker.peers import Inbox, PeerNet
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, owners, shared_groups
 from fusionllm.transport.control import BadTensor, Hyper, StepDone
