@@ -1,4 +1,4 @@
-"""The stage loop (runtime/stage_runtime.py) with fake peers: workers in one process, tensors in memory.
+"""The stage loop (runtime/stage/stage_runtime.py) with fake peers: workers in one process, tensors in memory.
 
 Why these checks can fail: a handler that sends an edge to the wrong peer, files it under another
 key, or sums a replica's gradient twice changes the losses and the gradient norm against the same

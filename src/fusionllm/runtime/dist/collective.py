@@ -6,7 +6,7 @@ HMAC of the run's token. ``World.form`` blocks until every member has arrived (r
 then makes one subgroup per reduce group the coordinator listed, every member in the same order
 (``new_group`` is itself collective). ``World.all_reduce`` sums gradients in place through the
 group, in buckets (``BUCKET_BYTES``) launched together and then waited for; ``start`` launches one
-bucket for ``runtime/overlap.py``, which starts them during the backward. ``leave`` destroys the
+bucket for ``runtime/stage/overlap.py``, which starts them during the backward. ``leave`` destroys the
 group: a new assignment (re-plan, recovery: a new epoch forms a new group), an Abort, and exit.
 
 Security: only the rendezvous is protected. A process without the token cannot derive the prefix,
@@ -57,9 +57,9 @@ class World:
         self.groups: dict[tuple[int, ...], Any] = {}  # reduce group -> its process group
         self.alive = False
         self._busy = threading.Lock()  # held while a collective runs: leaving waits for it
-        self._in_flight = 0  # buckets ``start``ed and not yet ``settled`` (runtime/overlap.py), counted under _busy
-        self.carried = {(int(a), int(b)) for a, b in spec.carries}  # links whose activations and gradients go point to point (runtime/carrier.py)
-        self.p2p_in_flight = 0  # point-to-point messages posted and not yet completed (runtime/carrier.py counts them under p2p_lock)
+        self._in_flight = 0  # buckets ``start``ed and not yet ``settled`` (runtime/stage/overlap.py), counted under _busy
+        self.carried = {(int(a), int(b)) for a, b in spec.carries}  # links whose activations and gradients go point to point (runtime/dist/carrier.py)
+        self.p2p_in_flight = 0  # point-to-point messages posted and not yet completed (runtime/dist/carrier.py counts them under p2p_lock)
         self.p2p_lock = threading.Lock()
 
     def form(self) -> None:
@@ -140,7 +140,7 @@ class World:
             p2p_idle = self.p2p_in_flight == 0  # none can start now: carrier.py checks ``alive`` under the same lock
         if p2p_idle and self._busy.acquire(blocking=False):
             try:
-                idle = not self._in_flight  # buckets started during a backward (runtime/overlap.py) and not waited for: abort
+                idle = not self._in_flight  # buckets started during a backward (runtime/stage/overlap.py) and not waited for: abort
                 if idle:
                     teardown()
                     # Drop the groups now, while the interpreter is whole: a ProcessGroupGloo freed at exit

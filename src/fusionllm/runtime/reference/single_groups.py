@@ -1,6 +1,6 @@
 """Hierarchical training of several groups in one plain PyTorch process: the reference, and the sweeps.
 
-What a hierarchical run computes (``control/hierarchical.py``, ``runtime/outer.py``), for groups of
+What a hierarchical run computes (``control/hierarchical.py``, ``runtime/stage/outer.py``), for groups of
 equal speed with one fragment and blocking syncs, without a network: ``groups`` copies of the
 model, each with its own AdamW, each training ``inner_steps`` steps of a round on its own batches
 (group ``g`` reads batch ``i * groups + g`` of its ``group_batch`` rows), then one outer step on the

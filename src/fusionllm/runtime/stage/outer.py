@@ -14,7 +14,7 @@ fragment syncs (``OuterSync``):
    they are averaged later), plus the progress made since the last send (with a delay of a few
    steps between send and apply, those steps are kept, as in Streaming DiLoCo's overlap).
 
-Before a round is averaged, the coordinator may ask what arrived (``check``: ``runtime/outer_check.py``)
+Before a round is averaged, the coordinator may ask what arrived (``check``: ``runtime/stage/outer_check.py``)
 and have a group send its delta again (``resend``); it then names the groups to average, the same for
 every group, so the outer state stays identical everywhere.
 
@@ -118,7 +118,7 @@ class OuterState:
             frag.start = {n: self.anchor[n].copy() for n in frag.exchange.mine}
         self.bytes_sent = 0
         self.snapshot = Snapshot(len(self.fragments), step, self.anchor, self.momentum)  # ``step``: the run step it starts at
-        self.faults: tuple[Fault, ...] = ()  # tests only: a group that poisons what it pushes (runtime/faults.py)
+        self.faults: tuple[Fault, ...] = ()  # tests only: a group that poisons what it pushes (runtime/stage/faults.py)
         self._applied: asyncio.Condition | None = None  # notified after each apply (a check waits for the previous round's)
 
     def _encode(self, name: str, delta: np.ndarray) -> tuple[tuple[str, bytes], np.ndarray]:

@@ -1,5 +1,5 @@
 """What a worker tells the coordinator about a round's pseudo-gradients before they are averaged,
-and how it averages them (hierarchical mode, ``runtime/outer.py``).
+and how it averages them (hierarchical mode, ``runtime/stage/outer.py``).
 
 ``report``: over the parameters it leads in its group (``Exchange.leads``: a group's leaders cover
 each fragment once, so the coordinator sums a group's reports), the dot products of every sending

@@ -1,4 +1,4 @@
-"""The all-reduce of a world's reduce group, overlapped with the backward as DDP does (``runtime/collective.py``).
+"""The all-reduce of a world's reduce group, overlapped with the backward as DDP does (``runtime/dist/collective.py``).
 
 During a step's last backward micro-batch, a parameter's gradient is final once autograd has
 accumulated it (``register_post_accumulate_grad_hook``, torch >= 2.1; the project needs 2.4). The
@@ -12,7 +12,7 @@ sums written back into ``.grad``.
 
 The hooks run in autograd's thread (the backward runs in a worker thread): the bucket state is
 guarded by a lock. Only the step's last backward is watched; where overlapping is not shown to be
-safe the stage's reducer takes the plain path (``World.all_reduce`` at ``REDUCE``, ``runtime/reducers.py``).
+safe the stage's reducer takes the plain path (``World.all_reduce`` at ``REDUCE``, ``runtime/dist/reducers.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Both carry NumPy arrays (host memory, the wire's dtypes; ``bfloat16`` as its raw ``uint16`` bit
 patterns), so they serve workers of any framework: a stage's backend converts to and from its own
-tensors (``runtime/backend.py``).
+tensors (``runtime/backends/backend.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Inbox:
         self.resent = 0  # copies of filed messages, dropped
         self._filed: dict[Key, tuple[int, str]] = {}  # key -> (attempt, message id) of what was filed, for RESENT_WINDOW steps
         self._filed_steps: dict[Any, None] = {}  # the steps _filed holds, oldest first
-        self.tainted: dict[Key, bool] = {}  # keys whose sender marked them tainted (a poisoned step's, runtime/guards.py)
+        self.tainted: dict[Key, bool] = {}  # keys whose sender marked them tainted (a poisoned step's, runtime/stage/guards.py)
 
     def _slot(self, key: Key) -> asyncio.Future:
         if key not in self._slots:

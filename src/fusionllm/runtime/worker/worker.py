@@ -7,7 +7,7 @@ coordinator says the run is over, when no coordinator answers for ``coordinator_
 or on SIGINT/SIGTERM; a coordinator that restarts meanwhile finds it holding its stage
 (``coordinator_link.py``).
 
-The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backend.py``);
+The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backends/backend.py``);
 this module imports no framework, so a NumPy worker never loads torch. When it joins it advertises
 its backend, software versions and the op kinds it runs, which the coordinator plans with.
 """
@@ -108,7 +108,7 @@ class Worker:
         self.data_source: WorkerData | None = None
         self._state_blob: bytes | None = None
         self._rss_base = 0
-        self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/outer.py)
+        self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/stage/outer.py)
         self._aborted = False  # an Abort came: Steps are refused until the next assignment (one overtaken by its Abort too)
 
     @property

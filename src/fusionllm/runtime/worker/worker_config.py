@@ -33,8 +33,8 @@ class WorkerConfig:
     backend: str = "torch"  # torch | numpy: the framework that runs the stage
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)
     handle_signals: bool = True  # SIGINT/SIGTERM stop the worker; False where it shares a process (harness.py)
-    faults: tuple[Fault, ...] = ()  # tests only: tensors this worker corrupts on purpose (--inject-fault, runtime/faults.py)
-    behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/nat_link.py)
+    faults: tuple[Fault, ...] = ()  # tests only: tensors this worker corrupts on purpose (--inject-fault, runtime/stage/faults.py)
+    behind_nat: bool = False  # nobody can connect to it: be hosted by a relay without trying (runtime/worker/nat_link.py)
     relay: bool = False  # a reachable worker that relays for workers behind NAT
     relay_port: int = 0
     reduce_overlap: bool = True  # the world's all-reduce overlapped with the backward (False: the plain path, benchmarks/reduce_overlap.py)

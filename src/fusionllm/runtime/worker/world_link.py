@@ -1,11 +1,11 @@
-"""The worker's side of its world (``runtime/collective.py``): formed on Assign, dropped on Abort,
+"""The worker's side of its world (``runtime/dist/collective.py``): formed on Assign, dropped on Abort,
 on the next Assign and at exit. This module imports no framework: ``collective`` (torch) is
 imported only when a torch worker is sent a process group.
 
 Dropping never waits: an Abort must answer within seconds even when a collective of the aborted
 step is still in flight (a hung peer keeps it there until the group's timeout); the teardown runs
 in a thread, and the next formation waits for it. Calls that may block that long (forming, a
-collective) run in daemon threads (``runtime/threads.py``), so that one stuck call never holds the
+collective) run in daemon threads (``runtime/dist/threads.py``), so that one stuck call never holds the
 worker's exit.
 """
 
@@ -21,8 +21,6 @@ from fusionllm.runtime.dist.threads import in_daemon_thread
 from fusionllm.runtime.worker.worker_config import WorkerConfig, advertise_host
 from fusionllm.transport.control import Collective
 
-__all__ = ["WorldLink", "in_daemon_thread"]  # in_daemon_thread: its old home (runtime/threads.py)
-
 
 def _torch_world(spec: Collective, worker: int, join_host: str, own_host: str, timeout: float, device: str) -> Any:
     from fusionllm.runtime.dist.collective import World
@@ -34,7 +32,7 @@ class WorldLink:
     """The torch.distributed world this worker is in (None while it is in none), and the one being torn down.
 
     ``make_world`` builds a world from (spec, worker, join host, own host, timeout, device); by default
-    ``runtime/collective.py``'s ``World`` (tests give a fake)."""
+    ``runtime/dist/collective.py``'s ``World`` (tests give a fake)."""
 
     def __init__(self, config: WorkerConfig, backend_name: str, make_world: Callable[..., Any] = _torch_world) -> None:
         self.config = config
