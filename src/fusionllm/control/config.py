@@ -47,7 +47,7 @@ class ClusterConfig:
     replan_factor: float = 2.0  # with a scheduler: re-plan when steps take this many times the prediction (0: never)
     max_replans: int = 2
     dashboard: str | None = None  # HOST:PORT of the live dashboard (dashboard.py)
-    guard: str = "retry"  # numeric guards (runtime/guards.py): retry (a bad step once, then skip it) | stop | off
+    guard: str = "retry"  # numeric guards (runtime/stage/guards.py): retry (a bad step once, then skip it) | stop | off
     guard_factor: float = 100.0  # a received tensor whose norm is this many times its edge's running estimate is bad
     evict_after: int = 3  # bad tensors blamed on one worker before it is evicted and the run re-planned without it (0: never)
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)

@@ -16,7 +16,7 @@ class OuterApply(Message):
     groups: dict[str, float]  # the groups whose deltas of this round are averaged -> their weight (tokens)
     step: int = -1  # the run's step once this round is applied (a restarted coordinator resumes there); -1: unknown
     scale: dict[str, float] = field(default_factory=dict)  # a group's delta times this before it is averaged (clipped; default 1)
-    aggregate: str = "mean"  # mean | clipped | trimmed (runtime/outer_check.py)
+    aggregate: str = "mean"  # mean | clipped | trimmed (runtime/stage/outer_check.py)
 
 
 @dataclass
