@@ -84,7 +84,7 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
-        from fusionllm.runtime.peers import Inbox
+        from fusionllm.runtime.worker.peers import Inbox
         from fusionllm.transport.stream import DataServer
 
         torch.set_num_threads(1)
@@ -105,7 +105,7 @@ class _Worker:
         self.step = 0  # a fresh step number per ring or push: keys never repeat
 
     def start(self) -> None:
-        from fusionllm.runtime.peers import PeerNet
+        from fusionllm.runtime.worker.peers import PeerNet
 
         port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0))
         self.store.set(f"data/{self.rank}", f"127.0.0.1:{port}")
@@ -128,7 +128,7 @@ class _Worker:
     async def _ring(self, t: Any, waits: dict[str, float] | None = None) -> None:
         import torch
 
-        from fusionllm.runtime.reduce import ring_allreduce
+        from fusionllm.runtime.dist.reduce import ring_allreduce
 
         self.step += 1
         group = list(range(self.world))

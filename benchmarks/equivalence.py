@@ -63,7 +63,7 @@ def reference(args: argparse.Namespace, tmp: Path, micro_batches: int) -> tuple[
     import torch
 
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single_task
+    from fusionllm.runtime.reference.single import train_single_task
 
     torch.set_num_threads(1)
     metrics = tmp / f"single-{micro_batches}.jsonl"
@@ -105,7 +105,7 @@ def distributed(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[di
 def compare(name: str, ref_rec: list[dict], ref_state: dict, rec: list[dict], state: dict, plan: str) -> dict:
     import torch
 
-    from fusionllm.runtime.verify import rel_err
+    from fusionllm.runtime.reference.verify import rel_err
 
     losses = [abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-30) for a, b in zip(rec, ref_rec, strict=True)]
     buffers = {n for n, v in ref_state.items() if "running_" in n or "num_batches" in n or not torch.is_floating_point(v)}

@@ -41,8 +41,8 @@ def single_child(args: argparse.Namespace) -> None:
     import torch
 
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single
-    from fusionllm.runtime.worker import current_rss, peak_rss
+    from fusionllm.runtime.reference.single import train_single
+    from fusionllm.runtime.worker.worker import current_rss, peak_rss
 
     torch.set_num_threads(args.threads)
     base = current_rss()
@@ -58,8 +58,8 @@ def predicted(model: str, workers: int, args: argparse.Namespace) -> tuple[dict[
     from fusionllm.cost.model import CostModel
     from fusionllm.data.lm_tokens import load_lm_tokens
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import trace_lm
-    from fusionllm.runtime.profile import estimate
+    from fusionllm.runtime.backends.model_graph import trace_lm
+    from fusionllm.runtime.backends.profile import estimate
     from fusionllm.schedule.plan import Request, make_plan
     from fusionllm.schedule.validate import validate_plan, worker_memory
 

@@ -198,7 +198,7 @@ def run(a: argparse.Namespace) -> None:
     from fusionllm.data import Batcher, ByteTokenizer, load_corpus
     from fusionllm.models.loss import lm_loss
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.optim import lr_at, make_adamw
+    from fusionllm.runtime.stage.optim import lr_at, make_adamw
 
     torch.set_num_threads(a.threads)
     counter = _Counter()

@@ -100,7 +100,7 @@ from fusionllm.core.metrics import JsonlWriter
 from fusionllm.data import Batcher, ByteTokenizer, load_corpus
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm
-from fusionllm.runtime.optim import lr_at, make_adamw
+from fusionllm.runtime.stage.optim import lr_at, make_adamw
 
 TiedGroup = tuple[tuple[str, ...], torch.Size]
 

@@ -84,7 +84,7 @@ def hier_reference(args: object, steps: int, inner_steps: int, eval_every: int) 
     """The final validation loss of a clean hierarchical run of the same seed, in one process, and its
     mean training loss per outer round."""
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single_groups import Outer, train_groups_single
+    from fusionllm.runtime.reference.single_groups import Outer, train_groups_single
 
     cfg = TrainConfig(model=args.model, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed, warmup=20,
                       eval_every=eval_every, threads=1)

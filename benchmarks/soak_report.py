@@ -15,7 +15,7 @@ from soak_modes import gap_around, hier_reference, round_losses, step_key
 
 def reference(args: argparse.Namespace, steps: int, skip: set[int]) -> tuple[list[float], dict]:
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single
+    from fusionllm.runtime.reference.single import train_single
 
     cfg = TrainConfig(model=args.model, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed, warmup=20,
                       eval_every=0, threads=1)

@@ -62,7 +62,7 @@ def main() -> int:
 
     from fusionllm.core.config import lr_at
     from fusionllm.models.vision_task import vision_task
-    from fusionllm.runtime.optim import make_adamw
+    from fusionllm.runtime.stage.optim import make_adamw
 
     torch.set_num_threads(1)
     task = vision_task("resnet18", seed=args.seed, batch_size=16)

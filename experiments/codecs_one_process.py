@@ -93,7 +93,7 @@ def train(model_name: str, steps: int, seed: int, eval_every: int, cut: int, war
     from fusionllm.compress.feedback import ErrorFeedback
     from fusionllm.compress.subspace import Subspace
     from fusionllm.data import Batcher
-    from fusionllm.runtime.single import evaluate
+    from fusionllm.runtime.reference.single import evaluate
 
     def codec(phase: dict[str, str], role: str):  # noqa: ANN202
         if phase.get(role, "").startswith("jitter:"):

@@ -28,7 +28,7 @@ from benchmarks.common import exit_on_sigterm, pyplot, results_dir, write  # noq
 
 def run(steps: int, micro_batches: int, args: argparse.Namespace) -> tuple[list[float], dict]:
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single
+    from fusionllm.runtime.reference.single import train_single
 
     cfg = TrainConfig(model=args.model, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                       warmup=20, eval_every=0, threads=1)

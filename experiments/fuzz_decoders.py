@@ -83,7 +83,7 @@ def targets() -> dict[str, tuple[list[bytes], Callable[[bytes], object], int]]:
     from fusionllm.compress.wire import decode_array, encode_array
     from fusionllm.graph.ir import OpGraph
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import trace_lm
+    from fusionllm.runtime.backends.model_graph import trace_lm
     from fusionllm.transport import control
     from fusionllm.transport.messages import pack, unpack
 
@@ -180,7 +180,7 @@ def data_plane_target(arrays: list) -> tuple[list[bytes], Callable[[bytes], obje
     import asyncio
     import struct
 
-    from fusionllm.runtime.peers import Inbox
+    from fusionllm.runtime.worker.peers import Inbox
     from fusionllm.transport.frames import tensor_frames
     from fusionllm.transport.stream import DataServer
 

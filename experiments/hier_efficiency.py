@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from benchmarks.common import kept_provenance, pyplot, results_dir, write  # noqa: E402
 
 from fusionllm.core.config import TrainConfig  # noqa: E402
-from fusionllm.runtime.single_groups import Outer, train_groups_single  # noqa: E402
+from fusionllm.runtime.reference.single_groups import Outer, train_groups_single  # noqa: E402
 
 DEFAULT_VARIANTS = [
     "sync", "sync,B=64",

@@ -131,7 +131,7 @@ def reference(args: argparse.Namespace, model: str, micro_batches: int, tmp: Pat
     import torch
 
     from fusionllm.core.config import TrainConfig
-    from fusionllm.runtime.single import train_single
+    from fusionllm.runtime.reference.single import train_single
 
     torch.set_num_threads(1)
     metrics = tmp / f"single-{model}-{micro_batches}.jsonl"

@@ -32,8 +32,8 @@ from benchmarks.common import results_dir, write  # noqa: E402
 from fusionllm.graph.ir import OpGraph  # noqa: E402
 from fusionllm.models.spec import build_model  # noqa: E402
 from fusionllm.npexec.executor import NumpyStageExecutor  # noqa: E402
-from fusionllm.runtime.executor import StageExecutor  # noqa: E402
-from fusionllm.runtime.model_graph import model_tensors, trace_lm  # noqa: E402
+from fusionllm.runtime.backends.model_graph import model_tensors, trace_lm  # noqa: E402
+from fusionllm.runtime.stage.executor import StageExecutor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

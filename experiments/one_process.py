@@ -25,7 +25,7 @@ class OneProcessLM:
         from fusionllm.data.lm_tokens import load_lm_tokens
         from fusionllm.models.loss import lm_loss
         from fusionllm.models.spec import build_lm, lm_tokenizer
-        from fusionllm.runtime.optim import make_adamw
+        from fusionllm.runtime.stage.optim import make_adamw
 
         torch.set_num_threads(1)
         self.torch, self.lm_loss = torch, lm_loss

@@ -28,8 +28,8 @@ from fusionllm.cost.model import CostModel  # noqa: E402
 from fusionllm.models.spec import build_model  # noqa: E402
 from fusionllm.planning.predict import predict  # noqa: E402
 from fusionllm.planning.schedulers import make_schedule  # noqa: E402
-from fusionllm.runtime.model_graph import spec_source, trace_lm  # noqa: E402
-from fusionllm.runtime.profile import estimate  # noqa: E402
+from fusionllm.runtime.backends.model_graph import spec_source, trace_lm  # noqa: E402
+from fusionllm.runtime.backends.profile import estimate  # noqa: E402
 from fusionllm.schedule.plan import Plan, Request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -73,8 +73,8 @@ def run(mode: str, model: str, steps: int, batch: int, seq: int, work: Path) -> 
 
 def worker(join: str, token_file: Path, rank: int, threads: int, reduce: str) -> int:
     """One worker of a run, its all-reduce overlapped with the backward or not (``--reduce``)."""
-    from fusionllm.runtime.process_memory import return_freed_memory
-    from fusionllm.runtime.worker import WorkerConfig, run_worker
+    from fusionllm.runtime.worker.process_memory import return_freed_memory
+    from fusionllm.runtime.worker.worker import WorkerConfig, run_worker
     from fusionllm.transport.auth import load_token
 
     return_freed_memory()  # as `fusionllm worker` does

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusionllm.runtime.peers import Inbox, PeerNet
+from fusionllm.runtime.worker.peers import Inbox, PeerNet
 from fusionllm.transport.frames import read_tensor
 
 

@@ -100,8 +100,8 @@ def draw_case(rng: random.Random, models: tuple[str, ...] = BUILTIN_MODELS + ZOO
 def model_cost_inputs(model: str) -> tuple[OpGraph, dict]:
     """The model traced on meta (one sequence per micro-batch: plans scale it) and its counted work."""
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import spec_source, trace_lm
-    from fusionllm.runtime.profile import estimate
+    from fusionllm.runtime.backends.model_graph import spec_source, trace_lm
+    from fusionllm.runtime.backends.profile import estimate
 
     graph = trace_lm(build_model(model, 256, device="meta"), 1, SEQ_LEN.get(model, 128), vocab_size=256, spec=model)
     return graph, estimate(graph, source=spec_source(model, 256), calibrate=False)

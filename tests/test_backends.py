@@ -15,7 +15,7 @@ from fusionllm.core.metrics import read_metrics
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models.spec import build_model
 from fusionllm.npexec.executor import supported_kinds
-from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.schedule.plan import make_plan
 from fusionllm.transport.worker_info import WorkerInfo
 from tests.conftest import Started
@@ -68,8 +68,8 @@ def test_unrunnable_model_is_refused_with_the_missing_kinds() -> None:
 @pytest.mark.slow  # a fresh Python process
 def test_worker_path_of_the_numpy_backend_imports_no_torch() -> None:
     code = (
-        "import sys, fusionllm.cli.main, fusionllm.runtime.worker\n"
-        "from fusionllm.runtime.backend import load_backend\n"
+        "import sys, fusionllm.cli.main, fusionllm.runtime.worker.worker\n"
+        "from fusionllm.runtime.backends.backend import load_backend\n"
         "b = load_backend('numpy'); b.matmul_flops('cpu', 0.01); b.unpack(b.pack({'x': __import__('numpy').ones(3, 'float32')}))\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
         "assert not bad, bad[:5]\n"
@@ -82,7 +82,7 @@ def test_both_backends_pack_the_same_safetensors_bytes() -> None:
     import numpy as np
     import torch
 
-    from fusionllm.runtime.backend import load_backend
+    from fusionllm.runtime.backends.backend import load_backend
 
     arrays = {"param/w": np.arange(12, dtype=np.float32).reshape(3, 4), "adam/step/w": np.array([3.0], np.float32), "param/i": np.arange(5)}
     torch_b, numpy_b = load_backend("torch"), load_backend("numpy")

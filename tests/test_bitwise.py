@@ -26,12 +26,12 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models import build_model
 from fusionllm.models.loss import lm_loss
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.global_norm import total_sq
-from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.model_graph import graph_source, model_tensors, trace_lm
-from fusionllm.runtime.single import clip_grad_norm, per_use_gradients, train_single
-from fusionllm.runtime.torch_backend import square_sum
+from fusionllm.runtime.backends.model_graph import graph_source, model_tensors, trace_lm
+from fusionllm.runtime.backends.torch_backend import square_sum
+from fusionllm.runtime.reference.local import LocalSplit
+from fusionllm.runtime.reference.single import clip_grad_norm, per_use_gradients, train_single
+from fusionllm.runtime.stage.executor import StageExecutor
+from fusionllm.runtime.stage.global_norm import total_sq
 
 STEPS = 20
 LM = {"task": "lm", "model": "gpt-micro", "seq_len": 64, "batch_size": 8, "micro_batches": 4}

@@ -28,7 +28,7 @@ from fusionllm.compress.base import (
 )
 from fusionllm.compress.codecs import byte_ratio, decode, encode, parse_codec
 from fusionllm.core.errors import ConfigError, WireError
-from fusionllm.runtime.step import StepState
+from fusionllm.runtime.stage.step import StepState
 
 
 class Sign(Codec):
@@ -149,7 +149,7 @@ def test_klt_keeps_a_basis_per_link_and_the_others_none() -> None:
 def test_the_send_path_and_the_wire_reader_name_no_codec_and_inject_no_fault() -> None:
     """A name compared in the send path is what made a new codec touch five files; a fault branch there
     is test code in the product's hot path (faults are ``runtime/faults.FaultyLinkSender``)."""
-    import fusionllm.runtime.link_sender as sender
+    import fusionllm.runtime.stage.link_sender as sender
     import fusionllm.transport.frames as frames
 
     for module, words in ((sender, ()), (frames, ("raw", "none"))):  # frames: raw payloads, and a header's "none" (no tensor)

@@ -15,7 +15,7 @@ from fusionllm.control.collectives import find_worlds, world_prefix
 from fusionllm.control.config import ClusterConfig
 from fusionllm.core.errors import ConfigError, WireError
 from fusionllm.models import build_model
-from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.schedule.plan import make_plan
 from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import Assign, Collective, Hyper
@@ -160,7 +160,7 @@ def test_workers_of_two_torch_versions_are_in_no_world_together(graph) -> None:
 def test_a_gpu_is_known_by_its_uuid_else_its_pci_address() -> None:
     from types import SimpleNamespace
 
-    from fusionllm.runtime.torch_backend import gpu_identity
+    from fusionllm.runtime.backends.torch_backend import gpu_identity
 
     assert gpu_identity(SimpleNamespace(uuid="GPU-1", pci_bus_id=3)) == "GPU-1"
     assert gpu_identity(SimpleNamespace(uuid="", pci_domain_id=0, pci_bus_id=3, pci_device_id=0)) == "pci:0:3:0"

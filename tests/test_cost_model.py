@@ -16,8 +16,8 @@ from fusionllm.cost.model import CostModel, interpolate
 from fusionllm.cost.work import OpWork
 from fusionllm.graph.trace import trace
 from fusionllm.models import build_model
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate, resized, smaller_batches, traced_batch
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate, resized, smaller_batches, traced_batch
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition
 from fusionllm.sim.simulator import simulate
 

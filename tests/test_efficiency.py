@@ -20,8 +20,8 @@ from fusionllm.models.spec import build_model
 from fusionllm.planning import efficiency
 from fusionllm.planning.efficiency import group_efficiency, mean_inner_steps
 from fusionllm.planning.hierarchy import choose_hier_plan
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.hierarchy import group_rows, micro_batches_for
 from fusionllm.schedule.plan import Request
 

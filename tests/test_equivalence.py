@@ -8,10 +8,10 @@ from safetensors.torch import save as st_save
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models import build_model
 from fusionllm.models.loss import lm_loss
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.model_graph import graph_source, model_tensors, trace_lm
-from fusionllm.runtime.verify import TOLERANCE, random_partition, rel_err, verify_spec
+from fusionllm.runtime.backends.model_graph import graph_source, model_tensors, trace_lm
+from fusionllm.runtime.reference.local import LocalSplit
+from fusionllm.runtime.reference.verify import TOLERANCE, random_partition, rel_err, verify_spec
+from fusionllm.runtime.stage.executor import StageExecutor
 
 SPECS = ["gpt-nano", "gpt-micro", "tests.zoo:dense", "tests.zoo:skip_tied", "tests.zoo:hf_gpt2"]
 

@@ -24,8 +24,8 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
-from fusionllm.runtime.peers import Inbox, PeerNet
-from fusionllm.runtime.worker import Worker, WorkerConfig
+from fusionllm.runtime.worker.peers import Inbox, PeerNet
+from fusionllm.runtime.worker.worker import Worker, WorkerConfig
 from fusionllm.testbed.flaky import FlakyLink, FlakyNet
 from fusionllm.testbed.sh import can_emulate
 from fusionllm.testbed.testbed import STATE
@@ -218,7 +218,7 @@ def test_an_abort_that_overtakes_its_step_is_remembered_until_the_next_assignmen
             await worker._on_step(Step(3, 1e-3).to_wire())
         await worker._on_abort({})
         done = StepDone.from_wire(await asyncio.wait_for(worker._on_step(Step(3, 1e-3).to_wire()), 5))
-        assert done.aborted and worker._step_task is None  # answered at once, nothing started
+        assert done.aborted and worker.running.task is None  # answered at once, nothing started
 
     asyncio.run(main())
 

@@ -19,10 +19,10 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.faults import Fault, parse_fault, tamper
-from fusionllm.runtime.guards import NumericGuard, norm_of
-from fusionllm.runtime.single import train_single
-from fusionllm.runtime.verify import TOLERANCE
+from fusionllm.runtime.reference.single import train_single
+from fusionllm.runtime.reference.verify import TOLERANCE
+from fusionllm.runtime.stage.faults import Fault, parse_fault, tamper
+from fusionllm.runtime.stage.guards import NumericGuard, norm_of
 
 STEPS, BATCH, SEQ = 8, 8, 32
 STEP_TIMEOUT = 120.0
@@ -206,7 +206,7 @@ def test_a_spike_with_the_same_norms_on_the_retry_is_the_data_not_a_strike() -> 
 def test_a_trusted_attempt_refuses_only_non_finite_values_and_learns_the_new_norm() -> None:
     import numpy as np
 
-    from fusionllm.runtime.guards import NumericGuard
+    from fusionllm.runtime.stage.guards import NumericGuard
 
     guard = NumericGuard(worker=0, factor=100.0, warmup=2)
     small, big = np.full(8, 1e-3, np.float32), np.full(8, 1.0, np.float32)
@@ -263,7 +263,7 @@ def test_a_spike_that_grew_along_the_pipeline_is_blamed_where_it_started_and_nob
 
 
 def test_the_sender_measures_what_it_sends_against_its_own_estimate() -> None:
-    from fusionllm.runtime.guards import SentNorms
+    from fusionllm.runtime.stage.guards import SentNorms
 
     norms = SentNorms(factor=100.0, warmup=2)
     ones = np.ones(16, dtype=np.float32)

@@ -33,12 +33,12 @@ from fusionllm.launch.inprocess import (
 )
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_model
-from fusionllm.runtime.numpy_backend import NumpyStage
-from fusionllm.runtime.peers import Inbox
-from fusionllm.runtime.single import train_single
-from fusionllm.runtime.torch_backend import TorchStage
-from fusionllm.runtime.verify import TOLERANCE, rel_err
-from fusionllm.runtime.worker import COORDINATOR_SERVICE
+from fusionllm.runtime.backends.numpy_backend import NumpyStage
+from fusionllm.runtime.backends.torch_backend import TorchStage
+from fusionllm.runtime.reference.single import train_single
+from fusionllm.runtime.reference.verify import TOLERANCE, rel_err
+from fusionllm.runtime.worker.peers import Inbox
+from fusionllm.runtime.worker.worker import COORDINATOR_SERVICE
 from fusionllm.transport.rpc import RpcClient
 
 STEPS, BATCH, SEQ = 3, 8, 32

@@ -18,7 +18,7 @@ from fusionllm.core.metrics import read_metrics
 from fusionllm.data.batching import Batcher
 from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.hf import export, from_pretrained
-from fusionllm.runtime.single import train_single
+from fusionllm.runtime.reference.single import train_single
 
 transformers = pytest.importorskip("transformers")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "models", "train", "across", "slow", "links"]

@@ -17,8 +17,8 @@ from fusionllm.planning.choose import choose_plan
 from fusionllm.planning.describe import describe_hier, sync_report
 from fusionllm.planning.hierarchy import choose_hier_plan
 from fusionllm.planning.inner_steps import MIN_INNER_STEPS, choose_inner_steps
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan, make_hier_plan
 from fusionllm.schedule.plan import Plan, Request, StagePlan, micro_batch_scale
 from fusionllm.sim.rounds import GroupStep, group_step, round_traffic, simulate_rounds

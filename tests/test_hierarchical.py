@@ -14,8 +14,8 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config, run_in_process
 from fusionllm.models.spec import build_model
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.outer import OuterState, nesterov_step
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.stage.outer import OuterState, nesterov_step
 from fusionllm.schedule.hierarchy import (
     Exchange,
     GroupPlan,
@@ -323,7 +323,7 @@ def test_the_outer_snapshot_is_the_newest_step_every_fragment_applied() -> None:
     """Fragments apply their rounds at different inner steps: the state a restarted coordinator reads
     is the newest step all of them reached, with the arrays a fragment already a round ahead had
     then (an outer step replaces arrays and never writes into them)."""
-    from fusionllm.runtime.outer import Snapshot, nesterov_step
+    from fusionllm.runtime.stage.outer import Snapshot, nesterov_step
 
     anchor = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
     momentum: dict[str, np.ndarray] = {}
@@ -502,7 +502,7 @@ def test_a_worker_of_one_group_that_sends_nan_and_garbage_is_retried_skipped_and
     0 of 2 reads batches 0, 2, 4, ...) and gradients times 1e6 at data step 10 (inner step 5): the
     same events as ``test_guards``' synchronous run (retry, skip, evict at the third strike). Group 0
     then leaves; workers 0 and 2 form a new group at the next pause and train on with group 1."""
-    from fusionllm.runtime.faults import parse_fault
+    from fusionllm.runtime.stage.faults import parse_fault
 
     metrics = tmp_path / "m.jsonl"
     # 32 steps: group 1 trains on long after the eviction (step 10), so the new group of workers 0 and 2 joins

@@ -7,7 +7,7 @@ import pytest
 from fusionllm.core.errors import GraphError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models import build_model
-from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.backends.model_graph import trace_lm
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import asyncio
 import numpy as np
 
 from fusionllm.graph.ir import Edge
-from fusionllm.runtime.faults import Fault, FaultyLinkSender
-from fusionllm.runtime.link_sender import LinkSender
-from fusionllm.runtime.peers import Inbox
-from fusionllm.runtime.step import StepState
+from fusionllm.runtime.stage.faults import Fault, FaultyLinkSender
+from fusionllm.runtime.stage.link_sender import LinkSender
+from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.worker.peers import Inbox
 from fusionllm.transport.control import Hyper
 from tests.fake_peers import MemoryNet
 

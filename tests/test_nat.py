@@ -12,14 +12,15 @@ a relay that dies without the worker moving to another leaves the run without it
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.launch.inprocess import InProcessCluster, cluster_config
-from fusionllm.runtime.single import train_single
-from fusionllm.runtime.verify import TOLERANCE
-from fusionllm.runtime.worker import Worker
+from fusionllm.runtime.reference.single import train_single
+from fusionllm.runtime.reference.verify import TOLERANCE
+from fusionllm.runtime.worker.nat_link import NatLink
 from fusionllm.transport.stream import DataClient
 
 STEPS = 4
@@ -67,19 +68,19 @@ def test_workers_behind_nat_train_like_one_process(same_nat: bool, data_clients:
 
     result, ws = asyncio.run(main())
     _close(result.losses, train_single(train).losses)
-    assert ws[0].tunnel is None and ws[1].tunnel is not None and ws[2].tunnel is not None
+    assert ws[0].nat.tunnel is None and ws[1].nat.tunnel is not None and ws[2].nat.tunnel is not None
     assert coordinator_relay["bytes"] > 0
     lines = "\n".join(coordinator_relay["lines"])
     assert "worker 1 is behind NAT: reached through relay the coordinator" in lines, lines
     peers1 = ws[1].peers
     if same_nat:  # on their LAN: worker 1 reaches worker 2 at its own address, with no relay
-        assert peers1.data_addresses[2] == ws[2].lan_data_address and 2 not in peers1.relayed
+        assert peers1.data_addresses[2] == ws[2].nat.lan_data_address and 2 not in peers1.relayed
         assert "direct to [2] (same NAT)" in lines
     else:  # through the relay, every tensor with its MAC
-        assert peers1.data_addresses[2] == ws[2].data_address != ws[2].lan_data_address
-        assert 2 in peers1.relayed and (ws[2].data_address, True) in data_clients
-    assert 0 not in peers1.relayed and (ws[0].data_address, False) in data_clients  # to a reachable worker: direct
-    assert (ws[1].data_address, True) in data_clients  # worker 0 to worker 1: through the relay
+        assert peers1.data_addresses[2] == ws[2].me.data_address != ws[2].nat.lan_data_address
+        assert 2 in peers1.relayed and (ws[2].me.data_address, True) in data_clients
+    assert 0 not in peers1.relayed and (ws[0].me.data_address, False) in data_clients  # to a reachable worker: direct
+    assert (ws[1].me.data_address, True) in data_clients  # worker 0 to worker 1: through the relay
 
 
 async def _after_the_relay_joined(c: InProcessCluster) -> None:
@@ -91,14 +92,14 @@ async def _after_the_relay_joined(c: InProcessCluster) -> None:
 @pytest.fixture
 def relay_first(monkeypatch: pytest.MonkeyPatch) -> dict:
     holder: dict = {}
-    reach = Worker._reach
+    reach = NatLink.reach
 
-    async def later(self: Worker) -> None:
+    async def later(self: NatLink, joining: Any) -> None:
         if self.config.behind_nat and not holder.get("off"):
             await _after_the_relay_joined(holder["cluster"])
-        await reach(self)
+        await reach(self, joining)
 
-    monkeypatch.setattr(Worker, "_reach", later)
+    monkeypatch.setattr(NatLink, "reach", later)
     return holder
 
 
@@ -123,8 +124,8 @@ def test_a_worker_that_offers_to_relay_hosts_the_workers_behind_nat(relay_joins_
     _close(result.losses, train_single(train).losses)
     relay = next(w for w in ws if w.config.relay)
     natted = [w for w in ws if w.config.behind_nat]
-    assert [w.tunnel.relay for w in natted] == [relay.relay_offer] * 2
-    assert relay.relay_server.bytes_relayed() > through_coordinator
+    assert [w.nat.relay for w in natted] == [relay.nat.relay_offer] * 2
+    assert relay.nat.relay_server.bytes_relayed() > through_coordinator
 
 
 def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_first: dict) -> None:
@@ -151,7 +152,7 @@ def test_a_relay_that_dies_costs_a_re_plan_and_its_workers_move(tmp_path, relay_
             c.on_step = lambda _: None
             seen["result"] = run.result()
             seen["lines"] = list(c.lines)
-            seen["relays"] = [w.tunnel.relay if w.tunnel else "" for w in c.workers]
+            seen["relays"] = [w.nat.relay for w in c.workers]
             seen["coordinator_relay"] = f"127.0.0.1:{c.coordinator.reach.relay_port}"
             seen["moves"] = c.coordinator.membership.moves
 

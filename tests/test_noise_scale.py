@@ -18,8 +18,8 @@ from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models.loss import lm_loss
 from fusionllm.models.spec import build_lm, lm_tokenizer
 from fusionllm.planning.noise_scale import NoiseScale, fit_accumulation
-from fusionllm.runtime.optim import make_adamw
-from fusionllm.runtime.single import clip_grad_norm
+from fusionllm.runtime.reference.single import clip_grad_norm
+from fusionllm.runtime.stage.optim import make_adamw
 
 
 def test_fit_recovers_the_coefficients_of_exact_norms() -> None:

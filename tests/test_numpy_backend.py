@@ -24,11 +24,11 @@ from fusionllm.npexec.base import Unsupported, op_key
 from fusionllm.npexec.blocks import self_attention_backward, self_attention_forward
 from fusionllm.npexec.executor import NumpyStageExecutor, can_run, supported_kinds
 from fusionllm.npexec.optim import make_adamw as np_make_adamw
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.local import LocalSplit
-from fusionllm.runtime.model_graph import model_tensors, trace_lm
-from fusionllm.runtime.optim import lr_at, make_adamw
-from fusionllm.runtime.verify import random_partition
+from fusionllm.runtime.backends.model_graph import model_tensors, trace_lm
+from fusionllm.runtime.reference.local import LocalSplit
+from fusionllm.runtime.reference.verify import random_partition
+from fusionllm.runtime.stage.executor import StageExecutor
+from fusionllm.runtime.stage.optim import lr_at, make_adamw
 
 torch.set_num_threads(1)
 TOL = 1e-4

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fusionllm.control.outer_checks import NORM_FACTOR, Reports, add_report, judge, update_estimates
-from fusionllm.runtime.outer_check import average, report
+from fusionllm.runtime.stage.outer_check import average, report
 
 NAMES = ["a", "b", "c"]
 SHAPES = {"a": (16, 8), "b": (8,), "c": (4, 4)}
@@ -164,7 +164,7 @@ def _poisoned_run(tmp_path: Path, kind: str | None, factor: str = "", **options:
     from fusionllm.core.config import TrainConfig
     from fusionllm.core.metrics import read_metrics
     from fusionllm.launch.inprocess import cluster_config, run_in_process
-    from fusionllm.runtime.faults import parse_fault
+    from fusionllm.runtime.stage.faults import parse_fault
 
     out = tmp_path / f"{kind}-{len(list(tmp_path.iterdir()))}.jsonl"
     train = TrainConfig(model="gpt-nano", steps=48, batch_size=12, seq_len=32, lr=3e-3, warmup=1, seed=0, metrics=str(out))
@@ -255,7 +255,7 @@ def test_a_group_that_sends_different_deltas_to_different_groups_is_refused_and_
 
 def test_digests_of_the_receivers_not_of_the_sender_decide_a_split() -> None:
     deltas, momentum = _deltas(3, seed=8)
-    from fusionllm.runtime.outer_check import digests
+    from fusionllm.runtime.stage.outer_check import digests
 
     reports = Reports({}, {}, {})
     for h in range(3):

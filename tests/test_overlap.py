@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from fusionllm.core.metrics import read_metrics
-from fusionllm.runtime.collective import buckets_of
-from fusionllm.runtime.overlap import OverlappedReduce, finish
+from fusionllm.runtime.dist.collective import buckets_of
+from fusionllm.runtime.stage.overlap import OverlappedReduce, finish
 from tests.conftest import Started
 
 
@@ -97,8 +97,8 @@ def test_a_bucket_waits_for_the_earlier_ones() -> None:
 TWO_RANKS = textwrap.dedent("""
     import json, sys, torch
     from torch import nn
-    from fusionllm.runtime.collective import World
-    from fusionllm.runtime.overlap import OverlappedReduce, finish
+    from fusionllm.runtime.dist.collective import World
+    from fusionllm.runtime.stage.overlap import OverlappedReduce, finish
     from fusionllm.transport.control import Collective
 
     rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -13,8 +13,8 @@ from fusionllm.core.errors import FusionError
 from fusionllm.models.spec import build_model
 from fusionllm.planning.choose import choose_plan
 from fusionllm.planning.predict import predict
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.plan import Plan, Request
 
 

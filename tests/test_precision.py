@@ -9,7 +9,7 @@ import torch
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.single import train_single
+from fusionllm.runtime.reference.single import train_single
 
 BASE = dict(model="gpt-nano", steps=8, batch_size=8, seq_len=32, warmup=0, lr=3e-3, eval_every=8, eval_batches=2)
 

@@ -10,8 +10,8 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.cost.model import CostModel
 from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models.spec import build_model
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 
 
 def test_recomputed_stages_train_exactly_as_stored_ones_dropout_included() -> None:

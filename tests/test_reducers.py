@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from fusionllm.runtime.reducers import (
+from fusionllm.runtime.dist.reducers import (
     Group,
     InOrder,
     OverlapReduce,
@@ -26,7 +26,7 @@ from fusionllm.runtime.reducers import (
     WorldReduce,
     choose_reducer,
 )
-from fusionllm.runtime.step import StepState
+from fusionllm.runtime.stage.step import StepState
 from tests.fake_peers import FakeWorld
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fusionllm.core.errors import AuthError, TransportError, WireError
-from fusionllm.runtime.peers import Inbox
+from fusionllm.runtime.worker.peers import Inbox
 from fusionllm.transport.frames import tensor_frames
 from fusionllm.transport.relay import Relay, Tunnel
 from fusionllm.transport.rpc import RpcClient, RpcServer

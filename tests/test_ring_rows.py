@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fusionllm.compress.codecs import decode, encode, parse_codec
-from fusionllm.runtime.reduce import BLOCK, ring_allreduce, row_width
+from fusionllm.runtime.dist.reduce import BLOCK, ring_allreduce, row_width
 
 
 @pytest.mark.parametrize(("shapes", "width"), [

@@ -4,7 +4,7 @@ import pytest
 
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.models import build_model
-from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.schedule.actions import (
     COMM,
     KINDS,

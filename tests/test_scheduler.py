@@ -13,8 +13,8 @@ from fusionllm.graph.trace import trace
 from fusionllm.models import build_model
 from fusionllm.planning.fences import find_fences, order_fences
 from fusionllm.planning.schedulers import SCHEDULERS, make_schedule
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.partition import cut_bytes
 from fusionllm.schedule.plan import Plan, Request, StagePlan
 from fusionllm.sim.simulator import _Cpu, simulate

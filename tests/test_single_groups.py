@@ -16,7 +16,7 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.single_groups import Outer, train_groups_single
+from fusionllm.runtime.reference.single_groups import Outer, train_groups_single
 
 TOL = 2e-5
 

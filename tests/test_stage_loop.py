@@ -1,4 +1,4 @@
-"""The stage loop (runtime/stage_runtime.py) with fake peers: workers in one process, tensors in memory.
+"""The stage loop (runtime/stage/stage_runtime.py) with fake peers: workers in one process, tensors in memory.
 
 Why these checks can fail: a handler that sends an edge to the wrong peer, files it under another
 key, or sums a replica's gradient twice changes the losses and the gradient norm against the same
@@ -23,12 +23,12 @@ import torch
 from fusionllm.core.errors import FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.models.spec import build_model
-from fusionllm.runtime.backend import load_backend
-from fusionllm.runtime.faults import Fault
-from fusionllm.runtime.model_graph import model_tensors, trace_lm
-from fusionllm.runtime.peers import Inbox
-from fusionllm.runtime.reducers import InOrder, OverlapReduce, RingReduce, WorldReduce
-from fusionllm.runtime.stage_runtime import StageRuntime
+from fusionllm.runtime.backends.backend import load_backend
+from fusionllm.runtime.backends.model_graph import model_tensors, trace_lm
+from fusionllm.runtime.dist.reducers import InOrder, OverlapReduce, RingReduce, WorldReduce
+from fusionllm.runtime.stage.faults import Fault
+from fusionllm.runtime.stage.stage_runtime import StageRuntime
+from fusionllm.runtime.worker.peers import Inbox
 from fusionllm.schedule.plan import Plan, make_plan, shared_groups, worker_actions
 from fusionllm.transport.control import Hyper
 from tests.fake_peers import FakeWorld, MemoryNet
@@ -160,8 +160,8 @@ def test_a_failed_action_names_itself_and_the_worker(nano) -> None:
 
 # ---- capabilities ---------------------------------------------------------------------------------------
 def test_backends_declare_what_their_stages_can_do() -> None:
-    from fusionllm.runtime.numpy_backend import NumpyStage
-    from fusionllm.runtime.torch_backend import TorchStage
+    from fusionllm.runtime.backends.numpy_backend import NumpyStage
+    from fusionllm.runtime.backends.torch_backend import TorchStage
 
     assert TorchStage.capabilities.bf16 and TorchStage.capabilities.recompute and TorchStage.capabilities.keyed_random
     assert not (NumpyStage.capabilities.bf16 or NumpyStage.capabilities.recompute or NumpyStage.capabilities.keyed_random)
@@ -206,7 +206,7 @@ def test_the_reducer_is_chosen_again_when_the_stage_joins_its_world(nano) -> Non
 def test_a_worker_refuses_an_assignment_without_a_program(nano) -> None:
     """The coordinator ships the program its validator checked; a worker lowers no plan of its own."""
     from fusionllm.core.errors import WireError
-    from fusionllm.runtime.worker import Worker, WorkerConfig
+    from fusionllm.runtime.worker.worker import Worker, WorkerConfig
     from fusionllm.transport.control import Assign
     from fusionllm.transport.messages import pack
 

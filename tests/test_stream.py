@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fusionllm.core.errors import AuthError, TransportError, WireError
-from fusionllm.runtime.peers import Inbox
+from fusionllm.runtime.worker.peers import Inbox
 from fusionllm.transport.frames import tensor_frames
 from fusionllm.transport.messages import pack
 from fusionllm.transport.stream import MAGIC, DataClient, DataServer

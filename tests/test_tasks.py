@@ -12,8 +12,8 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError, RegistryError
 from fusionllm.launch.inprocess import cluster_config, run_in_process
 from fusionllm.models.task import Task, build_task_model, load_task
-from fusionllm.runtime.single import train_single
-from fusionllm.runtime.verify import verify_task
+from fusionllm.runtime.reference.single import train_single
+from fusionllm.runtime.reference.verify import verify_task
 
 
 class TwoInputs(nn.Module):

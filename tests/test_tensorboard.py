@@ -16,7 +16,7 @@ from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.tensorboard import parse_log_to
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.single import train_single
+from fusionllm.runtime.reference.single import train_single
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

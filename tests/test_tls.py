@@ -12,7 +12,7 @@ import pytest
 
 from fusionllm.core.errors import ConfigError, TransportError
 from fusionllm.core.metrics import read_metrics
-from fusionllm.runtime.peers import Inbox
+from fusionllm.runtime.worker.peers import Inbox
 from fusionllm.transport.frames import tensor_frames
 from fusionllm.transport.rpc import RpcClient, RpcServer
 from fusionllm.transport.stream import DataClient, DataServer
@@ -129,8 +129,8 @@ def test_workers_behind_nat_keep_tls_end_to_end_through_the_relay(pki: dict) -> 
     """The relay copies bytes: TLS runs between the endpoints, and the run trains as over direct links."""
     from fusionllm.core.config import TrainConfig
     from fusionllm.launch.inprocess import InProcessCluster, cluster_config
-    from fusionllm.runtime.single import train_single
-    from fusionllm.runtime.verify import TOLERANCE
+    from fusionllm.runtime.reference.single import train_single
+    from fusionllm.runtime.reference.verify import TOLERANCE
 
     train = TrainConfig(model="gpt-nano", steps=2, batch_size=8, seq_len=16, lr=3e-3, warmup=1, eval_every=0, seed=0)
     tls = pki["server"]
@@ -142,7 +142,7 @@ def test_workers_behind_nat_keep_tls_end_to_end_through_the_relay(pki: dict) -> 
         async with InProcessCluster(train, cluster_config(3, tls=tls), worker_options=options) as c:
             result = await c.run()
             relayed["bytes"] = c.coordinator.reach.relay.bytes_relayed()
-            relayed["tunnels"] = [w.tunnel is not None for w in c.workers]
+            relayed["tunnels"] = [w.nat.tunnel is not None for w in c.workers]
         return result.losses
 
     losses = asyncio.run(main())

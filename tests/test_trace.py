@@ -10,8 +10,8 @@ from torch import nn
 from fusionllm.core.errors import GraphError, TraceError
 from fusionllm.graph.trace import trace
 from fusionllm.models import build_model
-from fusionllm.runtime.executor import StageExecutor
-from fusionllm.runtime.model_graph import model_tensors, root_source, trace_lm
+from fusionllm.runtime.backends.model_graph import model_tensors, root_source, trace_lm
+from fusionllm.runtime.stage.executor import StageExecutor
 from tests import zoo
 
 

@@ -109,11 +109,10 @@ def test_a_worker_refuses_the_coordinator_process_it_left_for_a_newer_one() -> N
     them: every coordinator call carries its process's incarnation, and a worker refuses one it left.
     Why it can fail: the incarnation not sent, the fence not consulted, or a worker that refuses the
     new coordinator's calls made before its registration's answer is back (an incarnation not seen yet)."""
-    from fusionllm.runtime.coordinator_link import CoordinatorLink
     from fusionllm.transport.control import Registered
+    from tests.test_worker_components import a_link
 
-    link = CoordinatorLink()
-    link._init_link()
+    link, _ = a_link()
     link._joined(Registered(0, "aaaa"))
     assert link.fence("aaaa") is None and link.fence("bbbb") is None  # the one it follows; one it is registering with
     link._joined(Registered(0, "bbbb"))  # the coordinator restarted: it registered with the new process

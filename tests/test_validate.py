@@ -16,8 +16,8 @@ from fusionllm.cluster.hardware import Device, Hardware
 from fusionllm.cost.model import CostModel
 from fusionllm.models import build_model
 from fusionllm.planning.schedulers import make_schedule
-from fusionllm.runtime.model_graph import trace_lm
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.model_graph import trace_lm
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule import plan as plan_mod
 from fusionllm.schedule import validate as validate_mod
 from fusionllm.schedule.actions import Action, Peer, lower, one_f_one_b, peak_in_flight

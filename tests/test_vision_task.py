@@ -10,7 +10,7 @@ import pytest
 
 from fusionllm.core.config import TrainConfig
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.single import train_single
+from fusionllm.runtime.reference.single import train_single
 
 # ResNet-18 with the CIFAR stem on 16x16 synthetic images: every layer kind of the family, a few
 # seconds a step on one core

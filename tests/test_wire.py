@@ -1,5 +1,5 @@
 """Tests for the raw tensor wire form (fusionllm.compress.wire) and its torch side
-(fusionllm.runtime.tensors): exact round trips, framework-neutral little-endian bytes, and
+(fusionllm.runtime.backends.tensors): exact round trips, framework-neutral little-endian bytes, and
 hostile input that must fail with WireError only, before any large allocation."""
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from fusionllm.compress.wire import (
     encode_array,
 )
 from fusionllm.core.errors import WireError
-from fusionllm.runtime.tensors import dtype_name, tensor_from_wire, tensor_to_wire, torch_dtype
+from fusionllm.runtime.backends.tensors import (
+    dtype_name,
+    tensor_from_wire,
+    tensor_to_wire,
+    torch_dtype,
+)
 
 SUPPORTED = {
     torch.float64: "float64",

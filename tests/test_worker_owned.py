@@ -19,7 +19,7 @@ from fusionllm.control.config import RunConfig
 from fusionllm.core.config import TrainConfig
 from fusionllm.core.errors import ConfigError
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.single import train_single
+from fusionllm.runtime.reference.single import train_single
 
 BASE = {"model": "gpt-nano", "batch_size": 8, "seq_len": 32, "lr": 1e-2, "warmup": 2, "seed": 4}
 
@@ -78,8 +78,8 @@ def test_a_damaged_checkpoint_is_refused_on_resume(tmp_path: Path) -> None:
 
 
 def test_a_worker_with_other_data_is_fed_by_the_coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusionllm.runtime import worker as worker_module
-    from fusionllm.runtime.worker_data import try_worker_data
+    from fusionllm.runtime.worker import worker as worker_module
+    from fusionllm.runtime.worker.worker_data import try_worker_data
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)

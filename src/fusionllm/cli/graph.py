@@ -26,7 +26,7 @@ def verify(
 ) -> None:
     """Split a model's OpGraph into random stages, run it through the executor, compare with autograd
     (a task's model in training mode, its buffers included)."""
-    from fusionllm.runtime.verify import TOLERANCE, verify_spec, verify_task
+    from fusionllm.runtime.reference.verify import TOLERANCE, verify_spec, verify_task
 
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/dim]")
@@ -70,7 +70,7 @@ def trace_cmd(
 ) -> None:
     """Trace a model on the meta device (no weights allocated) and summarise its OpGraph."""
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import trace_lm
+    from fusionllm.runtime.backends.model_graph import trace_lm
 
     started = time.perf_counter()
     net = build_model(model, vocab_size, device="meta")

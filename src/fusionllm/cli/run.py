@@ -100,8 +100,8 @@ def worker(
         # NumPy's BLAS serves only the codecs here (the hq rotation), beside torch's compute threads: with
         # a thread per core its threads wait on the busy cores, and a 32K-value hq3 took 60 ms, not 1.4 ms
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from fusionllm.runtime.faults import parse_fault
-    from fusionllm.runtime.worker import WorkerConfig, return_freed_memory, run_worker
+    from fusionllm.runtime.stage.faults import parse_fault
+    from fusionllm.runtime.worker.worker import WorkerConfig, return_freed_memory, run_worker
     from fusionllm.transport.auth import load_token
     from fusionllm.transport.tls import TlsFiles
 

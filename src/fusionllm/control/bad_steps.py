@@ -1,6 +1,6 @@
 """Bad steps: what the coordinator does when the workers' numeric guards refused a tensor.
 
-The workers have already made sure that nobody applied the step (``runtime/guards.py``). Here the
+The workers have already made sure that nobody applied the step (``runtime/stage/guards.py``). Here the
 coordinator names the suspect (the sender of each refused tensor, or the worker upstream where its
 spike started: ``blame.py``), counts strikes against it (by its address, which outlives a
 renumbering), and follows ``--numeric-guard``:

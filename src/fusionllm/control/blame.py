@@ -1,7 +1,7 @@
 """Blame that follows the source: a spike that grew along the pipeline is blamed where it started.
 
 A receiver refuses a tensor whose norm is ``--guard-factor`` times its running estimate and names
-the sender (``runtime/guards.py``). A spike can grow on its way: one CI run had a gradient 11x its
+the sender (``runtime/stage/guards.py``). A spike can grow on its way: one CI run had a gradient 11x its
 estimate at the last stage, 50x one stage earlier and 169x the next, where it was refused, naming a
 stage that only passed on what it was given. Every worker reports, per step attempt, how far the
 tensors it *accepted* exceeded their estimates (per kind and sender, measured by itself as

@@ -13,13 +13,13 @@ connected component of >= 2 torch workers; each worker is in at most one. Worker
 Only reduce groups whose every member is in one world, with their own traffic uncompressed, are
 all-reduced through it (``World.reduce``), and only the SEND links between two members whose
 activations and gradients both cross uncompressed are carried by it point to point
-(``World.carries``, ``runtime/carrier.py``); everything else keeps the data plane (links that
+(``World.carries``, ``runtime/dist/carrier.py``); everything else keeps the data plane (links that
 cross worlds, compressed links, NumPy workers).
 
 The rendezvous is a ``TCPStore`` the coordinator hosts (``RendezvousStore``); each world's keys sit
 under a prefix derived from the run's token (``world_prefix``), so a process without the token
 can neither find nor write them. What gloo opens afterwards between the members is NOT
-authenticated: its connections carry raw tensors, as NCCL's do (runtime/collective.py).
+authenticated: its connections carry raw tensors, as NCCL's do (runtime/dist/collective.py).
 """
 
 from __future__ import annotations

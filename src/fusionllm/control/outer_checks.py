@@ -1,7 +1,7 @@
 """Checked outer steps (hierarchical mode): which groups' pseudo-gradients of a round are averaged.
 
 Before a round of a fragment is averaged, every worker of every sending group reports on the
-deltas it holds (``OuterCheck``; ``runtime/outer_check.py``): their dot products with each other
+deltas it holds (``OuterCheck``; ``runtime/stage/outer_check.py``): their dot products with each other
 and with the outer momentum, which every group holds alike, and whether each is finite. A group's
 leaders cover the fragment once, so a group's report is the sum of its workers'. For each sender,
 the coordinator takes the median of the groups' reports: with three groups or more, one group that

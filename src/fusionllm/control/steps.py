@@ -121,7 +121,7 @@ def step_record(run: Run, done: StepDoneAll, *, step: int, lr: float, tokens: in
         bytes=link_bytes(run, replies), cpu_s={str(w): rep.cpu_s for w, rep in replies.items()},
         rss={str(w): [rep.rss_base, rep.rss_peak] for w, rep in replies.items()},
     )
-    if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/carrier.py)
+    if any(rep.carried_to for rep in replies.values()):  # activations and gradients through a world (runtime/dist/carrier.py)
         record.carried_bytes = link_bytes(run, replies, carried=True)
     noise = noise_scale(run, replies, rows)
     if noise is not None:

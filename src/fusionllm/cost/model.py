@@ -7,7 +7,7 @@ link latency, a per-message overhead, and its bytes at the link's rate (times th
 waits for the ack (the data plane acks every tensor) waits one more, the reverse direction's.
 
 A link that a ``torch.distributed`` world carries (``carried``: activations and gradients through
-gloo's isend/irecv, ``runtime/carrier.py``) costs gloo's measured time for its size (no codec, no
+gloo's isend/irecv, ``runtime/dist/carrier.py``) costs gloo's measured time for its size (no codec, no
 data-plane framing, no per-message overhead of the data plane), never less than its bytes at the
 link's rate, and a fraction of the data plane's CPU per message (no copies into frames).
 """
@@ -167,7 +167,7 @@ class CostModel:
 
     def allreduce_round_seconds(self, nbytes: int, group: list[int]) -> float:
         """One round of the ring: each member sends its chunk to the next and waits for the ack (a
-        round trip) and for the previous member's chunk before the next round (``runtime/reduce.py``)."""
+        round trip) and for the previous member's chunk before the next round (``runtime/dist/reduce.py``)."""
         n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
         return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) + self.latency(b, a) for a, b in ring)

@@ -116,7 +116,7 @@ def _train_config(values: dict[str, Any], task: str | None = None) -> Any:
 
 def _single_run(values: dict[str, Any], task_obj: Any, on_step: StepCallback) -> Run:
     from fusionllm.models.task import model_label, run_model_label, task_options
-    from fusionllm.runtime.single import train_single
+    from fusionllm.runtime.reference.single import train_single
 
     if values["sync"] not in (None, "synchronous"):
         raise ConfigError("--sync hierarchical needs --cluster (the --single-process reference is one synchronous process)")

@@ -31,8 +31,8 @@ from fusionllm.core.config import TrainConfig, TrainResult
 from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.core.logging import get_logger
 from fusionllm.launch.task import run_task
-from fusionllm.runtime.backend import load_backend
-from fusionllm.runtime.worker import Worker, WorkerConfig
+from fusionllm.runtime.backends.backend import load_backend
+from fusionllm.runtime.worker.worker import Worker, WorkerConfig
 
 HOST = "127.0.0.1"
 log = get_logger("harness", "harness")

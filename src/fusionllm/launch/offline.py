@@ -18,7 +18,7 @@ from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.hierarchy import choose_hier_plan
 from fusionllm.planning.predict import predict
 from fusionllm.planning.schedulers import DEFAULT_CANDIDATES, make_schedule
-from fusionllm.runtime.profile import estimate
+from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.hierarchy import HierPlan
 from fusionllm.schedule.plan import Plan, Request
 
@@ -55,7 +55,12 @@ def task_request(task: str, model: str, batch_size: int, seq_len: int, micro_bat
 def _traced(model: str, cluster_file: str, req: Request, vocab_size: int, task: str = "lm",
             image_size: int = 32) -> tuple[OpGraph, Hardware, dict[str, OpWork]]:
     from fusionllm.models.spec import build_model
-    from fusionllm.runtime.model_graph import graph_source, spec_source, trace_lm, trace_task
+    from fusionllm.runtime.backends.model_graph import (
+        graph_source,
+        spec_source,
+        trace_lm,
+        trace_task,
+    )
 
     hw = Hardware.from_spec(load_cluster(cluster_file))
     if req.batch_size % req.micro_batches:

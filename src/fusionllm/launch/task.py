@@ -29,15 +29,15 @@ from fusionllm.models.task import (
     task_options,
     task_settings,
 )
-from fusionllm.runtime.checkpoint import pack_tensors
-from fusionllm.runtime.model_graph import (
+from fusionllm.runtime.backends.checkpoint import pack_tensors
+from fusionllm.runtime.backends.model_graph import (
     graph_source,
     model_tensors,
     root_source,
     trace_lm,
     trace_task,
 )
-from fusionllm.runtime.profile import estimate, matmul_flops
+from fusionllm.runtime.backends.profile import estimate, matmul_flops
 from fusionllm.transport.control import DataSpec
 from fusionllm.transport.shards import TensorSource
 

@@ -8,7 +8,7 @@ token-weighted average, so all groups keep one set of outer weights.
 
 This module is the plan's data and its pure rules (fragments, when a fragment syncs, who sends what
 to whom); the planner that chooses groups is ``planning/hierarchy.py``, the round simulator
-``sim/rounds.py``, the exchange itself ``runtime/outer.py``.
+``sim/rounds.py``, the exchange itself ``runtime/stage/outer.py``.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
                 key = (a, f, src, r)
                 enc_bytes[key] = max(enc_bytes[key], raw)
     enc_worker: dict[tuple[int, int, int], float] = defaultdict(float, send_cpu)
-    for (a, f, src, _r), raw in enc_bytes.items():  # encoded, then decoded again for the error feedback (runtime/outer.py)
+    for (a, f, src, _r), raw in enc_bytes.items():  # encoded, then decoded again for the error feedback (runtime/stage/outer.py)
         enc_worker[(a, f, src)] += (raw / cost.encode_bytes_per_s + raw / cost.decode_bytes_per_s) * cpu_factor(src)
     for (a, f, _src), secs in enc_worker.items():
         encode[a][f] = max(encode[a][f], secs)

@@ -5,110 +5,53 @@ message version ``v``; ``from_wire`` checks the version and every field's type b
 uses it, so a malformed or hostile message fails as a ``WireError`` naming the field, never as a
 ``KeyError`` deep in a handler. Fields are plain data (numbers, strings, bytes, lists and maps of
 them, nested messages): no code and no pickles cross a process boundary.
+
+This module holds joining, a plan's assignment and the small replies; a step's messages are in
+``control_step.py``, hierarchical mode's in ``control_outer.py``, the base in ``control_base.py``.
+All of them are importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
-from fusionllm.core.errors import WireError
+from fusionllm.transport.control_base import VERSION, Message
+from fusionllm.transport.control_outer import (
+    OuterApply,
+    OuterCheck,
+    OuterChecked,
+    OuterResend,
+    OuterSync,
+    OuterSynced,
+    Regroup,
+)
+from fusionllm.transport.control_step import (
+    BadTensor,
+    Evaluate,
+    Evaluated,
+    Failure,
+    GetState,
+    SaveShard,
+    ShardSaved,
+    StatePage,
+    Step,
+    StepDone,
+)
 
-VERSION = 1
+__all__ = [  # the names of control_base, control_step and control_outer: their old home
+    "VERSION", "Message", "BadTensor", "Evaluate", "Evaluated", "Failure", "GetState", "SaveShard", "ShardSaved", "StatePage", "Step",
+    "StepDone", "OuterApply", "OuterCheck", "OuterChecked", "OuterResend", "OuterSync", "OuterSynced", "Regroup",
+    "WORKER_SERVICE", "COORDINATOR_SERVICE", "Register", "LiveState", "Registered", "Heartbeat", "Reach", "ReachReply", "HeartbeatReply",
+    "DataSpec", "Hyper", "Collective", "Assign", "Assigned", "Empty", "Aborted", "MeasureTo", "Shutdown",
+]
+
 WORKER_SERVICE = "fusionllm.Worker"
 COORDINATOR_SERVICE = "fusionllm.Coordinator"
-M = TypeVar("M", bound="Message")
 
 
-class Message:
-    """Base of the control messages: (de)serialisation with validation."""
-
-    name: ClassVar[str] = "message"
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {f.name: _out(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        out["v"] = VERSION
-        return out
-
-    @classmethod
-    def from_wire(cls: type[M], raw: Any) -> M:
-        if not isinstance(raw, dict):
-            raise WireError(f"{cls.__name__}: expected a map, got {type(raw).__name__}")
-        if raw.get("v", VERSION) != VERSION:
-            raise WireError(f"{cls.__name__}: message version {raw.get('v')!r}, this side speaks {VERSION} (run the same fusionllm everywhere)")
-        hints = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name not in raw:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise WireError(f"{cls.__name__}: field {f.name!r} is missing")
-                continue
-            values[f.name] = _check(raw[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-        return cls(**values)
-
-
-def _out(value: Any) -> Any:
-    if isinstance(value, Message):
-        return value.to_wire()
-    if isinstance(value, list):
-        return [_out(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _out(v) for k, v in value.items()}
-    return value
-
-
-def _check(value: Any, tp: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    if tp is Any:
-        raise WireError(f"{where}: untyped field")  # message types name every field's type
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in get_args(tp):
-            try:
-                return _check(value, option, where)
-            except WireError as exc:
-                errors.append(exc)
-        real = [e for o, e in zip(get_args(tp), errors, strict=True) if o is not type(None)]
-        if len(real) == 1 and value is not None:
-            raise real[0]  # an optional field: the reason its value is wrong
-        raise WireError(f"{where}: {type(value).__name__} is none of {tp}")
-    if tp is type(None):
-        if value is not None:
-            raise WireError(f"{where}: expected nothing, got {type(value).__name__}")
-        return None
-    if isinstance(tp, type) and issubclass(tp, Message):
-        return tp.from_wire(value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = get_args(tp)
-        return [_check(v, item, f"{where}[]") for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise WireError(f"{where}: expected a map, got {type(value).__name__}")
-        kt, vt = get_args(tp)
-        return {_check(k, kt, f"{where} key"): _check(v, vt, f"{where}[{k!r}]") for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise WireError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise WireError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
-    if tp in (str, bytes, bool):
-        if not isinstance(value, tp):
-            raise WireError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise WireError(f"{where}: unsupported field type {tp}")
-
-
-# ---- joining ---------------------------------------------------------------------------------------
+# ---- joining ------------------------------------------------------------------------------------
 @dataclass
 class Register(Message):
     version: str
@@ -202,7 +145,7 @@ class HeartbeatReply(Message):
     known: bool = True  # False: this coordinator has no member at the worker's id and address (restarted, or dropped it)
 
 
-# ---- a plan's assignment -------------------------------------------------------------------------
+# ---- a plan's assignment ------------------------------------------------------------------------
 @dataclass
 class DataSpec(Message):
     """Where a worker reads its batches: batch ``i`` is a function of (corpus, seed, i)."""
@@ -229,7 +172,7 @@ class Hyper(Message):
     seed: int = 0  # the run's seed: random ops (dropout) draw from (seed, step, op, micro-batch)
     precision: str = "fp32"  # bf16: each stage computes under autocast (its weights and AdamW state stay fp32)
     recompute: bool = False  # activation checkpointing of the stage's module ops
-    guard: str = "retry"  # numeric guards (runtime/guards.py): off | retry | stop; off checks nothing
+    guard: str = "retry"  # numeric guards (runtime/stage/guards.py): off | retry | stop; off checks nothing
     guard_factor: float = 100.0  # a received tensor whose norm exceeds this many times its edge's running estimate is bad
 
 
@@ -276,179 +219,7 @@ class Assigned(Message):
     data: str = "own"  # "own": reads its batches; else why not (the coordinator feeds it)
 
 
-# ---- training ------------------------------------------------------------------------------------
-@dataclass
-class Step(Message):
-    step: int
-    lr: float
-    inputs: dict[str, dict[str, bytes]] | None = None  # per micro-batch, per edge: only for workers without their own data
-    ratios: dict[str, float] | None = None  # adatopk: byte target per destination worker
-    attempt: int = 0  # a step run again (after a bad tensor aborted it) is the same step, one attempt later
-    budget_scale: float = 1.0  # adatopk: the error budgets of activations and gradients times this (compressed cuts share them)
-    budget_cap: float = 1.0  # adatopk: every role's error budget at most this (a run's early steps: compress/budget.budget_cap)
-    trust_norms: bool = False  # a data spike (the same norms on a retry): no norm test this attempt, only finiteness (bad_steps.py)
-
-
-
-@dataclass
-class Failure(Message):
-    worker: int
-    index: int
-    action: str
-    error: str
-
-
-@dataclass
-class BadTensor(Message):
-    """A tensor the numeric guards refused: who sent it (the suspect), who found it, and why."""
-
-    suspect: int
-    detector: int
-    kind: str  # act | grad | reduce | norm | own (the detector's own gradients)
-    edge: str
-    mb: int
-    why: str
-    ratio: float = 0.0  # its norm over the running estimate (inf: not finite; 0: not norm-tested)
-
-
-@dataclass
-class StepDone(Message):
-    losses: dict[str, float] = field(default_factory=dict)
-    grad_norm: float = 0.0
-    accum_sq: list[float] = field(default_factory=list)  # per micro-batch: squared norm of the gradients so far (noise scale)
-    seconds: float = 0.0
-    bytes_to: dict[str, int] = field(default_factory=dict)
-    link_stats: dict[str, list[float]] = field(default_factory=dict)  # per destination: bytes, busy s, messages
-    codecs: dict[str, dict[str, str]] = field(default_factory=dict)  # AdaTopK, per destination: the codec each role last sent
-    world_stats: dict[str, list[float]] = field(default_factory=dict)  # the same, of transfers through a torch.distributed world
-    carried_to: dict[str, int] = field(default_factory=dict)  # bytes sent through the world point to point, per destination (so far)
-    failed: Failure | None = None
-    aborted: bool = False
-    cpu_s: float = 0.0  # the worker process's CPU seconds so far (its device's busy time, for utilisation)
-    rss_base: int = 0  # bytes resident when the stage was assigned (before its weights), and the peak since the process began:
-    rss_peak: int = 0  # peak - base is what the stage holds at its busiest (benchmarks/memory.py)
-    bad: list[BadTensor] = field(default_factory=list)  # tensors the numeric guards refused in this attempt
-    skipped: bool = False  # no optimizer update was applied (a bad tensor anywhere in the step)
-    received_excess: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind, per sender: the largest norm/estimate accepted
-    sent_excess: dict[str, float] = field(default_factory=dict)  # per kind: the largest norm/estimate sent (its own estimate; control/blame.py)
-
-
-@dataclass
-class Evaluate(Message):
-    """Run the forward-only program over the validation batches (``Batcher.eval_starts``)."""
-
-    at_step: int
-    batches: int
-    inputs: dict[str, dict[str, dict[str, bytes]]] | None = None  # per batch, per micro-batch, per edge (no own data)
-    outer: bool = False  # hierarchical mode: evaluate the outer weights (the model all groups share), not the local ones
-
-
-# ---- hierarchical mode: the outer sync of one fragment -------------------------------------------
-@dataclass
-class OuterApply(Message):
-    round: int
-    groups: dict[str, float]  # the groups whose deltas of this round are averaged -> their weight (tokens)
-    step: int = -1  # the run's step once this round is applied (a restarted coordinator resumes there); -1: unknown
-    scale: dict[str, float] = field(default_factory=dict)  # a group's delta times this before it is averaged (clipped; default 1)
-    aggregate: str = "mean"  # mean | clipped | trimmed (runtime/outer_check.py)
-
-
-@dataclass
-class OuterSync(Message):
-    """Send this fragment's pseudo-gradient of ``round`` (``send``) and apply the listed rounds' averages."""
-
-    fragment: int
-    round: int
-    send: bool = True
-    apply: list[OuterApply] = field(default_factory=list)
-
-
-@dataclass
-class OuterSynced(Message):
-    bytes_to: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes pushed per destination worker
-    seconds: float = 0.0
-
-
-@dataclass
-class OuterCheck(Message):
-    """Before ``round`` of ``fragment`` is averaged: report on the deltas of ``groups`` (``again``:
-    groups that sent again, read anew)."""
-
-    fragment: int
-    round: int
-    groups: list[int]
-    again: list[int] = field(default_factory=list)
-
-
-@dataclass
-class OuterChecked(Message):
-    """Over the parameters this worker leads: per sending group, its dot products with each group's
-    delta (key: the group) and with the outer momentum (key ``m``), and whether it is finite."""
-
-    dots: dict[str, dict[str, float]] = field(default_factory=dict)
-    finite: dict[str, bool] = field(default_factory=dict)
-    momentum_sq: float = 0.0
-    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # per sending group, per parameter: its decoded delta's digest
-
-
-@dataclass
-class OuterResend(Message):
-    """Push this fragment's delta of ``round`` again, as it went out (a checked outer step refused it)."""
-
-    fragment: int
-    round: int
-
-
-@dataclass
-class Regroup(Message):
-    """Hierarchical mode: the groups changed (one joined, dead ones dropped): the new HierPlan, and
-    the addresses of workers this one has not heard of (the joining group's)."""
-
-    hier: str
-    addresses: dict[str, str] = field(default_factory=dict)
-    data_addresses: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Evaluated(Message):
-    losses: dict[str, dict[str, float]] = field(default_factory=dict)  # per batch, per micro-batch: held by the loss's stage
-    failed: Failure | None = None
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # a task's metric, where this stage holds its output and targets
-
-
-@dataclass
-class SaveShard(Message):
-    """Write this stage's weights and optimizer state as ``directory/stage-<k>.safetensors`` (``outer``,
-    hierarchical mode: the outer weights as ``param/<name>`` and the outer momentum)."""
-
-    directory: str
-    step: int
-    outer: bool = False
-
-
-@dataclass
-class ShardSaved(Message):
-    path: str
-    nbytes: int
-    sha256: str
-
-
-@dataclass
-class GetState(Message):
-    """One page of the stage's packed state (weights and AdamW, safetensors); with ``outer`` (hierarchical
-    mode) the outer weights (``param/<name>``) and the outer momentum (``outer/momentum/<name>``)."""
-
-    offset: int = 0
-    size: int = 64 << 20
-    outer: bool = False
-
-
-@dataclass
-class StatePage(Message):
-    data: bytes
-    total: int
-
-
+# ---- small replies and calls --------------------------------------------------------------------
 @dataclass
 class Empty(Message):
     pass
