@@ -171,15 +171,8 @@ def unregister(cls: type[Codec]) -> None:
             del table[key]
 
 
-def _load() -> None:
-    """The built-in codecs, registered on first use (``CodecSpec`` may be used before they are imported)."""
-    if not _BY_KIND:
-        import fusionllm.compress.codecs  # noqa: F401  (registers every module of the package)
-
-
 def codec_of(kind: str) -> Codec:
     """The registered codec that parses ``kind``."""
-    _load()
     try:
         return _BY_KIND[kind]
     except KeyError:
@@ -188,7 +181,6 @@ def codec_of(kind: str) -> Codec:
 
 def decoder_of(tag: str) -> Codec:
     """The registered codec that decodes wire tag ``tag``."""
-    _load()
     try:
         return _BY_TAG[tag]
     except KeyError:
@@ -197,7 +189,6 @@ def decoder_of(tag: str) -> Codec:
 
 def decodes(tag: object) -> bool:
     """Whether ``tag`` (a header's ``codec`` field, any type) is a wire tag some codec decodes."""
-    _load()
     return isinstance(tag, str) and tag in _BY_TAG
 
 
