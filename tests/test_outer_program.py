@@ -1,0 +1,79 @@
+"""The outer step as programs: the action text, the lowering from a HierPlan (golden programs), the
+validator's rules, and the round simulator that replays the programs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionllm.models.spec import build_model
+from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.schedule.actions import OuterAction
+from fusionllm.schedule.hierarchy import make_hier_plan
+from fusionllm.schedule.outer_program import outer_programs, outer_routes, program_text
+
+TWO_OVERLAP = """\
+w0: 0INNER1-2.0 0OSEND0.0>w1 0ORECV0.0<w1 0INNER3-4.0 0OSEND1.0>w1 0ORECV1.0<w1 0INNER1-2.1 0OSEND0.1>w1 0ORECV0.1<w1 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.1 0OSEND1.1>w1 0ORECV1.1<w1 0OREDUCE1.0 0OAPPLY1.0
+w1: 1INNER1-2.0 1OSEND0.0>w0 1ORECV0.0<w0 1INNER3-4.0 1OSEND1.0>w0 1ORECV1.0<w0 1INNER1-2.1 1OSEND0.1>w0 1ORECV0.1<w0 1OREDUCE0.0 1OAPPLY0.0 1INNER3-4.1 1OSEND1.1>w0 1ORECV1.1<w0 1OREDUCE1.0 1OAPPLY1.0
+"""
+TWO_BLOCKING = """\
+w0: 0INNER1-2.0 0OSEND0.0>w1 0ORECV0.0<w1 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.0 0OSEND1.0>w1 0ORECV1.0<w1 0OREDUCE1.0 0OAPPLY1.0 0INNER1-2.1 0OSEND0.1>w1 0ORECV0.1<w1 0OREDUCE0.1 0OAPPLY0.1 0INNER3-4.1 0OSEND1.1>w1 0ORECV1.1<w1 0OREDUCE1.1 0OAPPLY1.1
+w1: 1INNER1-2.0 1OSEND0.0>w0 1ORECV0.0<w0 1OREDUCE0.0 1OAPPLY0.0 1INNER3-4.0 1OSEND1.0>w0 1ORECV1.0<w0 1OREDUCE1.0 1OAPPLY1.0 1INNER1-2.1 1OSEND0.1>w0 1ORECV0.1<w0 1OREDUCE0.1 1OAPPLY0.1 1INNER3-4.1 1OSEND1.1>w0 1ORECV1.1<w0 1OREDUCE1.1 1OAPPLY1.1
+"""
+THREE_OVERLAP = """\
+w0: 0INNER1-2.0 0OSEND0.0>w2,w3 0ORECV0.0<w2,w3 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0INNER1-2.1 0OSEND0.1>w2,w3 0ORECV0.1<w2,w3 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.1 0OSEND1.1>w2,w3 0ORECV1.1<w2,w3 0OREDUCE1.0 0OAPPLY1.0
+w1: 0INNER1-2.0 0OSEND0.0 0ORECV0.0<w2,w3 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0INNER1-2.1 0OSEND0.1 0ORECV0.1<w2,w3 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.1 0OSEND1.1>w2,w3 0ORECV1.1<w2,w3 0OREDUCE1.0 0OAPPLY1.0
+w2: 1INNER1-2.0 1OSEND0.0>w0,w1,w3 1ORECV0.0<w0,w3 1INNER3-4.0 1OSEND1.0>w0,w1,w3 1ORECV1.0<w0,w1,w3 1INNER1-2.1 1OSEND0.1>w0,w1,w3 1ORECV0.1<w0,w3 1OREDUCE0.0 1OAPPLY0.0 1INNER3-4.1 1OSEND1.1>w0,w1,w3 1ORECV1.1<w0,w1,w3 1OREDUCE1.0 1OAPPLY1.0
+w3: 2INNER1-2.0 2OSEND0.0>w0,w1,w2 2ORECV0.0<w0,w2 2INNER3-4.0 2OSEND1.0>w0,w1,w2 2ORECV1.0<w0,w1,w2 2INNER1-2.1 2OSEND0.1>w0,w1,w2 2ORECV0.1<w0,w2 2OREDUCE0.0 2OAPPLY0.0 2INNER3-4.1 2OSEND1.1>w0,w1,w2 2ORECV1.1<w0,w1,w2 2OREDUCE1.0 2OAPPLY1.0
+"""
+THREE_BLOCKING = """\
+w0: 0INNER1-2.0 0OSEND0.0>w2,w3 0ORECV0.0<w2,w3 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0OREDUCE1.0 0OAPPLY1.0 0INNER1-2.1 0OSEND0.1>w2,w3 0ORECV0.1<w2,w3 0OREDUCE0.1 0OAPPLY0.1 0INNER3-4.1 0OSEND1.1>w2,w3 0ORECV1.1<w2,w3 0OREDUCE1.1 0OAPPLY1.1
+w1: 0INNER1-2.0 0OSEND0.0 0ORECV0.0<w2,w3 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0OREDUCE1.0 0OAPPLY1.0 0INNER1-2.1 0OSEND0.1 0ORECV0.1<w2,w3 0OREDUCE0.1 0OAPPLY0.1 0INNER3-4.1 0OSEND1.1>w2,w3 0ORECV1.1<w2,w3 0OREDUCE1.1 0OAPPLY1.1
+w2: 1INNER1-2.0 1OSEND0.0>w0,w1,w3 1ORECV0.0<w0,w3 1OREDUCE0.0 1OAPPLY0.0 1INNER3-4.0 1OSEND1.0>w0,w1,w3 1ORECV1.0<w0,w1,w3 1OREDUCE1.0 1OAPPLY1.0 1INNER1-2.1 1OSEND0.1>w0,w1,w3 1ORECV0.1<w0,w3 1OREDUCE0.1 1OAPPLY0.1 1INNER3-4.1 1OSEND1.1>w0,w1,w3 1ORECV1.1<w0,w1,w3 1OREDUCE1.1 1OAPPLY1.1
+w3: 2INNER1-2.0 2OSEND0.0>w0,w1,w2 2ORECV0.0<w0,w2 2OREDUCE0.0 2OAPPLY0.0 2INNER3-4.0 2OSEND1.0>w0,w1,w2 2ORECV1.0<w0,w1,w2 2OREDUCE1.0 2OAPPLY1.0 2INNER1-2.1 2OSEND0.1>w0,w1,w2 2ORECV0.1<w0,w2 2OREDUCE0.1 2OAPPLY0.1 2INNER3-4.1 2OSEND1.1>w0,w1,w2 2ORECV1.1<w0,w1,w2 2OREDUCE1.1 2OAPPLY1.1
+"""
+
+
+@pytest.fixture(scope="module")
+def graph():  # noqa: ANN201
+    return trace_lm(build_model("gpt-micro", 256, device="meta"), 4, 64, spec="gpt-micro")
+
+
+@pytest.mark.parametrize("text", ["0INNER1-3.2", "0OSEND1.2>w3,w5", "1ORECV1.2<w0", "0OREDUCE1.2", "0OAPPLY1.2", "0OSEND0.0", "12INNER7-7.30"])
+def test_an_outer_action_prints_as_it_parses(text: str) -> None:
+    a = OuterAction.parse(text)
+    assert str(a) == text and OuterAction.parse(str(a)) == a
+
+
+@pytest.mark.parametrize("text", ["0OSEND1.2<w3", "0ORECV1.2>w3", "0INNER3.2", "0OAPPLY1-2.2", "0OREDUCE1.2>w1", "0INNER3-2.0", "0INNER0-2.0", "0OSEND1>w3", "0F1.2"])
+def test_a_malformed_outer_action_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        OuterAction.parse(text)
+
+
+@pytest.mark.parametrize(("groups", "overlap", "golden"), [
+    ([[0], [1]], True, TWO_OVERLAP),
+    ([[0], [1]], False, TWO_BLOCKING),
+    ([[0, 1], [2], [3]], True, THREE_OVERLAP),
+    ([[0, 1], [2], [3]], False, THREE_BLOCKING),
+])
+def test_a_hier_plan_lowers_to_the_golden_round_programs(graph, groups: list[list[int]], overlap: bool, golden: str) -> None:  # noqa: ANN001
+    """H=4, two fragments (synced after inner steps 2 and 4), two rounds. With overlap a fragment's
+    average of round 0 is reduced and applied at its sync point of round 1, after that round's send;
+    without, right after its own send. Group 0 of the three is a two-stage pipeline: worker 1 holds the
+    tied embedding of fragment 0 but does not lead it (worker 0 sends it), and still receives it."""
+    hier = make_hier_plan(graph, groups, inner_steps=4, fragments=2, overlap=overlap)
+    assert program_text(outer_programs(hier, outer_routes(graph, hier), rounds=2)) == golden.strip()
+
+
+def test_a_delay_shorter_than_a_round_applies_that_many_inner_steps_after_the_send(graph) -> None:  # noqa: ANN001
+    """Uneven H (4 and 8) and a delay of 3 inner steps: group 0's fragment 0, sent after step 2,
+    is applied after step 1 of the next round; the coordinator's loop does the same."""
+    hier = make_hier_plan(graph, [[0], [1]], inner_steps=[4, 8], fragments=2, delay_steps=3)
+    progs = outer_programs(hier, outer_routes(graph, hier), rounds=2)
+    assert " ".join(map(str, progs[0])) == ("0INNER1-2.0 0OSEND0.0>w1 0ORECV0.0<w1 0INNER3-4.0 0OSEND1.0>w1 0ORECV1.0<w1 "
+                                            "0INNER1-1.1 0OREDUCE0.0 0OAPPLY0.0 0INNER2-2.1 0OSEND0.1>w1 0ORECV0.1<w1 "
+                                            "0INNER3-3.1 0OREDUCE1.0 0OAPPLY1.0 0INNER4-4.1 0OSEND1.1>w1 0ORECV1.1<w1")
+    assert " ".join(map(str, progs[1])) == ("1INNER1-4.0 1OSEND0.0>w0 1ORECV0.0<w0 1INNER5-7.0 1OREDUCE0.0 1OAPPLY0.0 "
+                                            "1INNER8-8.0 1OSEND1.0>w0 1ORECV1.0<w0 1INNER1-3.1 1OREDUCE1.0 1OAPPLY1.0 "
+                                            "1INNER4-4.1 1OSEND0.1>w0 1ORECV0.1<w0 1INNER5-7.1 1OREDUCE0.1 1OAPPLY0.1 "
+                                            "1INNER8-8.1 1OSEND1.1>w0 1ORECV1.1<w0")
