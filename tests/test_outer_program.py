@@ -9,7 +9,14 @@ from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
 from fusionllm.schedule.actions import OuterAction
 from fusionllm.schedule.hierarchy import make_hier_plan
-from fusionllm.schedule.outer_program import outer_programs, outer_routes, program_text
+from fusionllm.schedule.outer_program import (
+    outer_programs,
+    outer_routes,
+    parse_program_text,
+    program_text,
+)
+from fusionllm.schedule.outer_validate import validate_outer
+from fusionllm.schedule.validate import InvalidPlan
 
 TWO_OVERLAP = """\
 w0: 0INNER1-2.0 0OSEND0.0>w1 0ORECV0.0<w1 0INNER3-4.0 0OSEND1.0>w1 0ORECV1.0<w1 0INNER1-2.1 0OSEND0.1>w1 0ORECV0.1<w1 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.1 0OSEND1.1>w1 0ORECV1.1<w1 0OREDUCE1.0 0OAPPLY1.0
@@ -77,3 +84,46 @@ def test_a_delay_shorter_than_a_round_applies_that_many_inner_steps_after_the_se
                                             "1INNER8-8.0 1OSEND1.0>w0 1ORECV1.0<w0 1INNER1-3.1 1OREDUCE1.0 1OAPPLY1.0 "
                                             "1INNER4-4.1 1OSEND0.1>w0 1ORECV0.1<w0 1INNER5-7.1 1OREDUCE0.1 1OAPPLY0.1 "
                                             "1INNER8-8.1 1OSEND1.1>w0 1ORECV1.1<w0")
+
+
+def test_program_text_parses_back(graph) -> None:  # noqa: ANN001
+    assert program_text(parse_program_text(THREE_OVERLAP)) == THREE_OVERLAP.strip()
+
+
+@pytest.mark.parametrize(("groups", "overlap", "golden"), [([[0], [1]], False, TWO_BLOCKING), ([[0, 1], [2], [3]], True, THREE_OVERLAP)])
+def test_the_golden_programs_are_valid(graph, groups: list[list[int]], overlap: bool, golden: str) -> None:  # noqa: ANN001
+    validate_outer(make_hier_plan(graph, groups, inner_steps=4, fragments=2, overlap=overlap), parse_program_text(golden))
+
+
+BROKEN = [  # (which golden, what is replaced, by what, the rule, the marked cell or None, words of the message)
+    ("two", "w0: 0INNER1-2.0 0OSEND0.0>w1 ", "w0: 0INNER1-2.0 ", "rounds", None, "never runs OSEND of fragment 0 in round 0"),
+    ("two", "0INNER3-4.0", "0INNER4-4.0", "rounds", "0INNER4-4.0", "inner steps 4-4 of round 0 after step 2"),
+    ("two", "0INNER3-4.1", "0INNER3-3.1", "rounds", None, "runs 3 of round 1's 4 inner steps"),
+    ("two", "0OSEND1.0>w1 ", "0OSEND1.0>w1 0OSEND1.0 ", "rounds", "0OSEND1.0", "a second time"),
+    ("two", "1OSEND0.0>w0", "0OSEND0.0>w0", "rounds", "0OSEND0.0>w0", "names group 0, but worker 1 is in group 1"),
+    ("two", "0OREDUCE0.0 0OAPPLY0.0", "0OAPPLY0.0 0OREDUCE0.0", "order", "0OAPPLY0.0", "before its OREDUCE"),
+    ("two", "0OREDUCE1.1 0OAPPLY1.1", "0OREDUCE1.1", "order", "0OREDUCE1.1", "not followed by its OAPPLY"),
+    ("two", "1ORECV0.0<w0", "1ORECV0.0", "messages", "0OSEND0.0>w1", "worker 1, which never receives it"),
+    ("three", "1ORECV0.0<w0,w3", "1ORECV0.0<w0,w1,w3", "messages", "1ORECV0.0<w0,w1,w3", "from worker 1, which never sends it"),
+    ("two", "1INNER1-2.0 1OSEND0.0>w0 1ORECV0.0<w0 1OREDUCE0.0 1OAPPLY0.0 1INNER3-4.0 1OSEND1.0>w0 1ORECV1.0<w0 1OREDUCE1.0 1OAPPLY1.0",
+     "1INNER1-2.0 1OSEND1.0>w0 1ORECV1.0<w0 1OREDUCE1.0 1OAPPLY1.0 1INNER3-4.0 1OSEND0.0>w0 1ORECV0.0<w0 1OREDUCE0.0 1OAPPLY0.0",
+     "deadlock", "0OREDUCE0.0", "0OREDUCE0.0 on worker 0 waits for 1OSEND0.0 on worker 1; 1OREDUCE1.0 on worker 1 waits for 0OSEND1.0 on worker 0"),
+    ("three", "w1: 0INNER1-2.0 0OSEND0.0 0ORECV0.0<w2,w3 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0INNER1-2.1 0OSEND0.1 0ORECV0.1<w2,w3 0OREDUCE0.0 0OAPPLY0.0",
+     "w1: 0INNER1-2.0 0OSEND0.0 0ORECV0.0<w2,w3 0INNER3-4.0 0OSEND1.0>w2,w3 0ORECV1.0<w2,w3 0INNER1-2.1 0OREDUCE0.0 0OAPPLY0.0 0OSEND0.1 0ORECV0.1<w2,w3",
+     "deadlock", "0OSEND0.1>w2,w3", "0OSEND0.1 on worker 0 waits for worker 1 to reach 0OSEND0.1 (a call to the whole group)"),
+]
+
+
+@pytest.mark.parametrize(("which", "old", "new", "rule", "cell", "words"), BROKEN)
+def test_each_rule_of_the_outer_validator_fails_on_a_program_that_breaks_it(graph, which: str, old: str, new: str, rule: str,  # noqa: ANN001
+                                                                            cell: str | None, words: str) -> None:
+    """The golden programs with one change each; the error names the rule, says what is wrong and
+    prints the grid with the failing cell marked."""
+    golden, groups, overlap = (TWO_BLOCKING, [[0], [1]], False) if which == "two" else (THREE_OVERLAP, [[0, 1], [2], [3]], True)
+    assert golden.count(old) == 1
+    hier = make_hier_plan(graph, groups, inner_steps=4, fragments=2, overlap=overlap)
+    with pytest.raises(InvalidPlan) as err:
+        validate_outer(hier, parse_program_text(golden.replace(old, new)))
+    assert err.value.rule == rule and words in str(err.value), str(err.value)
+    grid = str(err.value).split("\n", 1)[1]
+    assert grid.count("!") == (0 if cell is None else 2) and (cell is None or f"!{cell}!" in grid), grid

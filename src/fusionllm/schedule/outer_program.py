@@ -113,3 +113,14 @@ def outer_programs(hier: HierPlan, routes: OuterRoutes, rounds: int = 1) -> dict
 def program_text(programs: dict[int, list[OuterAction]]) -> str:
     """One line per worker (``w0: 0INNER1-2.0 0OSEND0.0>w1 ...``): the golden form of tests and logs."""
     return "\n".join(f"w{w}: {' '.join(map(str, prog))}" for w, prog in programs.items())
+
+
+def parse_program_text(text: str) -> dict[int, list[OuterAction]]:
+    """``program_text``'s form read back (tests build broken programs from golden ones this way)."""
+    out: dict[int, list[OuterAction]] = {}
+    for line in text.strip().splitlines():
+        head, _, body = line.partition(":")
+        if not head.startswith("w") or not head[1:].isdigit():
+            raise ValueError(f"not a program line: {line!r} (expected w<worker>: <action> <action> ...)")
+        out[int(head[1:])] = [OuterAction.parse(t) for t in body.split()]
+    return out
