@@ -70,23 +70,23 @@ def group_program(hier: HierPlan, group: int, rounds: int) -> list[OuterAction]:
     delay = min(hier.delay_of(g), h)
     pending: list[tuple[int, int, int]] = []  # (inner step of the run it is due after, fragment, round)
     out: list[OuterAction] = []
-    i = 0
+    offsets = sync_offsets(h, frags)
     for k in range(rounds):
-        offsets = sync_offsets(h, frags)
-        last = 0
-        for j in range(1, h + 1):
-            i += 1
+        base, j, last = k * h, 0, 0
+        while True:  # from one inner step with an outer action to the next (a round of H 64 has a few)
+            j = min([o for o in offsets if o > j] + [p[0] - base for p in pending], default=h + 1)
+            if j > h:
+                break
             events: list[OuterAction] = []
             for f, off in enumerate(offsets):
                 if off == j:
                     events += [OuterAction(group, "OSEND", f, k), OuterAction(group, "ORECV", f, k)]
-                    pending.append((i + delay, f, k))
-            for due in [p for p in pending if p[0] <= i]:
+                    pending.append((base + j + delay, f, k))
+            for due in [p for p in pending if p[0] <= base + j]:
                 pending.remove(due)
                 events += [OuterAction(group, "OREDUCE", due[1], due[2]), OuterAction(group, "OAPPLY", due[1], due[2])]
-            if events:
-                out += [OuterAction(group, "INNER", j, k, last + 1), *events]
-                last = j
+            out += [OuterAction(group, "INNER", j, k, last + 1), *events]
+            last = j
         if last < h:
             out.append(OuterAction(group, "INNER", h, k, last + 1))
     return out
