@@ -17,6 +17,9 @@ from fusionllm.schedule.outer_program import (
 )
 from fusionllm.schedule.outer_validate import validate_outer
 from fusionllm.schedule.validate import InvalidPlan
+from fusionllm.sim.outer_replay import OuterCosts, replay_rounds
+from fusionllm.sim.rounds import round_programs, round_traffic
+from fusionllm.sim.simulator import Deadlock
 
 TWO_OVERLAP = """\
 w0: 0INNER1-2.0 0OSEND0.0>w1 0ORECV0.0<w1 0INNER3-4.0 0OSEND1.0>w1 0ORECV1.0<w1 0INNER1-2.1 0OSEND0.1>w1 0ORECV0.1<w1 0OREDUCE0.0 0OAPPLY0.0 0INNER3-4.1 0OSEND1.1>w1 0ORECV1.1<w1 0OREDUCE1.0 0OAPPLY1.0
@@ -127,3 +130,42 @@ def test_each_rule_of_the_outer_validator_fails_on_a_program_that_breaks_it(grap
     assert err.value.rule == rule and words in str(err.value), str(err.value)
     grid = str(err.value).split("\n", 1)[1]
     assert grid.count("!") == (0 if cell is None else 2) and (cell is None or f"!{cell}!" in grid), grid
+
+
+def test_the_simulator_lowers_the_same_programs_from_its_traffic_as_from_the_exchange_rule(graph) -> None:  # noqa: ANN001
+    """The round simulator finds its worker pairs from parameter sizes (``round_traffic``), the runtime
+    from parameter names (``exchange``): the two must give the same programs, or the simulator
+    replays a program no worker runs."""
+    for groups, h, frags, delay in (([[0, 1], [2], [3]], [4, 4, 4], 2, 0), ([[0, 1, 2], [3, 4], [5]], [3, 5, 8], 3, 2),
+                                    ([[0], [1, 2, 3, 4]], [2, 6], 4, 0)):
+        hier = make_hier_plan(graph, groups, inner_steps=h, fragments=frags, delay_steps=delay)
+        assert round_programs(hier, round_traffic(graph, hier), 3) == outer_programs(hier, outer_routes(graph, hier), rounds=3)
+
+
+def _costs(link_s: float, sync_s: float = 0.0) -> OuterCosts:
+    """Two one-device groups, 1 s inner steps, fragments of two messages each way taking ``link_s``."""
+    messages = {(f, s, d): (link_s, 0.0, 0.0) for f in range(2) for s, d in ((0, 1), (1, 0))}
+    return OuterCosts(messages, {}, {}, sync_s, [1.0, 1.0], [False, False])
+
+
+@pytest.mark.parametrize(("golden", "ends", "waits"), [
+    (TWO_BLOCKING, [10.0, 20.0, 30.0, 40.0], [6.0, 6.0, 6.0, 6.0]),  # each fragment waits for its own 3 s message
+    (TWO_OVERLAP, [4.0, 8.0, 14.0, 20.0], [0.0, 0.0, 2.0, 2.0]),  # the link paces it: two 3 s messages a round, 4 s of steps
+])
+def test_the_replay_of_two_groups_programs_keeps_the_clock_worked_out_by_hand(graph, golden: str, ends: list[float], waits: list[float]) -> None:  # noqa: ANN001
+    """H=4, fragments sent after steps 2 and 4, each message 3 s on its link (FIFO). Blocking: a round
+    is 4 s of steps and two 3 s waits. Overlapped: round 1's messages queue behind round 0's (f1 of
+    round 0 waits for f0's link until 5 s), so from round 2 on each average arrives late and the round
+    is the link's 6 s."""
+    overlap = golden is TWO_OVERLAP
+    hier = make_hier_plan(graph, [[0], [1]], inner_steps=4, fragments=2, overlap=overlap)
+    progs = outer_programs(hier, outer_routes(graph, hier), rounds=4)
+    r = replay_rounds(hier, progs, _costs(3.0), 4)
+    assert r.ends == [ends, ends] and r.waits == [waits, waits]
+
+
+def test_a_replay_of_programs_that_deadlock_stops_with_the_stuck_actions(graph) -> None:  # noqa: ANN001
+    hier = make_hier_plan(graph, [[0], [1]], inner_steps=4, fragments=2, overlap=False)
+    old, new = BROKEN[9][1], BROKEN[9][2]
+    with pytest.raises(Deadlock, match="1OREDUCE1.0"):
+        replay_rounds(hier, parse_program_text(TWO_BLOCKING.replace(old, new)), _costs(1.0), 2)
