@@ -142,10 +142,10 @@ def test_the_simulator_lowers_the_same_programs_from_its_traffic_as_from_the_exc
         assert round_programs(hier, round_traffic(graph, hier), 3) == outer_programs(hier, outer_routes(graph, hier), rounds=3)
 
 
-def _costs(link_s: float, sync_s: float = 0.0) -> OuterCosts:
-    """Two one-device groups, 1 s inner steps, fragments of two messages each way taking ``link_s``."""
-    messages = {(f, s, d): (link_s, 0.0, 0.0) for f in range(2) for s, d in ((0, 1), (1, 0))}
-    return OuterCosts(messages, {}, {}, sync_s, [1.0, 1.0], [False, False])
+def _costs(link_s: float, latency: float = 0.0) -> OuterCosts:
+    """Two one-device groups, 1 s inner steps, fragments of two messages each way taking ``link_s`` on the link."""
+    messages = {(f, s, d): (link_s, latency, 0.0) for f in range(2) for s, d in ((0, 1), (1, 0))}
+    return OuterCosts(messages, {}, {}, 0.0, [1.0, 1.0], [False, False])
 
 
 @pytest.mark.parametrize(("golden", "ends", "waits"), [
@@ -169,3 +169,14 @@ def test_a_replay_of_programs_that_deadlock_stops_with_the_stuck_actions(graph) 
     old, new = BROKEN[9][1], BROKEN[9][2]
     with pytest.raises(Deadlock, match="1OREDUCE1.0"):
         replay_rounds(hier, parse_program_text(TWO_BLOCKING.replace(old, new)), _costs(1.0), 2)
+
+
+def test_fragments_that_sync_after_the_same_inner_step_are_all_sent_before_any_is_applied(graph) -> None:  # noqa: ANN001
+    """H=1 with two fragments: both sync after step 1. The coordinator's loop sends every fragment
+    of an inner step, then applies the averages due, so a blocking plan's two messages cross the
+    link together, not one exchange after the other."""
+    hier = make_hier_plan(graph, [[0], [1]], inner_steps=1, fragments=2, overlap=False)
+    progs = outer_programs(hier, outer_routes(graph, hier), rounds=1)
+    assert " ".join(map(str, progs[0])) == "0INNER1-1.0 0OSEND0.0>w1 0ORECV0.0<w1 0OSEND1.0>w1 0ORECV1.0<w1 0OREDUCE0.0 0OAPPLY0.0 0OREDUCE1.0 0OAPPLY1.0"
+    r = replay_rounds(hier, progs, _costs(3.0, latency=1.0), 1)
+    assert r.ends == [[1.0 + 3.0 + 3.0 + 1.0], [8.0]]  # back to back on the link, one latency: not 1 + 2 x (3 + 1)
