@@ -3,12 +3,17 @@ validator's rules, and the round simulator that replays the programs."""
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 
+from fusionllm.core.errors import FusionError
 from fusionllm.models.spec import build_model
 from fusionllm.runtime.model_graph import trace_lm
+from fusionllm.runtime.outer import HANDLERS, OuterCall, OuterState
 from fusionllm.schedule.actions import OuterAction
-from fusionllm.schedule.hierarchy import make_hier_plan
+from fusionllm.schedule.hierarchy import exchange, make_hier_plan
 from fusionllm.schedule.outer_program import (
     outer_programs,
     outer_routes,
@@ -180,3 +185,36 @@ def test_fragments_that_sync_after_the_same_inner_step_are_all_sent_before_any_i
     assert " ".join(map(str, progs[0])) == "0INNER1-1.0 0OSEND0.0>w1 0ORECV0.0<w1 0OSEND1.0>w1 0ORECV1.0<w1 0OREDUCE0.0 0OAPPLY0.0 0OREDUCE1.0 0OAPPLY1.0"
     r = replay_rounds(hier, progs, _costs(3.0, latency=1.0), 1)
     assert r.ends == [[1.0 + 3.0 + 3.0 + 1.0], [8.0]]  # back to back on the link, one latency: not 1 + 2 x (3 + 1)
+
+
+def test_a_worker_runs_the_outer_actions_its_program_names(graph) -> None:  # noqa: ANN001
+    """What an ``OuterSync`` makes a worker run (``OuterState.actions``, dispatched by ``HANDLERS``)
+    is, action for action, what its lowered program says at that sync point: the runtime and the
+    simulator run one program."""
+    hier = make_hier_plan(graph, [[0, 1], [2], [3]], inner_steps=4, fragments=2)
+    for w, prog in outer_programs(hier, outer_routes(graph, hier), rounds=2).items():
+        exchanges = [exchange(graph, hier, w, f) for f in range(len(hier.fragments))]
+        state = OuterState(hier, exchanges, hier.group_of(w).index, {n: np.zeros(1, np.float32) for e in exchanges for n in e.mine})
+        assert [a for a in prog if a.kind in ("OSEND", "ORECV")] == [
+            x for a in prog if a.kind == "OSEND" for x in state.actions(a.index, a.round, send=True, apply=[])]
+        assert [a for a in prog if a.kind in ("OREDUCE", "OAPPLY")] == [
+            x for a in prog if a.kind == "OREDUCE" for x in state.actions(a.index, a.round, send=False, apply=[a.round])]
+        assert set(HANDLERS) == {"OSEND", "ORECV", "OREDUCE", "OAPPLY"}
+
+
+def test_a_worker_refuses_an_inner_step_or_another_fragment_in_one_outer_call(graph) -> None:  # noqa: ANN001
+    hier = make_hier_plan(graph, [[0], [1]], inner_steps=4, fragments=2)
+    exchanges = [exchange(graph, hier, 0, f) for f in range(2)]
+    state = OuterState(hier, exchanges, 0, {n: np.zeros(1, np.float32) for e in exchanges for n in e.mine})
+    call = OuterCall(lambda names: {}, lambda weights: None, _no_push, _no_get, 0, 1.0)
+    for bad in ("0INNER1-2.0", "0OSEND1.0>w1"):
+        with pytest.raises(FusionError, match="of fragment 0 only"):
+            asyncio.run(state.run(0, [OuterAction.parse(bad)], call))
+
+
+async def _no_push(*args: object, **kwargs: object) -> None:
+    raise AssertionError("nothing is pushed")
+
+
+async def _no_get(key: tuple, timeout: float) -> None:
+    raise AssertionError("nothing is read")
