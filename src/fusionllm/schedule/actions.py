@@ -7,6 +7,12 @@ weights); ``2STEP`` clips with the global norm and applies the optimizer. A sche
 compute actions by a pure function (``gpipe``, ``one_f_one_b``), then ``lower`` inserts the
 communication, resolved: every SEND/RECV names its peer workers and the edges it carries, so the
 runtime and the simulator run the action's own fields and decide nothing.
+
+The outer step of a run of several groups is actions too (``OuterAction``): ``0INNER1-3.2`` is group
+0's inner steps 1 to 3 of round 2; ``0OSEND1.2>w3,w5`` sends fragment 1 of round 2's pseudo-gradient
+to workers 3 and 5; ``0ORECV1.2<w3`` posts the receive of the same from worker 3; ``0OREDUCE1.2``
+averages every group's share of it (waiting for what has not arrived) and ``0OAPPLY1.2`` applies the
+outer optimiser step. ``schedule/outer_program.py`` lowers a ``HierPlan`` to such programs.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE", "STEP")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -154,7 +160,77 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def format_grid(lists: dict[str, Sequence[Action]], failed: tuple[str, int] | None = None) -> str:
+OUTER_KINDS = ("INNER", "OSEND", "ORECV", "OREDUCE", "OAPPLY")
+_OUTER_TEXT = re.compile(r"^(\d+)(INNER|OSEND|ORECV|OREDUCE|OAPPLY)(?:(\d+)-)?(\d+)\.(\d+)(?:([<>])(w\d+(?:,w\d+)*))?$")
+
+
+@dataclass(frozen=True, order=True)
+class OuterAction:
+    """One action of a worker's round program (``group`` is the worker's group index).
+
+    ``INNER``: the group's inner steps ``first`` to ``index`` (1-based, inclusive) of ``round``; every
+    other kind: ``index`` is the fragment, ``round`` the round whose pseudo-gradient it moves.
+    ``peers``: the workers an ``OSEND`` sends to or an ``ORECV`` receives from (other groups' holders
+    of the fragment's parameters; which parameters is ``schedule.hierarchy.exchange``'s rule)."""
+
+    group: int
+    kind: str
+    index: int
+    round: int
+    first: int | None = None
+    peers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTER_KINDS:
+            raise ValueError(f"unknown outer action kind {self.kind!r} (known: {', '.join(OUTER_KINDS)})")
+        if (self.first is None) == (self.kind == "INNER"):
+            raise ValueError(f"outer action {self.kind}: {'needs' if self.kind == 'INNER' else 'takes no'} first inner step")
+        if self.kind == "INNER" and self.first is not None and not 1 <= self.first <= self.index:
+            raise ValueError(f"outer action INNER: inner steps {self.first}-{self.index} are not a span of steps 1, 2, ...")
+        if self.peers and self.kind not in ("OSEND", "ORECV"):
+            raise ValueError(f"outer action {self.kind} has no peers (only OSEND and ORECV do)")
+        if min(self.index, self.round, *self.peers) < 0:
+            raise ValueError(f"outer action {self.kind}: fragment, step, round and peers must be >= 0")
+
+    @property
+    def fragment(self) -> int | None:
+        return None if self.kind == "INNER" else self.index
+
+    @property
+    def name(self) -> str:
+        """The action without its peers (``0OSEND1.2``)."""
+        span = f"{self.first}-" if self.first is not None else ""
+        return f"{self.group}{self.kind}{span}{self.index}.{self.round}"
+
+    @property
+    def label(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        if not self.peers:
+            return self.name
+        return self.name + (">" if self.kind == "OSEND" else "<") + ",".join(f"w{p}" for p in self.peers)
+
+    @staticmethod
+    def parse(text: str) -> OuterAction:
+        m = _OUTER_TEXT.match(text.strip())
+        if not m:
+            raise ValueError(f"not an outer action: {text!r} (expected e.g. 0INNER1-3.2, 0OSEND1.2>w3,w5, 1ORECV1.2<w0, 0OAPPLY1.2)")
+        kind = m.group(2)
+        if m.group(6) and m.group(6) != {"OSEND": ">", "ORECV": "<"}.get(kind):
+            raise ValueError(f"not an outer action: {text!r} (only OSEND takes '>' peers, only ORECV '<' peers)")
+        peers = tuple(int(p[1:]) for p in m.group(7).split(",")) if m.group(7) else ()
+        return OuterAction(int(m.group(1)), kind, int(m.group(4)), int(m.group(5)), int(m.group(3)) if m.group(3) else None, peers)
+
+
+class Cell(Protocol):
+    """What a grid shows of an action: its label."""
+
+    @property
+    def label(self) -> str: ...
+
+
+def format_grid(lists: dict[str, Sequence[Cell]], failed: tuple[str, int] | None = None) -> str:
     """The action lists as a grid (one row per worker); the failing cell is marked with ``!``."""
     width = max((len(a.label) for acts in lists.values() for a in acts), default=4) + 2
     name_w = max((len(k) for k in lists), default=6)

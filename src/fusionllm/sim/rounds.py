@@ -9,7 +9,7 @@ one link: its messages go one after another (FIFO), each taking ``CostModel.tran
 the latency; a receiver decodes its messages one at a time (``decode_bytes_per_s``), the sender
 encodes a fragment once per codec before it sends it.
 
-With ``overlap`` (Streaming DiLoCo) the average of round k's fragment f is needed ``delay_steps``
+With ``overlap`` (Streaming DiLoCo) the average of round k's fragment f is applied ``delay_steps``
 inner steps after the send (``HierPlan.delay_of``; a whole round by default: at the same fragment's
 sync point in round k+1): a group waits then only if some message has not arrived and been decoded.
 Without overlap it waits for round k's messages right after sending its own.
@@ -20,8 +20,11 @@ group's CPU, so their seconds stretch the group's round. Not modelled: the outer
 worker pairs (each directed worker pair is its own link, as in the cost model), pipeline traffic
 inside a group (its links are not the ones between groups).
 
-Several rounds are simulated from a cold start and the result is the steady state: the mean of the
-last rounds.
+The clock is not kept here: this module prices the messages and codecs (``_prices``), lowers the
+round programs every worker runs (``schedule/outer_program.py``: inner steps, ``OSEND``, ``ORECV``,
+``OREDUCE``, ``OAPPLY``), checks them (``schedule/outer_validate.py``) and replays them on the event
+loop that runs a pipeline's step (``sim/outer_replay.py``): one simulator for both. Several rounds are
+replayed from a cold start and the result is the steady state: the mean of the last rounds.
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ from typing import Any
 from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.schedule.hierarchy import HierPlan, holders, sync_offsets
+from fusionllm.schedule.actions import OuterAction
+from fusionllm.schedule.hierarchy import HierPlan, holders
+from fusionllm.schedule.outer_program import OuterRoutes, outer_programs
+from fusionllm.schedule.outer_validate import validate_outer
 from fusionllm.schedule.plan import Plan, Request
+from fusionllm.sim.outer_replay import OuterCosts, replay_rounds
 from fusionllm.sim.simulator import SimResult, simulate
 from fusionllm.sim.utilization import device_busy, useful_busy_s, utilization
 
@@ -135,15 +142,21 @@ def codec_ratio(codec: str) -> float:
     return byte_ratio(parse_codec(codec))
 
 
-def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: list[GroupStep] | None = None,
-                    traffic: Traffic | None = None, rounds: int = 6) -> RoundResult:
-    """``rounds`` outer rounds of ``hier`` (see the module docstring); ``steps`` and ``traffic`` when the
-    caller has them already (the planner), otherwise simulated and derived here."""
-    steps = steps if steps is not None else group_steps(hier, cost, req)
-    traffic = traffic if traffic is not None else round_traffic(cost.graph, hier)
+@dataclass(frozen=True)
+class _Prices:
+    """A round's outer step priced: what the replay needs, and the per-group totals a RoundResult reports."""
+
+    costs: OuterCosts
+    wire: dict[str, int]  # "g0->g1": wire bytes per round
+    link_s: dict[tuple[int, int], float]  # directed worker link: busy seconds per round
+    encode: list[list[float]]  # per group and fragment: its busiest sender's codec and message CPU
+    decode: list[list[float]]  # per group and fragment: its busiest receiver's
+
+
+def _prices(hier: HierPlan, cost: CostModel, traffic: Traffic, steps: list[GroupStep]) -> _Prices:
+    """Each message's link seconds, latency and decoding, each sender's encoding (once per codec,
+    then decoded again for the error feedback, runtime/outer.py) and each receiver's decoding."""
     n_groups, n_frag = len(hier.groups), len(hier.fragments)
-    hs = [g.inner_steps for g in hier.groups]
-    offsets = [sync_offsets(h, n_frag) for h in hs]
     ratio = {(a, b): codec_ratio(hier.codec_between(hier.groups[a].index, hier.groups[b].index))
              for a in range(n_groups) for b in range(n_groups) if a != b}
     devices = cost.hw.devices
@@ -152,14 +165,12 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
         d = devices[w]
         return 1.0 / min(1.0, d.cpus) if d.cpus else 1.0
 
-    cpu_group = [any(devices[w].cpus for w in g.workers) for g in hier.groups]
-    # per fragment: the messages (a, b, src, dst, link seconds, latency, decode seconds), encode seconds per group
-    msgs: list[list[tuple[int, int, int, int, float, float, float]]] = [[] for _ in range(n_frag)]
-    encode: list[list[float]] = [[0.0] * n_frag for _ in range(n_groups)]
+    messages: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     enc_bytes: dict[tuple[int, int, int, float], int] = defaultdict(int)  # (a, f, src, ratio) -> raw bytes, max over b
     wire: dict[str, int] = defaultdict(int)
     link_s: dict[tuple[int, int], float] = defaultdict(float)
-    send_cpu: dict[tuple[int, int, int], float] = defaultdict(float)  # (a, f, src) -> CPU of the messages it pushes
+    enc_worker: dict[tuple[int, int, int], float] = defaultdict(float)  # (a, f, src) -> its CPU before its messages go
+    dec_worker: dict[tuple[int, int, int], float] = defaultdict(float)  # (b, f, dst) -> its decoding
     for (a, b, f), links in traffic.items():
         r = ratio[(a, b)]
         per_src: dict[int, int] = defaultdict(int)
@@ -167,8 +178,9 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
             secs = cost.transfer_seconds(raw * r, src, dst, raw=True)
             # the receiver: the message's own CPU (as every pushed tensor's), then its decoding
             dec = (cost.message_cpu_seconds(raw * r) + (raw / cost.decode_bytes_per_s if r < 1 else 0.0)) * cpu_factor(dst)
-            send_cpu[(a, f, src)] += cost.message_cpu_seconds(raw * r) * cpu_factor(src)
-            msgs[f].append((a, b, src, dst, secs, cost.latency(src, dst), dec))
+            enc_worker[(a, f, src)] += cost.message_cpu_seconds(raw * r) * cpu_factor(src)
+            dec_worker[(b, f, dst)] += dec
+            messages[(f, src, dst)] = (secs, cost.latency(src, dst), dec)
             wire[f"g{hier.groups[a].index}->g{hier.groups[b].index}"] += int(raw * r) + HEADER_BYTES
             link_s[(src, dst)] += secs
             per_src[src] += raw
@@ -176,62 +188,49 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
             for src, raw in per_src.items():
                 key = (a, f, src, r)
                 enc_bytes[key] = max(enc_bytes[key], raw)
-    enc_worker: dict[tuple[int, int, int], float] = defaultdict(float, send_cpu)
     for (a, f, src, _r), raw in enc_bytes.items():  # encoded, then decoded again for the error feedback (runtime/stage/outer.py)
         enc_worker[(a, f, src)] += (raw / cost.encode_bytes_per_s + raw / cost.decode_bytes_per_s) * cpu_factor(src)
+    encode = [[0.0] * n_frag for _ in range(n_groups)]
     for (a, f, _src), secs in enc_worker.items():
         encode[a][f] = max(encode[a][f], secs)
-    dec_worker: dict[tuple[int, int, int], float] = defaultdict(float)
-    for f in range(n_frag):
-        for _a, b, _src, dst, _s, _lat, dec in msgs[f]:
-            dec_worker[(b, f, dst)] += dec
-    decode_load = [[0.0] * n_frag for _ in range(n_groups)]  # per group and fragment: its busiest receiver's decoding
+    decode = [[0.0] * n_frag for _ in range(n_groups)]
     for (b, f, _dst), secs in dec_worker.items():
-        decode_load[b][f] = max(decode_load[b][f], secs)
+        decode[b][f] = max(decode[b][f], secs)
+    costs = OuterCosts(messages, {(src, f): s for (_a, f, src), s in enc_worker.items()},
+                       {(dst, f): s for (_b, f, dst), s in dec_worker.items()}, 2 * cost.step_overhead_s,  # OuterSync: send and apply
+                       [s.step_s for s in steps], [any(devices[w].cpus for w in g.workers) for g in hier.groups])
+    return _Prices(costs, dict(wire), dict(link_s), encode, decode)
 
-    clock = [0.0] * n_groups
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    dec_free: dict[int, float] = defaultdict(float)
-    avail: dict[tuple[int, int], list[float]] = {}  # (round, fragment) -> per group: when it has every other group's share
-    ends = [[0.0] * rounds for _ in range(n_groups)]
-    waits = [[0.0] * rounds for _ in range(n_groups)]
-    for k in range(rounds):
-        done = [0] * n_groups
-        for f in range(n_frag):
-            send_t = [0.0] * n_groups
-            for g in range(n_groups):
-                clock[g] += (offsets[g][f] - done[g]) * steps[g].step_s
-                done[g] = offsets[g][f]
-                clock[g] += 2 * cost.step_overhead_s  # the coordinator's OuterSync calls, send and apply, between inner steps
-                if cpu_group[g]:  # the codec takes the group's CPU
-                    clock[g] += encode[g][f]
-                    send_t[g] = clock[g]
-                else:
-                    send_t[g] = clock[g] + encode[g][f]
-            arrived = []
-            for a, b, src, dst, secs, lat, dec in sorted(msgs[f], key=lambda m: (send_t[m[0]], m[0], m[1], m[2], m[3])):
-                start = max(send_t[a], link_free[(src, dst)])
-                link_free[(src, dst)] = start + secs
-                arrived.append((start + secs + lat, b, dst, dec))
-            got = [0.0] * n_groups
-            for t, b, dst, dec in sorted(arrived):
-                dec_free[dst] = max(t, dec_free[dst]) + dec
-                got[b] = max(got[b], dec_free[dst])
-            avail[(k, f)] = got
-            for g in range(n_groups):
-                if cpu_group[g]:
-                    clock[g] += decode_load[g][f]
-                tau = hier.delay_of(hier.groups[g])  # inner steps from the send to the apply
-                if tau >= hs[g]:  # one round: needed at this fragment's sync point of the next round
-                    need = avail[(k - 1, f)][g] if k else 0.0
-                else:  # tau steps after the send (the wait counted here, where the steps are)
-                    need = got[g] - tau * steps[g].step_s
-                wait = max(0.0, need - clock[g])
-                waits[g][k] += wait
-                clock[g] += wait
-        for g in range(n_groups):
-            clock[g] += (hs[g] - done[g]) * steps[g].step_s
-            ends[g][k] = clock[g]
+
+def round_programs(hier: HierPlan, traffic: Traffic, rounds: int) -> dict[int, list[OuterAction]]:
+    """Every worker's outer programs for ``rounds`` rounds, its peers the traffic's worker pairs (the
+    pairs ``schedule.outer_program.outer_routes`` gives, from parameter sizes rather than names)."""
+    pairs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for (_a, _b, f), links in traffic.items():
+        pairs[f].extend(links)
+    return outer_programs(hier, OuterRoutes.from_pairs(pairs), rounds)
+
+
+def _first_rounds(program: list[OuterAction], rounds: int) -> list[OuterAction]:
+    """The program up to its round ``rounds`` (what ``outer_programs`` lowers for ``rounds`` rounds)."""
+    end = next((i for i, a in enumerate(program) if a.kind == "INNER" and a.round >= rounds), len(program))
+    return program[:end]
+
+
+def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: list[GroupStep] | None = None,
+                    traffic: Traffic | None = None, rounds: int = 6) -> RoundResult:
+    """``rounds`` outer rounds of ``hier`` (see the module docstring); ``steps`` and ``traffic`` when the
+    caller has them already (the planner), otherwise simulated and derived here."""
+    steps = steps if steps is not None else group_steps(hier, cost, req)
+    traffic = traffic if traffic is not None else round_traffic(cost.graph, hier)
+    n_groups = len(hier.groups)
+    hs = [g.inner_steps for g in hier.groups]
+    prices = _prices(hier, cost, traffic, steps)
+    programs = round_programs(hier, traffic, rounds)
+    # every round after the first is the second one's pattern: checking two rounds checks them all
+    validate_outer(hier, {w: _first_rounds(p, 2) for w, p in programs.items()})
+    replay = replay_rounds(hier, programs, prices.costs, rounds)
+    ends, waits = replay.ends, replay.waits
     m = max(1, min(2, rounds - 1))
     if rounds > 1:
         round_s = max((ends[g][-1] - ends[g][-1 - m]) / m for g in range(n_groups))
@@ -242,17 +241,17 @@ def simulate_rounds(hier: HierPlan, cost: CostModel, req: Request, *, steps: lis
     for g in range(n_groups):
         for w, b in steps[g].busy_s.items():
             busy[w] = busy.get(w, 0.0) + hs[g] * b
-    frac = device_busy(busy, round_s, len(devices))
+    frac = device_busy(busy, round_s, len(cost.hw.devices))
     return RoundResult(
         round_s=round_s,
         inner_steps=hs,
         step_s=[s.step_s for s in steps],
         waits_s=mean_wait,
-        bytes_per_round=dict(wire),
-        link_busy=max(link_s.values(), default=0.0) / round_s if round_s > 0 else 0.0,
+        bytes_per_round=prices.wire,
+        link_busy=max(prices.link_s.values(), default=0.0) / round_s if round_s > 0 else 0.0,
         tokens_per_s=sum(hs) * req.tokens / round_s if round_s > 0 else 0.0,
         utilization=utilization(frac, cost),
         device_busy=frac,
-        codec_cpu_s=[sum(encode[g]) + sum(decode_load[g]) for g in range(n_groups)],
+        codec_cpu_s=[sum(prices.encode[g]) + sum(prices.decode[g]) for g in range(n_groups)],
         rounds=rounds,
     )

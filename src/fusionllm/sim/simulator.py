@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fusionllm.cluster.hardware import Device
 from fusionllm.cost.model import CostModel
@@ -31,6 +32,29 @@ CFS_PERIOD = 0.1
 
 class Deadlock(RuntimeError):
     pass
+
+
+A = TypeVar("A")
+
+
+def run_programs(programs: Mapping[int, Sequence[A]], clock: dict[int, float], step_one: Callable[[int, A], bool]) -> None:
+    """The event loop of every simulation of programs (a pipeline's step here, the outer step's rounds
+    in ``sim/outer_replay.py``): the worker with the earliest clock runs its next actions while
+    ``step_one(worker, action)`` can run them (it advances ``clock``; False: the action waits for
+    another worker); no worker can run one: ``Deadlock``."""
+    pos = dict.fromkeys(programs, 0)
+    remaining = sum(len(v) for v in programs.values())
+    while remaining:
+        progress = False
+        for w in sorted(programs, key=lambda x: clock[x]):
+            prog = programs[w]
+            while pos[w] < len(prog) and step_one(w, prog[pos[w]]):
+                pos[w] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = {w: str(programs[w][pos[w]]) for w in programs if pos[w] < len(programs[w])}
+            raise Deadlock(f"the programs deadlock: workers wait at {stuck}")
 
 
 class _Cpu:
@@ -110,7 +134,6 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
     device = {w: cost.hw.devices[w] for w in workers}
     cpu = {w: _Cpu(device[w]) for w in plan.workers}
     clock = dict.fromkeys(plan.workers, 0.0)
-    pos = dict.fromkeys(plan.workers, 0)
     arrival: dict[tuple, float] = {}
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     acked: dict[int, float] = defaultdict(float)  # per worker: when the ack of its last tensor is back
@@ -148,8 +171,7 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         if keep_timeline:
             timeline.append((w, f"send->{dst}", start, start + dur))
 
-    def step_one(w: int) -> bool:
-        a = lists[w][pos[w]]
+    def step_one(w: int, a: Action) -> bool:
         s = a.stage
         t0 = clock[w]
         if a.kind in ("F", "B"):
@@ -198,19 +220,9 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             clock[w] = cpu[w].run(t0, cost.optimizer_seconds(params, device[w]))
         if keep_timeline and a.kind in ("F", "B", "REDUCE", "STEP"):
             timeline.append((w, str(a), t0, clock[w]))
-        pos[w] += 1
         return True
 
-    remaining = sum(len(v) for v in lists.values())
-    while remaining:
-        progress = False
-        for w in sorted(plan.workers, key=lambda x: clock[x]):
-            while pos[w] < len(lists[w]) and step_one(w):
-                remaining -= 1
-                progress = True
-        if not progress:
-            stuck = {w: str(lists[w][pos[w]]) for w in plan.workers if pos[w] < len(lists[w])}
-            raise Deadlock(f"the schedule deadlocks: workers wait at {stuck}")
+    run_programs(lists, clock, step_one)
     step = max(clock.values()) + cost.step_overhead_s
     compute_total = sum(busy.values())
     return SimResult(

@@ -18,6 +18,10 @@ Before a round is averaged, the coordinator may ask what arrived (``check``: ``r
 and have a group send its delta again (``resend``); it then names the groups to average, the same for
 every group, so the outer state stays identical everywhere.
 
+An ``OuterSync`` is run as the outer actions of the worker's program (``OSEND``, ``ORECV``,
+``OREDUCE``, ``OAPPLY``: ``schedule/outer_program.py``), each by its entry of ``HANDLERS``, so the
+runtime runs what the validator checked and the simulator replayed.
+
 Everything is NumPy float32 on the host; a worker of any backend runs it.
 """
 
@@ -37,6 +41,7 @@ from fusionllm.core.errors import FusionError, WireError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.runtime.stage.faults import Fault, tamper_outer
 from fusionllm.runtime.stage.outer_check import average, digests, report
+from fusionllm.schedule.actions import OuterAction
 from fusionllm.schedule.hierarchy import Exchange, HierPlan, exchange
 
 Push = Callable[..., Awaitable[None]]  # (destination, header, array, (codec, payload), attempt=None)
@@ -91,6 +96,25 @@ class Snapshot:
 
 
 @dataclass
+class OuterCall:
+    """What the actions of one coordinator call (``OuterSync``) run with: the worker's weights, its
+    push and inbox, the averages the coordinator decided (round -> ``Average``), and what they leave
+    for the next action (the weights read once, the averages reduced, the bytes pushed)."""
+
+    weights: Callable[[list[str]], dict[str, np.ndarray]]
+    set_weights: Callable[[dict[str, np.ndarray]], None]
+    push: Push
+    get: Get
+    worker: int
+    timeout: float
+    averages: dict[int, Average] = field(default_factory=dict)
+    now: dict[str, np.ndarray] | None = None
+    reduced: dict[int, dict[str, np.ndarray] | None] = field(default_factory=dict)
+    sent_bytes: dict[int, int] = field(default_factory=dict)
+    applied: bool = False
+
+
+@dataclass
 class _Fragment:
     exchange: Exchange
     start: dict[str, np.ndarray] = field(default_factory=dict)  # weights when this fragment's round began
@@ -134,42 +158,91 @@ class OuterState:
     async def sync(self, fragment: int, round_: int, *, send: bool, apply: list[Average] | list[tuple],
                    weights: Callable[[list[str]], dict[str, np.ndarray]], set_weights: Callable[[dict[str, np.ndarray]], None],
                    push: Push, get: Get, worker: int, timeout: float) -> dict[int, int]:
-        """One fragment's sync (see the module's steps). ``apply``: the averages to apply, in order
-        (``Average``, or its first three fields as a tuple).
-        Returns the bytes pushed per destination worker."""
+        """One fragment's sync (see the module's steps), as the coordinator's ``OuterSync`` asks for it:
+        its outer actions (``actions``) run through ``run``. ``apply``: the averages to apply, in
+        order (``Average``, or its first three fields as a tuple). Returns the bytes pushed per
+        destination worker."""
+        averages = [Average(*item) for item in apply]
+        call = OuterCall(weights, set_weights, push, get, worker, timeout, {a.round: a for a in averages})
+        return await self.run(fragment, self.actions(fragment, round_, send=send, apply=[a.round for a in averages]), call)
+
+    def actions(self, fragment: int, round_: int, *, send: bool, apply: list[int]) -> list[OuterAction]:
+        """What one ``OuterSync`` asks of this worker, as its outer program's actions
+        (``schedule/outer_program.py``): send and post the receive of ``round_``, then reduce and
+        apply each round of ``apply``."""
+        ex = self.fragments[fragment].exchange
+        out = [OuterAction(self.group, "OSEND", fragment, round_, None, tuple(sorted(ex.sends))),
+               OuterAction(self.group, "ORECV", fragment, round_, None, tuple(sorted(ex.receives)))] if send else []
+        for r in apply:
+            out += [OuterAction(self.group, "OREDUCE", fragment, r), OuterAction(self.group, "OAPPLY", fragment, r)]
+        return out
+
+    async def run(self, fragment: int, actions: list[OuterAction], call: OuterCall) -> dict[int, int]:
+        """Run outer actions of ``fragment``, each by its entry of ``HANDLERS``; then, if any average
+        was applied, the weights become the outer weights minus the own deltas sent but not applied
+        yet, plus the progress made since the last send (the steps between a send and its apply are
+        kept). Returns the bytes pushed per destination worker."""
+        other = next((a for a in actions if a.index != fragment or a.kind == "INNER"), None)
+        if other is not None:
+            raise FusionError(f"outer action {other}: a call runs {', '.join(HANDLERS)} of fragment {fragment} only "
+                              "(inner steps are the coordinator's Step)")
         frag = self.fragments[fragment]
         ex = frag.exchange
-        sent_bytes: dict[int, int] = {}
-        if ex.mine and (send or apply):
-            now = await asyncio.to_thread(weights, ex.mine)
-        if send and ex.mine:
-            true = {n: frag.start[n] - now[n] for n in ex.mine}
-            encoded = await asyncio.to_thread(lambda: {n: self._encode(n, d) for n, d in true.items()})
-            frag.true[round_] = true
-            frag.sent[round_] = {n: e[1] for n, e in encoded.items()}
-            frag.encoded[round_] = {n: self._pushed(round_, e) for n, e in encoded.items()}
-            self._push_all(frag, fragment, round_, push, worker, sent_bytes)
-            frag.start = {n: a.copy() for n, a in now.items()}
-        for item in apply:
-            avg = Average(*item)
-            await self._apply(frag, fragment, avg, get, timeout)
-            frag.applied = avg.round
-            self.snapshot.applied(fragment, avg.step, self.anchor, self.momentum)
-            if self._applied is not None:
-                async with self._applied:
-                    self._applied.notify_all()
-        if apply and ex.mine:
-            # the outer weights, minus own deltas sent but not applied yet, plus the progress made
-            # since the last send (the steps between a send and its apply are kept)
+        if ex.mine and any(a.kind in ("OSEND", "OAPPLY") for a in actions):
+            call.now = await asyncio.to_thread(call.weights, ex.mine)
+        for a in actions:
+            await HANDLERS[a.kind](self, frag, a, call)
+        if call.applied and ex.mine:
+            now = call.now or {}
             base = {n: self.anchor[n] - sum((d[n] for _, d in sorted(frag.true.items())), np.zeros_like(self.anchor[n])) for n in ex.mine}
             new = {n: base[n] + (now[n] - frag.start[n]) for n in ex.mine}
-            await asyncio.to_thread(set_weights, new)
+            await asyncio.to_thread(call.set_weights, new)
             frag.start = base
         done = [t for t in frag.pushes if t.done()]
         for t in done:
             frag.pushes.remove(t)
             t.result()  # a failed push fails the sync
-        return sent_bytes
+        return call.sent_bytes
+
+    async def _send(self, frag: _Fragment, a: OuterAction, call: OuterCall) -> None:
+        """``OSEND``: the fragment's delta since its last send, encoded with error feedback, pushed."""
+        ex = frag.exchange
+        if not ex.mine or call.now is None:
+            return
+        now = call.now
+        true = {n: frag.start[n] - now[n] for n in ex.mine}
+        encoded = await asyncio.to_thread(lambda: {n: self._encode(n, d) for n, d in true.items()})
+        frag.true[a.round] = true
+        frag.sent[a.round] = {n: e[1] for n, e in encoded.items()}
+        frag.encoded[a.round] = {n: self._pushed(a.round, e) for n, e in encoded.items()}
+        self._push_all(frag, a.index, a.round, call.push, call.worker, call.sent_bytes)
+        frag.start = {n: x.copy() for n, x in now.items()}
+
+    async def _post(self, frag: _Fragment, a: OuterAction, call: OuterCall) -> None:
+        """``ORECV``: nothing to do here; the inbox files what arrives and ``OREDUCE`` reads it."""
+
+    async def _reduce(self, frag: _Fragment, a: OuterAction, call: OuterCall) -> None:
+        """``OREDUCE``: the average the coordinator decided for the round (``call.averages``)."""
+        avg = call.averages.get(a.round)
+        if avg is None:
+            raise FusionError(f"outer action {a}: the coordinator named no average of round {a.round}")
+        call.reduced[a.round] = await self._average(frag, a.index, avg, call.get, call.timeout)
+
+    async def _step(self, frag: _Fragment, a: OuterAction, call: OuterCall) -> None:
+        """``OAPPLY``: the outer optimiser step on the anchor with the reduced average."""
+        if a.round not in call.reduced:
+            raise FusionError(f"outer action {a}: applied before its OREDUCE")
+        step = call.reduced.pop(a.round)
+        if step is not None:
+            for n in frag.exchange.mine:
+                self.anchor[n], self.momentum[n] = nesterov_step(self.anchor[n], self.momentum.get(n), step[n], self.hier.outer_lr,
+                                                                  self.hier.outer_momentum)
+        frag.applied = a.round
+        call.applied = True
+        self.snapshot.applied(a.index, call.averages[a.round].step, self.anchor, self.momentum)
+        if self._applied is not None:
+            async with self._applied:
+                self._applied.notify_all()
 
     def _pushed(self, round_: int, encoded: tuple[tuple[str, bytes], np.ndarray]) -> tuple[str, bytes]:
         """What goes out for one parameter: its encoding (a poisoning group's, tampered: tests only)."""
@@ -248,7 +321,9 @@ class OuterState:
                 deltas.setdefault(g, {}).update(await self._received(frag, fragment, round_, g, src, lead, get, timeout))
         return await asyncio.to_thread(lambda: (*report(deltas, self.momentum, ex.leads), digests(deltas, ex.leads)))
 
-    async def _apply(self, frag: _Fragment, fragment: int, avg: Average, get: Get, timeout: float) -> None:
+    async def _average(self, frag: _Fragment, fragment: int, avg: Average, get: Get, timeout: float) -> dict[str, np.ndarray] | None:
+        """The token-weighted average of the groups' deltas of ``avg.round`` over this worker's
+        parameters (None: nothing to apply here); the round's own deltas are dropped."""
         ex = frag.exchange
         round_, groups = avg.round, avg.groups
         own_sent = frag.sent.pop(round_, None)
@@ -256,7 +331,7 @@ class OuterState:
         frag.encoded.pop(round_, None)
         if not ex.mine or not groups:
             frag.received.pop(round_, None)
-            return
+            return None
         deltas: dict[int, dict[str, np.ndarray]] = {}
         if self.group in groups:
             if own_sent is None:
@@ -269,10 +344,7 @@ class OuterState:
         missing = sorted(g for g in groups if g not in deltas)
         if missing:
             raise FusionError(f"outer round {round_} of fragment {fragment}: no delta of group(s) {missing} reaches this worker")
-        step = await asyncio.to_thread(average, deltas, groups, ex.mine, scale=avg.scale, aggregate=avg.aggregate)
-        for n in ex.mine:
-            self.anchor[n], self.momentum[n] = nesterov_step(self.anchor[n], self.momentum.get(n), step[n], self.hier.outer_lr,
-                                                              self.hier.outer_momentum)
+        return await asyncio.to_thread(average, deltas, groups, ex.mine, scale=avg.scale, aggregate=avg.aggregate)
 
     async def drain(self) -> None:
         """Wait for every push still in flight (the end of a run)."""
@@ -305,6 +377,12 @@ class OuterState:
 
     def anchor_of(self, names: list[str]) -> dict[str, np.ndarray]:
         return {n: self.anchor[n].copy() for n in names}
+
+
+Handler = Callable[[OuterState, _Fragment, OuterAction, OuterCall], Awaitable[None]]
+HANDLERS: dict[str, Handler] = {  # the dispatch table: one entry per outer action kind a worker runs
+    "OSEND": OuterState._send, "ORECV": OuterState._post, "OREDUCE": OuterState._reduce, "OAPPLY": OuterState._step,
+}
 
 
 def hier_exchanges(graph: OpGraph, text: str, worker: int) -> tuple[HierPlan, list[Exchange]]:

@@ -239,12 +239,13 @@ class PeerNet:
         return _merged(self._busy)
 
     async def close(self) -> None:
-        for c in self._clients.values():
+        # Take the connections out before awaiting their close: a call still in flight may open or drop one meanwhile.
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
             await c.close()
-        self._clients.clear()
-        for d in self._data.values():
+        data, self._data = list(self._data.values()), {}
+        for d in data:
             await d.close()
-        self._data.clear()
 
 
 def _merged(spans_by_worker: dict[int, list[tuple[float, float, int]]]) -> dict[int, tuple[int, float, int]]:
