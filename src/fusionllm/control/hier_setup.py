@@ -51,7 +51,6 @@ class HierRun:
     evicting: dict[int, Exception] = field(default_factory=dict)  # group -> its eviction, raised in its own rounds (outer_guard.py)
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
-    steps: int = 0
     started: float = 0.0
     paused: float = 0.0  # seconds spent evaluating (not counted as training time)
     outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
@@ -248,7 +247,7 @@ class GroupSetup:
         return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
                        current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
                        pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start, first=first, last=last, data_from=data_from,
-                       next_data=data_from, steps=first)
+                       next_data=data_from)
 
     async def policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
         """Each group's own AdaTopK link policy, as a synchronous plan's."""

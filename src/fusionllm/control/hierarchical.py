@@ -166,7 +166,8 @@ class Groups:
                 at = min(t.steps - 1, hr.first + i * (hr.last - hr.first) // total)  # where the group is in the schedule
                 lr = lr_at(at, lr=t.lr, steps=t.steps, warmup=t.warmup)
                 data_step = data_base + i if data_base is not None else hr.data_from + i * hr.n_data + g
-                await self.inner_step(hr, g, run, i, data_step, lr, k, cap=budget_cap(at, t.steps))
+                await self.inner_step(hr, g, run, i, data_step, lr, k, user_step=hr.first + i * (hr.last - hr.first) // total,
+                                      cap=budget_cap(at, t.steps))
                 i += 1
                 for f, off in enumerate(offsets):
                     if off == j + 1:
@@ -176,7 +177,7 @@ class Groups:
                     pending.remove(due)
                     await self.outer_sync(hr, g, due[1], due[2], 0, [due[2]], send=False)
                 if evaluate is not None and not any(r <= evaluate for _, _, r in pending):
-                    await self.evaluate_outer(hr, run, eval_n, evaluate)  # the outer weights of whole rounds
+                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)  # the outer weights of whole rounds
                     evaluate = None
             hr.round_s[g] = time.perf_counter() - began
             if eval_n and g == min(hr.alive) and ((hr.first + i) // c.eval_every) > ((hr.first + i - h) // c.eval_every) and k + 1 < len(lengths):
@@ -184,7 +185,7 @@ class Groups:
             if k + 1 in hr.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
                 await self.pauses.pause(hr, g, k + 1, pending)
                 if evaluate is not None:
-                    await self.evaluate_outer(hr, run, eval_n, evaluate)
+                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)
                     evaluate = None
             rounds_done = k + 1
         if rounds_done == start:  # joined at the round where the run ends: nothing to send
@@ -198,9 +199,11 @@ class Groups:
         if eval_n and g == min(hr.alive):
             await self.evaluate_outer(hr, run, eval_n, end)
 
-    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, cap: float = 1.0) -> None:
+    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
+                         cap: float = 1.0) -> None:
         """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
-        retry, skip, strikes and eviction included."""
+        retry, skip, strikes and eviction included. Its record counts in the user's steps
+        (``user_step``: where the group is on the run's ``--steps``), as a synchronous run's does."""
         self.evict_if_struck(hr, g)
         done = await self.runner.run(run, data_step, lr, group=g, cap=cap)
         hr.next_data = max(hr.next_data, data_step + 1)
@@ -209,10 +212,9 @@ class Groups:
             return
         hr.result.losses.append(done.loss)
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = step_record(run, done, step=hr.steps, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
+        record = step_record(run, done, step=user_step, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
         record.group, record.round, record.inner_step = g, k, hr.first + i
-        record.steps_total = hr.first + sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive)
-        hr.steps += 1
+        record.steps_total = self.ctx.train.steps
         self.ctx.step(record)
         self.check_plan(hr, g, run)
 
@@ -319,15 +321,17 @@ class Groups:
             self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
         return {x: w for x, w in got.items() if x in hr.alive and w > 0}
 
-    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int) -> None:
-        """The validation loss of the outer weights of whole rounds, in ``run``'s pipeline."""
+    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, rounds: int) -> None:
+        """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
+        pipeline; recorded at the user's step they reach (``HierRun.step_at``)."""
+        step = hr.step_at(rounds)
         paused = time.perf_counter()
-        val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, hr.steps, outer=True))
+        val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))
         hr.paused += time.perf_counter() - paused
-        hr.result.val_losses.append((hr.steps, val))
+        hr.result.val_losses.append((step, val))
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
+        record = {"event": "eval", "step": step, "round": rounds, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
         if run.val_metric is not None:
             record[f"val_{self.ctx.task.metric_name}"] = run.val_metric
-            hr.result.val_metrics.append((hr.steps, run.val_metric))
+            hr.result.val_metrics.append((step, run.val_metric))
         self.ctx.event(record)

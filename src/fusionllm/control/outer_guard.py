@@ -47,7 +47,8 @@ class OuterGuard:
             if await self.resend(hr, f, r, again):
                 verdict = judge(senders, await self.reports(hr, f, r, senders, again), estimates, self.aggregate)
         update_estimates(estimates, verdict)
-        self.ctx.event({"event": "outer_check", "fragment": f, "round": r, "norms": {str(g): round(n, 6) for g, n in verdict.norms.items()},
+        # a record in the metrics file, not an event: a user sees the refusals (``strike``), not every check that passed
+        self.ctx.metrics.write({"event": "outer_check", "fragment": f, "round": r, "norms": {str(g): round(n, 6) for g, n in verdict.norms.items()},
                         "cosines": {str(g): round(c, 4) for g, c in verdict.cosines.items()},
                         "refused": {str(g): why for g, why in verdict.refused.items()}, "sent_again": again,
                         "scales": {str(g): round(s, 4) for g, s in verdict.accepted.items() if s != 1.0}})
