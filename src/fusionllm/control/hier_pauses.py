@@ -182,7 +182,7 @@ class Pauses:
             clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
         run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
-        await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress))
+        await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress), rows=self.group_setup.group_batch())
         if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:
             raise FusionError("--group-batch needs workers that read their own data")
         new = {str(w): addresses[w] for w in workers}

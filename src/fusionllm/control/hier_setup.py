@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
@@ -216,9 +216,8 @@ class GroupSetup:
         codec = parse_codec(c.compress)
         if codec.kind == "adatopk":  # each group's own link policy, as a synchronous plan's
             await self.policies(graph, hier, runs, clients)
-        if self.ctx.data_spec is not None:  # every group reads batches of its own size; validation: the same windows, in smaller batches
-            self.ctx.data_spec = replace(self.ctx.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
-        await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec) for run in runs.values()))
+        # every group reads batches of its own size; validation: the same windows, in smaller batches
+        await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec, rows=batch) for run in runs.values()))
         if batch != t.batch_size and any(run.fed for run in runs.values()):
             raise FusionError(f"the groups read batches of {batch} rows (--batch-size {t.batch_size} shared by {len(hier.groups)} groups), which "
                               f"needs workers that read their own data (some cannot: see above); pass --group-batch {t.batch_size}")

@@ -20,7 +20,7 @@ synchronous step loop (``training.py``), with its recovery, re-plans, evictions 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fusionllm.core.config import TrainResult
@@ -113,8 +113,6 @@ class Phases:
     async def one(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
         """A synchronous grouping: the step loop with its recovery, re-plans, evictions and stops."""
         ctx = self.ctx
-        if ctx.data_spec is not None:  # the run's batches again, after groups that read smaller ones
-            ctx.data_spec = replace(ctx.data_spec, batch_size=ctx.train.batch_size, eval_batches=ctx.cluster.eval_batches)
         if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
             run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
         else:
