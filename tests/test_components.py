@@ -19,7 +19,7 @@ from fusionllm.compress.budget import EARLY_BUDGET
 from fusionllm.control.bad_steps import Strikes
 from fusionllm.control.config import Evict, Replan
 from fusionllm.control.context import RunContext, StepClock
-from fusionllm.control.phases import Grouping, groupings
+from fusionllm.control.grouping import Grouping, groupings
 from fusionllm.control.restart import Interrupted, Stopper
 from fusionllm.control.status import RunStatus
 from fusionllm.control.steps import StepRunner

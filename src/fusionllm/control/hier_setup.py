@@ -93,17 +93,6 @@ class HierRun:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started - self.paused
 
-
-
-class OneGroup(Exception):
-    """``--sync auto``: the planner predicts one synchronous group to reach a target loss first
-    (``plan.meta`` says why); the grouping runs as the synchronous step loop."""
-
-    def __init__(self, plan: HierPlan) -> None:
-        super().__init__("one synchronous group")
-        self.plan = plan
-
-
 class GroupSetup:
     """Forms the groups (by the planner, or ``--groups``), plans each, and assigns every worker."""
 
@@ -134,13 +123,14 @@ class GroupSetup:
         return None
 
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
-                           states: list[Any] | None = None, data_from: int = 0) -> HierRun:
+                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> HierRun:
         """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
 
         A regroup passes the grouping (``groups``; default ``--groups`` or the planner's), the steps
         it trains (``first`` to ``last``), the live weights it starts from (``states``: a
         synchronous plan's weights and AdamW state, or a grouping's outer weights and momentum), and
-        the first batch no earlier grouping read (``data_from``)."""
+        the first batch no earlier grouping read (``data_from``); ``hier``: the planner's groups, when
+        it chose them (``grouping.choose``)."""
         t, c = self.train, self.cluster
         last = t.steps if last is None else last
         groups = c.groups if groups is None else groups
@@ -167,13 +157,9 @@ class GroupSetup:
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
-        if c.scheduler and not groups:
+        if hier is None and c.scheduler and not groups:
             hier = await self.schedule(graph, clients, last - first)
-            if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target first
-                for client in clients.values():
-                    await client.close()
-                raise OneGroup(hier)
-        else:
+        elif hier is None:
             unknown = sorted({w for g in groups or [] for w in g} - set(addresses))
             if unknown:
                 raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
