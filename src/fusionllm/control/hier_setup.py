@@ -29,7 +29,7 @@ from .config import Run
 from .context import RunContext
 from .limits import check_message_sizes
 from .restart import resume_live
-from .rounds import checkpoint_rounds, resume_round
+from .rounds import DataOffsets, PauseSchedule, RoundClock, checkpoint_rounds, resume_round
 from .setup import Setup
 from .state import Checkpoints
 from .status import stage_rows
@@ -37,61 +37,37 @@ from .status import stage_rows
 
 @dataclass
 class HierRun:
+    """A grouping of several groups while it trains (``hierarchical.py``) and pauses
+    (``hier_pauses.py``): the groups' plans and runs, which are alive, and the components that own
+    the rest: where each group is (``clock``), which batches they read (``data``), and when they
+    pause (``pausing``). The outer syncs' own state is ``outer_rounds.OuterRounds``'s."""
+
     hier: HierPlan
     graph: OpGraph
     runs: dict[int, Run]  # group -> its synchronous run
-    rounds: int
     alive: set[int]
-    lengths: dict[int, list[int]] = field(default_factory=dict)  # group -> inner steps of each of its rounds
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
-    decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
-    scales: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> scale (clipped)
-    deciding: dict[tuple[int, int], asyncio.Future] = field(default_factory=dict)  # decided once: the others wait for it
-    evicting: dict[int, Exception] = field(default_factory=dict)  # group -> its eviction, raised in its own rounds (outer_guard.py)
+    clock: RoundClock
+    data: DataOffsets
+    pausing: PauseSchedule
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)  # a group sent, left, arrived at a pause
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
     started: float = 0.0
     paused: float = 0.0  # seconds spent evaluating (not counted as training time)
-    outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
-    n_data: int = 1  # groups of the first plan: group g of them reads batches i * n_data + g
-    first_round: dict[int, int] = field(default_factory=dict)  # a group that joined: the first round it takes part in
-    current: dict[int, int] = field(default_factory=dict)  # group -> the round it is in
-    data_base: dict[int, int] = field(default_factory=dict)  # a group that joined: its batches are data_base + i
-    pauses: set[int] = field(default_factory=set)  # rounds before which every group pauses (hier_pauses.py)
-    ckpt_rounds: set[int] = field(default_factory=set)  # the pauses that write a checkpoint
-    join_at: int | None = None  # the pause at which the spares form a new group
-    resumed: int = 0  # the last pause done
-    arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
-    observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
     stopping: bool = False  # the run is over: the pauser ends
-    first: int = 0  # the step this grouping starts at (a regroup: where the run was), and the step it ends before
-    last: int = 0
-    data_from: int = 0  # the first batch no earlier grouping read: group g reads data_from + i * n_data + g
-    next_data: int = 0  # past every batch read so far (where the next grouping's data starts)
-    end_at: int | None = None  # a re-plan was asked: every group ends its rounds before this one
-    replan_why: str = ""
-
-    def reached(self) -> int:
-        """The run's step where every group ended (``end_at``): counted in the slowest group, on the
-        run's schedule (``first`` to ``last``)."""
-        ref = min(self.lengths.values(), key=sum)
-        done = sum(ref[: self.end_at]) if self.end_at is not None else sum(ref)
-        return self.first + done * (self.last - self.first) // max(1, sum(ref))
 
     def step_at(self, p: int) -> int:
-        """The run's step once rounds ``0 .. p - 1`` are done: counted in the live group with the
-        fewest inner steps per round (a checkpoint's step, and the step a restart resumes at)."""
-        ref = min((g for g in self.hier.groups if g.index in self.alive), key=lambda g: g.inner_steps, default=None)
-        return self.first + sum(self.lengths[ref.index][:p]) if ref is not None else self.first
+        """The user's step once rounds ``0 .. p - 1`` are done (``RoundClock.step_at``, the live groups)."""
+        return self.clock.step_at(p, self.alive)
 
     def expected(self, r: int) -> set[int]:
-        """The live groups that take part in round ``r`` (a group that joined later does not)."""
-        return {g for g in self.alive if self.first_round.get(g, 0) <= r}
+        """The live groups that take part in round ``r``."""
+        return self.clock.expected(r, self.alive)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started - self.paused
+
 
 class GroupSetup:
     """Forms the groups (by the planner, or ``--groups``), plans each, and assigns every worker."""
@@ -229,10 +205,10 @@ class GroupSetup:
         if resumed and self.ctx.clock.start_step > first:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
-        return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
-                       current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
-                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start, first=first, last=last, data_from=data_from,
-                       next_data=data_from)
+        clock = RoundClock(first, last, lengths, first_round={g.index: start for g in hier.groups}, current={g.index: start for g in hier.groups})
+        return HierRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
+                       data=DataOffsets(data_from, len(hier.groups), next=data_from),
+                       pausing=PauseSchedule({p for p in ckpt if p > start}, ckpt, resumed=start))
 
     async def policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
         """Each group's own AdaTopK link policy, as a synchronous plan's."""

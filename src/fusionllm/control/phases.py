@@ -129,11 +129,11 @@ class Phases:
         again = None
         try:
             part = await groups.train(hr)
-            if hr.end_at is not None and hr.reached() < grouping.last:
-                again = Grouping(hr.reached(), grouping.last, [], replanned=True)
+            if hr.clock.end_at is not None and hr.clock.reached() < grouping.last:
+                again = Grouping(hr.clock.reached(), grouping.last, [], replanned=True)
                 self.recovery.replans += 1
                 self.setup.measured = {link: bps for run in hr.runs.values() for link, bps in measured_links(run).items()}
-                ctx.event({"event": "replan", "why": hr.replan_why, "at_step": again.first, "round": hr.end_at, "sync": "hierarchical"})
+                ctx.event({"event": "replan", "why": hr.clock.replan_why, "at_step": again.first, "round": hr.clock.end_at, "sync": "hierarchical"})
                 final = False
             if not final:  # every average applied: each group holds the same outer weights and momentum
                 run = hr.runs[min(hr.alive)]
@@ -143,7 +143,7 @@ class Phases:
                 await client.close()
         if not final:
             ctx.clock.new_epoch()
-        return part, None if final else states, hr.next_data, again
+        return part, None if final else states, hr.data.next, again
 
 
 def merge(total: TrainResult, part: TrainResult) -> None:
