@@ -33,7 +33,7 @@ from .outer_guard import OuterGuard, OuterStop
 from .outer_rounds import OuterRounds
 from .recovery import evict_event
 from .state import Checkpoints
-from .steps import StepRunner, slower_than_planned, step_record
+from .steps import StepRunner, replan_due, step_record
 from .workers import Liveness
 
 
@@ -218,10 +218,9 @@ class Groups:
         """A group whose last 8 steps took far longer than they should (``steps.slower_than_planned``):
         every group ends at the next round boundary and the run is planned again (``phases.py``),
         as a synchronous run re-plans."""
-        c = self.ctx.cluster
-        if hr.clock.end_at is not None or not c.scheduler or self.replans() >= c.max_replans:
+        if hr.clock.end_at is not None:
             return
-        why = slower_than_planned(run, c.replan_factor)
+        why = replan_due(run, self.ctx.cluster, self.replans())
         if why is not None:
             hr.clock.end_at = max(hr.clock.current[x] for x in hr.alive) + 1  # no group has started it yet
             hr.clock.replan_why = f"group {g}'s {why}"

@@ -182,6 +182,16 @@ def slower_than_planned(run: Run, factor: float) -> str | None:
     return None
 
 
+def replan_due(run: Run, cluster: Any, replans: int) -> str | None:
+    """The one re-plan rule of every group, whatever the grouping: why ``run``'s plan should be made
+    again (``slower_than_planned``), or None; never without a planner (``--scheduler``) or past
+    ``--max-replans``. A grouping of one group re-plans at once; of several, every group ends at
+    the next round boundary first (``hierarchical.py``)."""
+    if not cluster.scheduler or replans >= cluster.max_replans:
+        return None
+    return slower_than_planned(run, cluster.replan_factor)
+
+
 def noise_scale(run: Run, replies: dict[int, StepDone], rows: int) -> float | None:
     """The run's gradient noise scale in rows, with this step's accumulated norms taken in, when every
     worker of the plan measured them (one worker per stage: planning/noise_scale.py); else the estimate so far."""

@@ -19,7 +19,7 @@ from fusionllm.core.errors import FusionError
 from .config import Replan, Run
 from .context import RunContext
 from .state import Checkpoints
-from .steps import StepRunner, slower_than_planned, step_record
+from .steps import StepRunner, replan_due, step_record
 from .workers import Liveness
 
 
@@ -80,10 +80,7 @@ class SyncLoop:
             await self.live.guard(run, self.checkpoints.checkpoint(run, done))
 
     def check_plan(self, run: Run, done: int) -> None:
-        """Raise Replan when the last 8 steps took far longer than they should (``steps.slower_than_planned``)."""
-        c = self.ctx.cluster
-        if not c.scheduler or self.replans() >= c.max_replans:
-            return
-        why = slower_than_planned(run, c.replan_factor)
+        """Raise Replan when the last 8 steps took far longer than they should (``steps.replan_due``)."""
+        why = replan_due(run, self.ctx.cluster, self.replans())
         if why is not None:
             raise Replan(why, done)
