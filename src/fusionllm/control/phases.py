@@ -11,7 +11,9 @@ several to one, or to other groups. A regroup is one operation at a pause, from 
   the same outer weights; one group's outer weights and outer momentum are read (the momentum
   follows to the next grouping of several groups; one group has no outer step).
 
-The next grouping is planned and assigned with them, and trains on from STEP: the learning-rate
+Where the planner forms the groups, it is asked once per grouping before anything is set up
+(``grouping.choose``); its answer, one group or several, is the grouping that runs. The next
+grouping is planned and assigned with them, and trains on from STEP: the learning-rate
 schedule goes on where it was, and its batches are ones no earlier grouping read. Each grouping
 runs through the one step of every group (``steps.py``); a grouping of one group is the
 synchronous step loop (``training.py``), with its recovery, re-plans, evictions and stops.
