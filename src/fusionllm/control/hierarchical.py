@@ -4,11 +4,12 @@ Each group (``schedule/hierarchy.py``) trains its own synchronous plan on its ow
 (group ``g`` of ``G`` reads batches ``i * G + g``) as fast as its devices allow; nothing waits for
 another group's steps. Each inner step is the synchronous run's step (``steps.py``): the same
 guards, retry, skip, strikes and eviction, and the same step record (plus group, round, inner
-step). When a group reaches a fragment's sync point it sends that fragment's pseudo-gradient
-(``OuterSync`` with ``send``), and then applies the average of a round: with overlap the previous
-one (sent one round ago, so it is there), without overlap this one. Which groups a round's average
-holds is decided here, once, for all groups: those that sent it; a group that has not sent within
-a round's time (or died) is left out, and the others go on. A group whose worker dies or is
+step), counted in the user's steps (``rounds.RoundClock``). When a group reaches a fragment's sync
+point it sends that fragment's pseudo-gradient (``OuterSync`` with ``send``), and then applies the
+average of a round: with overlap the previous one (sent one round ago, so it is there), without
+overlap this one. Which groups a round's average holds is decided once, for all groups
+(``outer_rounds.py``): those that sent it; a group that has not sent within a round's time (or
+died) is left out, and the others go on. A group whose worker dies or is
 evicted leaves the run; its other workers form a new group at the next pause (``hier_pauses.py``),
 from the outer weights; the other groups finish the run meanwhile.
 """
