@@ -19,7 +19,7 @@ from fusionllm.compress.budget import EARLY_BUDGET
 from fusionllm.control.bad_steps import Strikes
 from fusionllm.control.config import Evict, Replan
 from fusionllm.control.context import RunContext, StepClock
-from fusionllm.control.phases import Grouping, groupings
+from fusionllm.control.grouping import Grouping, groupings
 from fusionllm.control.restart import Interrupted, Stopper
 from fusionllm.control.status import RunStatus
 from fusionllm.control.steps import StepRunner
@@ -219,3 +219,64 @@ def test_groupings_follow_sync_groups_and_regroups_in_order() -> None:
     assert groupings("hierarchical", [[0], [1]], [(4, [[0, 1]]), (8, [[1], [0]]), (12, [[0], [1]])], 10) == [
         Grouping(0, 4, [[0], [1]]), Grouping(4, 8, None), Grouping(8, 10, [[1], [0]])]  # a regroup past the end is dropped
     assert groupings("hierarchical", None, None, 5) == [Grouping(0, 5, [])]  # the planner's groups
+
+
+def test_the_round_clock_counts_every_group_in_the_users_steps() -> None:
+    """A grouping of steps 10 to 16: group 0 of H 2 and group 1 of H 4, three rounds each. Why it
+    can fail: a faster group's inner steps counted as steps of their own (its record past ``last``),
+    a checkpoint's step counted in a group that is gone, a joining group that starts at round 0."""
+    from fusionllm.control.rounds import RoundClock
+
+    clock = RoundClock(10, 16, {0: [2, 2, 2], 1: [4, 4, 4]})
+    assert [clock.user_step(0, i) for i in range(6)] == [10, 11, 12, 13, 14, 15]
+    assert [clock.user_step(1, i) for i in range(12)] == [10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15]
+    assert clock.rounds == 3 and clock.step_at(2, {0, 1}) == 14 and clock.step_at(3, {0, 1}) == 16
+    clock.end_at = 2
+    assert clock.reached() == 14  # a re-plan after round 1: the rest of the grouping starts at step 14
+    clock.join(2, like=0, k0=2)
+    assert clock.lengths[2] == [2, 2, 2] and clock.expected(1, {0, 1, 2}) == {0, 1} and clock.expected(2, {0, 1, 2}) == {0, 1, 2}
+
+
+def test_data_offsets_give_every_group_batches_no_other_group_reads() -> None:
+    from fusionllm.control.rounds import DataOffsets
+
+    data = DataOffsets(start=100, n=2, next=100)
+    first = {data.batch(g, i) for g in (0, 1) for i in range(6)}
+    assert first == set(range(100, 112))  # the two groups interleave over the grouping's own batches
+    data.join(2, longest=6)
+    joined = {data.batch(2, i) for i in range(6)}
+    assert not joined & first and min(joined) == 112
+    for b in first | joined:
+        data.read(b)
+    assert data.next == 118  # where the next grouping's batches start
+
+
+def test_the_planners_grouping_is_chosen_once_and_one_group_is_a_grouping() -> None:
+    """Why it can fail: ``--sync auto`` that decides "one or several" in a set-up and switches by an
+    exception, or asks the planner for groups it was given by hand."""
+    from fusionllm.control.grouping import choose
+
+    events: list[dict] = []
+    asked: list[int] = []
+
+    def ctx(sync: str) -> Any:
+        cluster = SimpleNamespace(scheduler="opfence", sync=sync, micro_batches=1, token="t", tls=None)
+        return SimpleNamespace(cluster=cluster, task=SimpleNamespace(trace=lambda rows: f"graph at {rows}"), say=lambda _: None, event=events.append,
+                               membership=SimpleNamespace(members={}, incarnation=0))
+
+    def setup(groups: list[list[int]]) -> Any:
+        async def schedule(graph: str, clients: dict, steps: int) -> Any:
+            asked.append(steps)
+            return SimpleNamespace(groups=[SimpleNamespace(workers=w) for w in groups], meta={"grouping": "g", "candidates": []})
+
+        return SimpleNamespace(group_batch=lambda: 4, schedule=schedule)
+
+    one = asyncio.run(choose(ctx("auto"), setup([[0, 1]]), Grouping(0, 8, [])))
+    assert one == Grouping(0, 8, None) and one.hier is None and asked == [8]
+    assert [(e["event"], e["groups"]) for e in events] == [("auto", 1)]
+    two = asyncio.run(choose(ctx("auto"), setup([[0], [1]]), Grouping(4, 8, [], replanned=True)))
+    assert two == Grouping(4, 8, [[0], [1]], replanned=True) and two.hier is not None and asked == [8, 4]
+    held = asyncio.run(choose(ctx("hierarchical"), setup([[0]]), Grouping(0, 8, [[0]])))  # by hand: not asked
+    assert held == Grouping(0, 8, [[0]]) and asked == [8, 4]
+    several = asyncio.run(choose(ctx("hierarchical"), setup([[0, 1]]), Grouping(0, 8, [])))  # only --sync auto may answer one group
+    assert several.groups == [[0, 1]] and len(events) == 2

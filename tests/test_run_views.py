@@ -46,7 +46,8 @@ def _stages(workers: list[int]) -> list[dict[str, Any]]:
 
 
 def _hier_run(steps: int = 30, inner: int = 5) -> list[dict[str, Any]]:
-    """Two groups (w0,w1 and w2,w3), ``inner`` steps per round, a validation every 2 rounds and at the end."""
+    """Two groups (w0,w1 and w2,w3), ``inner`` steps per round, a validation every 2 rounds and at the end.
+    Every record counts in the user's steps (``--steps``): each step has one record of each group."""
     groups = [[0, 1], [2, 3]]
     out: list[dict[str, Any]] = [{
         "event": "plan", "sync": "hierarchical", "epoch": 0, "rounds": steps // inner, "fragments": 1, "codec": "q4", "outer_lr": 1.0,
@@ -59,16 +60,18 @@ def _hier_run(steps: int = 30, inner: int = 5) -> list[dict[str, Any]]:
     for r in range(steps // inner):
         for i in range(inner):
             for g, (a, b) in enumerate(groups):
-                out.append(StepRecord(step=n, loss=5.0 - 0.05 * n, tokens=512 * (n + 1), elapsed_s=0.25 * (n + 1), tokens_per_s=2000.0, lr=1e-3,
+                out.append(StepRecord(step=r * inner + i, loss=5.0 - 0.05 * n, tokens=512 * (n + 1), elapsed_s=0.25 * (n + 1), tokens_per_s=2000.0, lr=1e-3,
                                       grad_norm=1.0, step_s=0.4, bytes={f"w{a}->w{b}": 393_960, f"w{b}->w{a}": 393_964},
-                                      cpu_s={str(a): 0.5, str(b): 0.5}, group=g, round=r, inner_step=i, steps_total=2 * steps).to_json())
+                                      cpu_s={str(a): 0.5, str(b): 0.5}, group=g, round=r, inner_step=r * inner + i, steps_total=steps).to_json())
                 n += 1
         for g, (a, b) in enumerate(groups):
             c, d = groups[1 - g]
             out.append(OuterRecord(g, 0, r, True, {str(r - 1): {"0": 1.0, "1": 1.0}} if r else {},
                                    {f"w{a}->w{c}": 229_064, f"w{b}->w{d}": 203_836}, 0.23, 0.25 * n).to_json())
+        out.append({"event": "outer_check", "fragment": 0, "round": r, "norms": {"0": 0.8, "1": 0.84}, "cosines": {}, "refused": {},
+                    "sent_again": [], "scales": {}})  # routine: in the file, not among the events a user reads
         if r % 2 == 1 or r == steps // inner - 1:
-            out.append(EvalRecord(n, 4.0 - 0.02 * n, r + 1, 512 * n, 0.25 * n).to_json())
+            out.append(EvalRecord((r + 1) * inner, 4.0 - 0.02 * n, r + 1, 512 * n, 0.25 * n).to_json())
         if r == 2:
             out.append({"event": "left_out", "fragment": 0, "round": r, "groups": [1], "elapsed_s": 0.25 * n})
     out.append({"event": "outer_bytes", "bytes": {"w0->w2": 1}, "tokens": 512 * n})
@@ -123,7 +126,8 @@ def test_records_read_back_as_their_types_and_keep_keys_they_do_not_know() -> No
 
 def test_the_report_of_a_hierarchical_run_shows_its_groups_outer_syncs_and_validation(tmp_path: Path) -> None:
     text = write_report(_write(tmp_path / "hier.jsonl", _hier_run()), tmp_path / "out").read_text()
-    assert "| validation loss (outer weights) | 2.8000 at step 59 |" in text and "not measured" not in text
+    assert "| validation loss (outer weights) | 2.8000 at step 29 |" in text and "not measured" not in text
+    assert "| steps | 30 (step 0 to 29, each trained by every group) |" in text and "checked" not in text
     assert "## Plan (2 groups, balanced by parameters, 5 inner steps per outer round, 6 rounds, outer codec q4, outer lr 1.0)" in text
     assert "None" not in text
     for g, (a, b) in enumerate([(0, 1), (2, 3)]):
@@ -142,16 +146,16 @@ def test_the_report_of_a_synchronous_run_reads_as_before(tmp_path: Path) -> None
     assert "outer" not in text and "Group" not in text and "None" not in text
 
 
-def test_the_status_of_a_hierarchical_run_counts_every_groups_steps_and_its_outer_syncs() -> None:
+def test_the_status_of_a_hierarchical_run_counts_the_users_steps_and_every_groups_outer_syncs() -> None:
     st = _status(_hier_run(), 30).to_json()
-    assert st["steps"] == 60 and st["records"][-1]["step"] + 1 == 60  # not "step 60 of 30"
-    assert st["validation"][-1] == {"step": 60, "val_loss": pytest.approx(2.8), "metrics": {}}
+    assert st["steps"] == 30 and st["records"][-1]["step"] + 1 == 30  # not "step 60 of 30", nor "step 580 of 2000" for --steps 1000
+    assert st["validation"][-1] == {"step": 30, "val_loss": pytest.approx(2.8), "metrics": {}}
     view = st["plan_view"]
     assert view["hierarchical"] and [g["workers"] for g in view["groups"]] == [[0, 1], [2, 3]]
     assert [g["progress"]["steps"] for g in view["groups"]] == [30, 30] and view["groups"][1]["progress"]["outer_syncs"] == 6
     assert st["links"]["w0->w2"]["outer_bytes"] == 6 * 229_064 and st["outer"]["syncs"] == 12
-    assert [e["text"] for e in st["events"]] == ["step 20: validation loss 3.6000 (outer round 2)", "outer round 2 of fragment 0: group 1 left out (too late)",
-                                                 "step 40: validation loss 3.2000 (outer round 4)", "step 60: validation loss 2.8000 (outer round 6)"]
+    assert [e["text"] for e in st["events"]] == ["step 10: validation loss 3.6000 (outer round 2)", "outer round 2 of fragment 0: group 1 left out (too late)",
+                                                 "step 20: validation loss 3.2000 (outer round 4)", "step 30: validation loss 2.8000 (outer round 6)"]
 
 
 @contextlib.contextmanager
@@ -184,7 +188,7 @@ def test_the_dashboard_shows_a_hierarchical_run_as_groups(tmp_path: Path) -> Non
         dom = _chromium(url, tmp_path / "profile", "--dump-dom")
     (tmp_path / "hier.html").write_text(dom)
     text = _text(dom)
-    assert "step 60 of 60" in text and "validation 2.800 after 60 steps" in text and "2 groups, 12 outer syncs" in text
+    assert "step 30 of 30" in text and "validation 2.800 after 30 steps" in text and "2 groups, 12 outer syncs" in text
     assert "no plan yet" not in text and "2 groups, balanced by parameters, 5 inner steps per outer round" in text
     assert "group 0: w0, w1, 5 inner steps, 4 micro-batches" in text and "group 1: w2, w3, 5 inner steps" in text
     assert "30 steps · outer round 6 of 6" in text and "6 outer syncs (" in text
@@ -208,3 +212,33 @@ def test_the_dashboard_shows_a_synchronous_run_as_one_plan(tmp_path: Path) -> No
     assert sorted(re.findall(r'<td class="worker">(w\d)</td>', dom)) == ["w0", "w1"]
     assert "w0-&gt;w1 - 385 KiB raw -" in text and "outer syncs:" not in text
     assert "step 14: bad step (attempt 0), suspects w1, nan grad w1-&gt;w0 from worker 1: 3 NaN; retry" in text and '{"event"' not in dom
+
+
+def test_a_run_of_two_groups_counts_in_the_users_steps_on_every_view(tmp_path: Path) -> None:
+    """Why it can fail: a run of groups that counts every group's inner steps as steps of its own
+    (the dashboard said "step 580 of 2000" and the progress bar "400/400" for ``--steps 200`` with two
+    groups), or that lists a routine outer check among the events a user reads."""
+    from fusionllm.cli.common import progress_bar
+    from fusionllm.core.config import TrainConfig
+    from fusionllm.core.metrics import read_metrics
+    from fusionllm.launch.inprocess import InProcessCluster, cluster_config
+
+    steps = 8
+    train = TrainConfig(model="gpt-nano", steps=steps, batch_size=4, seq_len=16, warmup=0, metrics=str(tmp_path / "m.jsonl"))
+    cluster = cluster_config(2, sync="hierarchical", groups=[[0], [1]], inner_steps=2, fragments=1, micro_batches=1, eval_every=4, eval_batches=1)
+    bar, on_step, _ = progress_bar(steps, "train")
+
+    async def main() -> tuple[dict[str, Any], list[dict]]:
+        async with InProcessCluster(train, cluster, on_step=on_step) as c:
+            await c.run()
+            assert c.coordinator is not None
+            return c.coordinator.status.to_json(), c.steps
+
+    status, records = asyncio.run(main())
+    assert sorted(r["step"] for r in records) == sorted(list(range(steps)) * 2)  # one record of each group per user step
+    assert {r["steps_total"] for r in records} == {steps} and status["steps"] == steps
+    assert bar.tasks[0].completed == bar.tasks[0].total == steps
+    m = read_metrics(tmp_path / "m.jsonl")
+    assert [e["step"] for e in m.of("eval")] == [4, 8]
+    assert m.of("outer_check") and not [e for e in status["events"] if e["event"] == "outer_check"]  # in the file, not an event
+    assert all("{" not in e["text"] for e in status["events"]), status["events"]

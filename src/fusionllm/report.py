@@ -73,8 +73,8 @@ def validations(steps: list[StepRecord], events: list[Record]) -> list[Validatio
 def write_report(metrics: Path, out: Path) -> Path:
     steps, events = load_metrics(metrics)
     out.mkdir(parents=True, exist_ok=True)
-    last = {r.step: r for r in steps}  # after a recovery a step runs again: its last record counts
-    ordered = [last[s] for s in sorted(last)]
+    last = {(r.step, -1 if r.group is None else r.group): r for r in steps}  # after a recovery a step runs again: its last record counts
+    ordered = [last[k] for k in sorted(last)]  # the user's steps; with several groups, one record of each group per step
     vals = validations(ordered, events)
     plan = next((e for e in reversed(events) if isinstance(e, PlanRecord)), None)
     outers = [e for e in events if isinstance(e, OuterRecord)]
@@ -87,7 +87,7 @@ def write_report(metrics: Path, out: Path) -> Path:
         times = [b.elapsed_s - a.elapsed_s for a, b in zip(ordered, ordered[1:], strict=False) if b.step == a.step + 1]
     predicted = final.predicted_step_s or (plan and next((g.predicted_step_s for g in plan.groups if g.predicted_step_s), None))
     lines = [f"# Training report: {metrics.name}", "", "| | |", "|---|---|",
-             f"| steps | {len(ordered)} (step {first.step} to {final.step}{'; the inner steps of every group' if grouped else ''}) |"]
+             f"| steps | {len({r.step for r in ordered})} (step {first.step} to {final.step}{', each trained by every group' if grouped else ''}) |"]
     if grouped:
         by_group: dict[int, list[StepRecord]] = {}
         for r in ordered:
@@ -120,7 +120,7 @@ def write_report(metrics: Path, out: Path) -> Path:
                   f"(fragment, round) pairs; bytes sent per link:", "", "| link | bytes |", "|---|---|",
                   *[f"| {link} | {_size(n)} |" for link, n in sorted(links.items())], ""]
     others = [e for e in events if not isinstance(e, PlanRecord | OuterRecord | EvalRecord)
-              and not (isinstance(e, EventRecord) and e.kind == "outer_bytes")]
+              and not (isinstance(e, EventRecord) and e.kind in ("outer_bytes", "outer_check"))]  # a refusal is its own event
     if others:
         lines += ["## Events", ""] + [f"- {event_line(e)}" for e in others] + [""]
     lines += ["## Plots", ""] + [f"![{name}]({name})" for name in figures] + [""]

@@ -55,14 +55,14 @@ def progress_bar(total: int, label: str) -> tuple[Any, Callable[[dict], None], l
     )
     task = bar.add_task(label, total=total, info="")
 
+    done = [0]  # the user's steps done: several groups write one record each per step, and a skipped step none
+
     def on_step(rec: dict) -> None:
-        if "steps_total" in rec:  # hierarchical mode: every group's inner steps
-            bar.update(task, total=rec["steps_total"])
         if not first:
             first.append(rec["loss"])
-            bar.update(task, completed=rec["step"])
+        done[0] = max(done[0], rec["step"] + 1)
         val = f" val {rec['val_loss']:.3f}" if "val_loss" in rec else ""
-        bar.update(task, advance=1, info=f"loss {rec['loss']:.3f}{val}  {rec['tokens_per_s']:.0f} tok/s")
+        bar.update(task, completed=done[0], info=f"loss {rec['loss']:.3f}{val}  {rec['tokens_per_s']:.0f} tok/s")
 
     return bar, on_step, first
 

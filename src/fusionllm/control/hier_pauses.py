@@ -76,24 +76,24 @@ class Pauses:
             async with hr.changed:
                 await wait_notified(hr.changed, POLL_S)
             spares = sorted(self.membership.spares - ignored)
-            if spares and hr.alive and hr.join_at is None and hr.end_at is None:  # (a re-plan takes the spares in)
-                k0 = max(hr.current[g] for g in hr.alive) + 1
-                if k0 >= hr.rounds:
+            if spares and hr.alive and hr.pausing.join_at is None and hr.clock.end_at is None:  # (a re-plan takes the spares in)
+                k0 = max(hr.clock.current[g] for g in hr.alive) + 1
+                if k0 >= hr.clock.rounds:
                     self.say(f"worker(s) {spares} joined, but no outer round is left to join: they stay idle")
                     ignored |= set(spares)
                 else:
-                    later = [p for p in hr.pauses if p > hr.resumed and p >= k0]
-                    hr.join_at = min(later) if later else k0
-                    hr.pauses.add(hr.join_at)
-                    self.say(f"worker(s) {spares} joined: they form a new group at outer round {hr.join_at}")
-            upcoming = [p for p in hr.pauses if p > hr.resumed]
-            if not upcoming or not hr.alive or not hr.alive <= hr.arrived:
+                    later = [p for p in hr.pausing.pauses if p > hr.pausing.resumed and p >= k0]
+                    hr.pausing.join_at = min(later) if later else k0
+                    hr.pausing.pauses.add(hr.pausing.join_at)
+                    self.say(f"worker(s) {spares} joined: they form a new group at outer round {hr.pausing.join_at}")
+            upcoming = [p for p in hr.pausing.pauses if p > hr.pausing.resumed]
+            if not upcoming or not hr.alive or not hr.alive <= hr.pausing.arrived:
                 continue
             p = min(upcoming)
             try:
-                if p in hr.ckpt_rounds:
+                if p in hr.pausing.ckpt_rounds:
                     await self.checkpoint(hr, p)
-                if hr.join_at == p:
+                if hr.pausing.join_at == p:
                     joining = sorted(self.membership.spares - ignored)
                     try:
                         await self.join(hr, joining, p)
@@ -103,9 +103,9 @@ class Pauses:
                         ignored |= set(joining)
             finally:
                 async with hr.changed:
-                    hr.join_at = None if hr.join_at == p else hr.join_at
-                    hr.resumed = p
-                    hr.arrived.clear()
+                    hr.pausing.join_at = None if hr.pausing.join_at == p else hr.pausing.join_at
+                    hr.pausing.resumed = p
+                    hr.pausing.arrived.clear()
                     hr.changed.notify_all()
 
     async def pause(self, hr: HierRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
@@ -113,12 +113,12 @@ class Pauses:
         the pause's work to be done."""
         paused = time.perf_counter()
         for _, f, r in sorted(pending, key=lambda x: (x[2], x[1])):
-            await self.groups.outer_sync(hr, g, f, r, 0, [r], send=False)
+            await self.groups.outer.sync(hr, g, f, r, 0, [r], send=False)
         pending.clear()
         async with hr.changed:
-            hr.arrived.add(g)
+            hr.pausing.arrived.add(g)
             hr.changed.notify_all()
-            while hr.resumed < p and g in hr.alive:
+            while hr.pausing.resumed < p and g in hr.alive:
                 await hr.changed.wait()
         if g not in hr.alive:  # it left during the pause (a worker of it was lost in the checkpoint)
             raise FusionError(f"group {g} left the run during the pause at outer round {p}")
@@ -182,7 +182,7 @@ class Pauses:
             clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
         run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
-        await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress))
+        await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress), rows=self.group_setup.group_batch())
         if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:
             raise FusionError("--group-batch needs workers that read their own data")
         new = {str(w): addresses[w] for w in workers}
@@ -194,10 +194,8 @@ class Pauses:
             r.hier = text
         hr.hier = hier
         hr.runs[index] = run
-        hr.lengths[index] = list(hr.lengths[ref.index])
-        hr.first_round[index] = hr.current[index] = k0
-        longest = max(sum(x) for x in hr.lengths.values())
-        hr.data_base[index] = hr.data_from + (hr.n_data + len(hr.data_base)) * longest  # past every batch another group reads
+        hr.clock.join(index, ref.index, k0)
+        hr.data.join(index, max(sum(x) for x in hr.clock.lengths.values()))  # past every batch another group reads
         hr.alive.add(index)
         self.membership.spares -= set(workers)
         return index, source

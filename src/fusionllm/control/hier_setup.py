@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
@@ -29,7 +29,7 @@ from .config import Run
 from .context import RunContext
 from .limits import check_message_sizes
 from .restart import resume_live
-from .rounds import checkpoint_rounds, resume_round
+from .rounds import DataOffsets, PauseSchedule, RoundClock, checkpoint_rounds, resume_round
 from .setup import Setup
 from .state import Checkpoints
 from .status import stage_rows
@@ -37,72 +37,36 @@ from .status import stage_rows
 
 @dataclass
 class HierRun:
+    """A grouping of several groups while it trains (``hierarchical.py``) and pauses
+    (``hier_pauses.py``): the groups' plans and runs, which are alive, and the components that own
+    the rest: where each group is (``clock``), which batches they read (``data``), and when they
+    pause (``pausing``). The outer syncs' own state is ``outer_rounds.OuterRounds``'s."""
+
     hier: HierPlan
     graph: OpGraph
     runs: dict[int, Run]  # group -> its synchronous run
-    rounds: int
     alive: set[int]
-    lengths: dict[int, list[int]] = field(default_factory=dict)  # group -> inner steps of each of its rounds
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    sent: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> tokens
-    decided: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
-    scales: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)  # (fragment, round) -> group -> scale (clipped)
-    deciding: dict[tuple[int, int], asyncio.Future] = field(default_factory=dict)  # decided once: the others wait for it
-    evicting: dict[int, Exception] = field(default_factory=dict)  # group -> its eviction, raised in its own rounds (outer_guard.py)
+    clock: RoundClock
+    data: DataOffsets
+    pausing: PauseSchedule
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)  # a group sent, left, arrived at a pause
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
-    steps: int = 0
     started: float = 0.0
     paused: float = 0.0  # seconds spent evaluating (not counted as training time)
-    outer_bytes: dict[str, int] = field(default_factory=dict)  # pseudo-gradient bytes per link, whole run
-    n_data: int = 1  # groups of the first plan: group g of them reads batches i * n_data + g
-    first_round: dict[int, int] = field(default_factory=dict)  # a group that joined: the first round it takes part in
-    current: dict[int, int] = field(default_factory=dict)  # group -> the round it is in
-    data_base: dict[int, int] = field(default_factory=dict)  # a group that joined: its batches are data_base + i
-    pauses: set[int] = field(default_factory=set)  # rounds before which every group pauses (hier_pauses.py)
-    ckpt_rounds: set[int] = field(default_factory=set)  # the pauses that write a checkpoint
-    join_at: int | None = None  # the pause at which the spares form a new group
-    resumed: int = 0  # the last pause done
-    arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
-    observed: set[int] = field(default_factory=set)  # groups whose AdaTopK policy has seen a step
     stopping: bool = False  # the run is over: the pauser ends
-    first: int = 0  # the step this grouping starts at (a regroup: where the run was), and the step it ends before
-    last: int = 0
-    data_from: int = 0  # the first batch no earlier grouping read: group g reads data_from + i * n_data + g
-    next_data: int = 0  # past every batch read so far (where the next grouping's data starts)
-    end_at: int | None = None  # a re-plan was asked: every group ends its rounds before this one
-    replan_why: str = ""
-
-    def reached(self) -> int:
-        """The run's step where every group ended (``end_at``): counted in the slowest group, on the
-        run's schedule (``first`` to ``last``)."""
-        ref = min(self.lengths.values(), key=sum)
-        done = sum(ref[: self.end_at]) if self.end_at is not None else sum(ref)
-        return self.first + done * (self.last - self.first) // max(1, sum(ref))
 
     def step_at(self, p: int) -> int:
-        """The run's step once rounds ``0 .. p - 1`` are done: counted in the live group with the
-        fewest inner steps per round (a checkpoint's step, and the step a restart resumes at)."""
-        ref = min((g for g in self.hier.groups if g.index in self.alive), key=lambda g: g.inner_steps, default=None)
-        return self.first + sum(self.lengths[ref.index][:p]) if ref is not None else self.first
+        """The user's step once rounds ``0 .. p - 1`` are done (``RoundClock.step_at``, the live groups)."""
+        return self.clock.step_at(p, self.alive)
 
     def expected(self, r: int) -> set[int]:
-        """The live groups that take part in round ``r`` (a group that joined later does not)."""
-        return {g for g in self.alive if self.first_round.get(g, 0) <= r}
+        """The live groups that take part in round ``r``."""
+        return self.clock.expected(r, self.alive)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started - self.paused
-
-
-
-class OneGroup(Exception):
-    """``--sync auto``: the planner predicts one synchronous group to reach a target loss first
-    (``plan.meta`` says why); the grouping runs as the synchronous step loop."""
-
-    def __init__(self, plan: HierPlan) -> None:
-        super().__init__("one synchronous group")
-        self.plan = plan
 
 
 class GroupSetup:
@@ -135,13 +99,14 @@ class GroupSetup:
         return None
 
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
-                           states: list[Any] | None = None, data_from: int = 0) -> HierRun:
+                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> HierRun:
         """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
 
         A regroup passes the grouping (``groups``; default ``--groups`` or the planner's), the steps
         it trains (``first`` to ``last``), the live weights it starts from (``states``: a
         synchronous plan's weights and AdamW state, or a grouping's outer weights and momentum), and
-        the first batch no earlier grouping read (``data_from``)."""
+        the first batch no earlier grouping read (``data_from``); ``hier``: the planner's groups, when
+        it chose them (``grouping.choose``)."""
         t, c = self.train, self.cluster
         last = t.steps if last is None else last
         groups = c.groups if groups is None else groups
@@ -168,13 +133,9 @@ class GroupSetup:
         addresses = {m.id: m.address for m in self.membership.members.values()}
         clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation) for w, a in addresses.items()}
         infos = {w: m.info for w, m in self.membership.members.items()}
-        if c.scheduler and not groups:
+        if hier is None and c.scheduler and not groups:
             hier = await self.schedule(graph, clients, last - first)
-            if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target first
-                for client in clients.values():
-                    await client.close()
-                raise OneGroup(hier)
-        else:
+        elif hier is None:
             unknown = sorted({w for g in groups or [] for w in g} - set(addresses))
             if unknown:
                 raise ConfigError(f"--groups names worker(s) {unknown}, but the workers are {sorted(addresses)}")
@@ -217,9 +178,8 @@ class GroupSetup:
         codec = parse_codec(c.compress)
         if codec.adaptive:  # each group's own link policy, as a synchronous plan's
             await self.policies(graph, hier, runs, clients)
-        if self.ctx.data_spec is not None:  # every group reads batches of its own size; validation: the same windows, in smaller batches
-            self.ctx.data_spec = replace(self.ctx.data_spec, batch_size=batch, eval_batches=c.eval_batches * (t.batch_size // batch))
-        await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec) for run in runs.values()))
+        # every group reads batches of its own size; validation: the same windows, in smaller batches
+        await asyncio.gather(*(self.setup.assign(run, addresses, states, load, codec, rows=batch) for run in runs.values()))
         if batch != t.batch_size and any(run.fed for run in runs.values()):
             raise FusionError(f"the groups read batches of {batch} rows (--batch-size {t.batch_size} shared by {len(hier.groups)} groups), which "
                               f"needs workers that read their own data (some cannot: see above); pass --group-batch {t.batch_size}")
@@ -245,10 +205,10 @@ class GroupSetup:
         if resumed and self.ctx.clock.start_step > first:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
-        return HierRun(hier, graph, runs, len(ref), alive={g.index for g in hier.groups}, lengths=lengths, n_data=len(hier.groups),
-                       current={g.index: start for g in hier.groups}, first_round={g.index: start for g in hier.groups},
-                       pauses={p for p in ckpt if p > start}, ckpt_rounds=ckpt, resumed=start, first=first, last=last, data_from=data_from,
-                       next_data=data_from, steps=first)
+        clock = RoundClock(first, last, lengths, first_round={g.index: start for g in hier.groups}, current={g.index: start for g in hier.groups})
+        return HierRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
+                       data=DataOffsets(data_from, len(hier.groups), next=data_from),
+                       pausing=PauseSchedule({p for p in ckpt if p > start}, ckpt, resumed=start))
 
     async def policies(self, graph: OpGraph, hier: HierPlan, runs: dict[int, Run], clients: dict[int, RpcClient]) -> None:
         """Each group's own AdaTopK link policy, as a synchronous plan's."""

@@ -4,11 +4,12 @@ Each group (``schedule/hierarchy.py``) trains its own synchronous plan on its ow
 (group ``g`` of ``G`` reads batches ``i * G + g``) as fast as its devices allow; nothing waits for
 another group's steps. Each inner step is the synchronous run's step (``steps.py``): the same
 guards, retry, skip, strikes and eviction, and the same step record (plus group, round, inner
-step). When a group reaches a fragment's sync point it sends that fragment's pseudo-gradient
-(``OuterSync`` with ``send``), and then applies the average of a round: with overlap the previous
-one (sent one round ago, so it is there), without overlap this one. Which groups a round's average
-holds is decided here, once, for all groups: those that sent it; a group that has not sent within
-a round's time (or died) is left out, and the others go on. A group whose worker dies or is
+step), counted in the user's steps (``rounds.RoundClock``). When a group reaches a fragment's sync
+point it sends that fragment's pseudo-gradient (``OuterSync`` with ``send``), and then applies the
+average of a round: with overlap the previous one (sent one round ago, so it is there), without
+overlap this one. Which groups a round's average holds is decided once, for all groups
+(``outer_rounds.py``): those that sent it; a group that has not sent within a round's time (or
+died) is left out, and the others go on. A group whose worker dies or is
 evicted leaves the run; its other workers form a new group at the next pause (``hier_pauses.py``),
 from the outer weights; the other groups finish the run meanwhile.
 """
@@ -24,17 +25,16 @@ from fusionllm.compress.budget import budget_cap
 from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import FusionError
 from fusionllm.schedule.hierarchy import sync_offsets
-from fusionllm.transport.control import OuterApply, OuterSync, OuterSynced
 
 from .config import Evict, Run, WorkerLost
 from .context import RunContext
 from .hier_pauses import Pauses
 from .hier_setup import GroupSetup, HierRun
 from .outer_guard import OuterGuard, OuterStop
+from .outer_rounds import OuterRounds
 from .recovery import evict_event
-from .rounds import wait_notified
 from .state import Checkpoints
-from .steps import StepRunner, slower_than_planned, step_record
+from .steps import StepRunner, replan_due, step_record
 from .workers import Liveness
 
 
@@ -48,7 +48,8 @@ class Groups:
         self.ctx, self.checkpoints, self.live, self.runner, self.send_away = ctx, checkpoints, live, runner, send_away
         self.replans = replans
         self.group_batch = group_setup.group_batch()
-        self.outer_guard = OuterGuard(ctx, ctx.cluster.outer_aggregate)  # checked outer steps: strikes last the whole run
+        self.outer_guard = OuterGuard(ctx, ctx.cluster.outer_aggregate)  # checked outer steps: strikes last the whole grouping
+        self.outer = OuterRounds(ctx, live, self.outer_guard)
         self.pauses = Pauses(ctx, group_setup, checkpoints, live, self)
 
     async def train(self, hr: HierRun) -> TrainResult:
@@ -73,9 +74,9 @@ class Groups:
         if not hr.alive:
             raise FusionError("every group left the run (see the messages above)")
         hr.result.elapsed_s = hr.elapsed()
-        if self.ctx.cluster.checkpoint_every and hr.current:  # the end: every average applied, the same outer weights everywhere
-            await self.pauses.checkpoint(hr, hr.end_at if hr.end_at is not None else hr.rounds)
-        self.ctx.metrics.write({"event": "outer_bytes", "bytes": hr.outer_bytes, "tokens": hr.result.tokens})
+        if self.ctx.cluster.checkpoint_every and hr.clock.current:  # the end: every average applied, the same outer weights everywhere
+            await self.pauses.checkpoint(hr, hr.clock.end_at if hr.clock.end_at is not None else hr.clock.rounds)
+        self.ctx.metrics.write({"event": "outer_bytes", "bytes": self.outer.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
     def start(self, hr: HierRun, g: int) -> asyncio.Task:
@@ -144,10 +145,8 @@ class Groups:
         gp = next(x for x in hr.hier.groups if x.index == g)
         run = hr.runs[g]
         n_frags = len(hr.hier.fragments)
-        lengths = hr.lengths[g]
-        total = sum(lengths)
-        start = hr.first_round.get(g, 0)
-        data_base = hr.data_base.get(g)
+        lengths = hr.clock.lengths[g]
+        start = hr.clock.first_round.get(g, 0)
         tokens_per_step = self.group_batch * self.ctx.task.items_per_row
         eval_n = self.ctx.eval_count() * (t.batch_size // self.group_batch)
         delay = hr.hier.delay_of(gp)
@@ -156,35 +155,34 @@ class Groups:
         i = sum(lengths[:start])  # a group that joined takes the schedule (learning rate) where the others are
         rounds_done = start
         for k in range(start, len(lengths)):
-            if hr.end_at is not None and k >= hr.end_at:  # a re-plan: every group ends here (phases.py plans again)
+            if hr.clock.end_at is not None and k >= hr.clock.end_at:  # a re-plan: every group ends here (phases.py plans again)
                 break
             h = lengths[k]
-            hr.current[g] = k
+            hr.clock.current[g] = k
             began = time.perf_counter()
             offsets = sync_offsets(h, n_frags)
             for j in range(h):
-                at = min(t.steps - 1, hr.first + i * (hr.last - hr.first) // total)  # where the group is in the schedule
-                lr = lr_at(at, lr=t.lr, steps=t.steps, warmup=t.warmup)
-                data_step = data_base + i if data_base is not None else hr.data_from + i * hr.n_data + g
-                await self.inner_step(hr, g, run, i, data_step, lr, k, cap=budget_cap(at, t.steps))
+                at = hr.clock.user_step(g, i)  # where the group is on the run's steps (the schedule, the records)
+                lr = lr_at(min(t.steps - 1, at), lr=t.lr, steps=t.steps, warmup=t.warmup)
+                await self.inner_step(hr, g, run, i, hr.data.batch(g, i), lr, k, user_step=at, cap=budget_cap(min(t.steps - 1, at), t.steps))
                 i += 1
                 for f, off in enumerate(offsets):
                     if off == j + 1:
-                        await self.outer_sync(hr, g, f, k, h * tokens_per_step, [])
+                        await self.outer.sync(hr, g, f, k, h * tokens_per_step, [])
                         pending.append((i + min(delay, h), f, k))
                 for due in [p for p in pending if p[0] <= i]:
                     pending.remove(due)
-                    await self.outer_sync(hr, g, due[1], due[2], 0, [due[2]], send=False)
+                    await self.outer.sync(hr, g, due[1], due[2], 0, [due[2]], send=False)
                 if evaluate is not None and not any(r <= evaluate for _, _, r in pending):
-                    await self.evaluate_outer(hr, run, eval_n, evaluate)  # the outer weights of whole rounds
+                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)  # the outer weights of whole rounds
                     evaluate = None
             hr.round_s[g] = time.perf_counter() - began
-            if eval_n and g == min(hr.alive) and ((hr.first + i) // c.eval_every) > ((hr.first + i - h) // c.eval_every) and k + 1 < len(lengths):
+            if eval_n and g == min(hr.alive) and ((hr.clock.first + i) // c.eval_every) > ((hr.clock.first + i - h) // c.eval_every) and k + 1 < len(lengths):
                 evaluate = k  # once every fragment of this round is applied
-            if k + 1 in hr.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
+            if k + 1 in hr.pausing.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
                 await self.pauses.pause(hr, g, k + 1, pending)
                 if evaluate is not None:
-                    await self.evaluate_outer(hr, run, eval_n, evaluate)
+                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)
                     evaluate = None
             rounds_done = k + 1
         if rounds_done == start:  # joined at the round where the run ends: nothing to send
@@ -194,25 +192,26 @@ class Groups:
         for f, off in enumerate(last):  # the end: what the last round left unsent goes out, every average is applied
             tail = (lengths[rounds_done - 1] - off) * tokens_per_step
             rounds = sorted(r for _, pf, r in pending if pf == f) + ([end] if tail else [])
-            await self.outer_sync(hr, g, f, end, tail, rounds, send=tail > 0, announce=True)
+            await self.outer.sync(hr, g, f, end, tail, rounds, send=tail > 0, announce=True)
         if eval_n and g == min(hr.alive):
             await self.evaluate_outer(hr, run, eval_n, end)
 
-    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, cap: float = 1.0) -> None:
+    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
+                         cap: float = 1.0) -> None:
         """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
-        retry, skip, strikes and eviction included."""
-        self.evict_if_struck(hr, g)
+        retry, skip, strikes and eviction included. Its record counts in the user's steps
+        (``user_step``: where the group is on the run's ``--steps``), as a synchronous run's does."""
+        self.outer_guard.evict_if_struck(g)
         done = await self.runner.run(run, data_step, lr, group=g, cap=cap)
-        hr.next_data = max(hr.next_data, data_step + 1)
+        hr.data.read(data_step)
         hr.result.tokens += self.group_batch * self.ctx.task.items_per_row  # a skipped step's batch is spent too
         if done is None:
             return
         hr.result.losses.append(done.loss)
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = step_record(run, done, step=hr.steps, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
-        record.group, record.round, record.inner_step = g, k, hr.first + i
-        record.steps_total = hr.first + sum(sum(hr.lengths[x][hr.first_round.get(x, 0):]) for x in hr.alive)
-        hr.steps += 1
+        record = step_record(run, done, step=user_step, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
+        record.group, record.round, record.inner_step = g, k, hr.clock.first + i
+        record.steps_total = self.ctx.train.steps
         self.ctx.step(record)
         self.check_plan(hr, g, run)
 
@@ -220,114 +219,25 @@ class Groups:
         """A group whose last 8 steps took far longer than they should (``steps.slower_than_planned``):
         every group ends at the next round boundary and the run is planned again (``phases.py``),
         as a synchronous run re-plans."""
-        c = self.ctx.cluster
-        if hr.end_at is not None or not c.scheduler or self.replans() >= c.max_replans:
+        if hr.clock.end_at is not None:
             return
-        why = slower_than_planned(run, c.replan_factor)
+        why = replan_due(run, self.ctx.cluster, self.replans())
         if why is not None:
-            hr.end_at = max(hr.current[x] for x in hr.alive) + 1  # no group has started it yet
-            hr.replan_why = f"group {g}'s {why}"
-            self.ctx.say(f"re-planning at outer round {hr.end_at}: {hr.replan_why}")
+            hr.clock.end_at = max(hr.clock.current[x] for x in hr.alive) + 1  # no group has started it yet
+            hr.clock.replan_why = f"group {g}'s {why}"
+            self.ctx.say(f"re-planning at outer round {hr.clock.end_at}: {hr.clock.replan_why}")
 
-    @staticmethod
-    def evict_if_struck(hr: HierRun, g: int) -> None:
-        """Group ``g``'s pseudo-gradients were refused ``--evict-after`` times (``outer_guard.py``): it
-        is evicted from its own rounds, as a worker blamed for bad tensors is."""
-        ev = hr.evicting.pop(g, None)
-        if ev is not None:
-            raise ev
-
-    async def outer_sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,
-                          send: bool = True, announce: bool | None = None) -> None:
-        """Send fragment ``f``'s delta of round ``r`` (``send``), tell the other groups it is there or
-        that there is none (``announce``, default ``send``), then apply the ``apply`` rounds' averages."""
-        run = hr.runs[g]
-        began = time.perf_counter()
-        sent: dict[str, int] = {}
-        self.evict_if_struck(hr, g)
-
-        async def call(w: int, msg: OuterSync) -> OuterSynced:
-            c = self.ctx.cluster  # a dropped link is ridden out: the worker answers a repeat with the same run
-            return OuterSynced.from_wire(await run.clients[w].call_retrying("OuterSync", msg.to_wire(), within=c.step_timeout, timeout=c.step_timeout))
-
-        if send:
-            replies = await self.live.calls(run, {w: call(w, OuterSync(f, r, True)) for w in run.plan.workers})
-            for w, rep in replies.items():
-                for dst, n in rep.bytes_to.items():
-                    sent[f"w{w}->w{dst}"] = sent.get(f"w{w}->w{dst}", 0) + n
-                    hr.outer_bytes[f"w{w}->w{dst}"] = hr.outer_bytes.get(f"w{w}->w{dst}", 0) + n
-        if send if announce is None else announce:
-            async with hr.changed:
-                hr.sent.setdefault((f, r), {})[g] = float(tokens if send else 0)
-                hr.changed.notify_all()
-        applies = []
-        for j in apply:  # one at a time: the checks of round j wait until every group applied round j - 1
-            groups = await self.decide(hr, f, j, g)
-            self.evict_if_struck(hr, g)
-            scale = {str(x): v for x, v in hr.scales.get((f, j), {}).items() if v != 1.0}
-            # also with no group in it: the workers drop the round's deltas
-            one = OuterApply(j, {str(x): w for x, w in groups.items()}, step=hr.step_at(j + 1), scale=scale,
-                             aggregate="trimmed" if self.ctx.cluster.outer_aggregate == "trimmed" else "mean")
-            await self.live.calls(run, {w: call(w, OuterSync(f, r, False, [one])) for w in run.plan.workers})
-            applies.append(one)
-        self.ctx.event({"event": "outer", "group": g, "fragment": f, "round": r, "sent": send,
-                       "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
-                       "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
-
-    async def decide(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
-        """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
-        the first group that needs it, after every live group sent it or a round's time passed, and
-        after their deltas were checked (``outer_guard.py``); the others wait for that decision."""
-        key = (f, r)
-        async with hr.changed:
-            if key in hr.decided:
-                return hr.decided[key]
-            waiting = hr.deciding.get(key)
-            if waiting is None:
-                hr.deciding[key] = decision = asyncio.get_running_loop().create_future()
-        if waiting is not None:
-            await asyncio.shield(waiting)
-            return hr.decided[key]
-        groups: dict[int, float] = {}
-        scales: dict[int, float] = {}
-        try:
-            async with hr.changed:
-                groups = await self.senders(hr, f, r, asking)
-            # the checks run outside the lock: a group that applies an earlier round meanwhile is not held up (they wait for it)
-            groups, scales = await self.outer_guard.check(hr, f, r, groups)
-        finally:
-            hr.decided[key], hr.scales[key] = groups, scales
-            hr.deciding.pop(key, None)
-            decision.set_result(None)
-        return groups
-
-    async def senders(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
-        """The live groups that sent round ``r`` of fragment ``f`` within a round's time (the caller
-        holds ``hr.changed``)."""
-        loop = asyncio.get_running_loop()
-        patience = max(self.ctx.cluster.dead_after, 2.0 * hr.round_s.get(asking, time.perf_counter() - hr.started))
-        deadline = loop.time() + patience
-        while not hr.expected(r) <= set(hr.sent.get((f, r), {})):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            await wait_notified(hr.changed, left)
-        got = hr.sent.get((f, r), {})
-        late = sorted(hr.expected(r) - set(got))
-        if late:
-            self.ctx.say(f"outer round {r} of fragment {f}: group(s) {late} left out (not there within {patience:.1f} s)")
-            self.ctx.event({"event": "left_out", "fragment": f, "round": r, "groups": late, "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
-        return {x: w for x, w in got.items() if x in hr.alive and w > 0}
-
-    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, k: int) -> None:
-        """The validation loss of the outer weights of whole rounds, in ``run``'s pipeline."""
+    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, rounds: int) -> None:
+        """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
+        pipeline; recorded at the user's step they reach (``HierRun.step_at``)."""
+        step = hr.step_at(rounds)
         paused = time.perf_counter()
-        val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, hr.steps, outer=True))
+        val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))
         hr.paused += time.perf_counter() - paused
-        hr.result.val_losses.append((hr.steps, val))
+        hr.result.val_losses.append((step, val))
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = {"event": "eval", "step": hr.steps, "round": k, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
+        record = {"event": "eval", "step": step, "round": rounds, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
         if run.val_metric is not None:
             record[f"val_{self.ctx.task.metric_name}"] = run.val_metric
-            hr.result.val_metrics.append((hr.steps, run.val_metric))
+            hr.result.val_metrics.append((step, run.val_metric))
         self.ctx.event(record)

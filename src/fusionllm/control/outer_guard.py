@@ -27,6 +27,7 @@ class OuterGuard:
         self.ctx, self.aggregate = ctx, aggregate
         self.estimates: dict[int, dict[int, float]] = {}  # fragment -> group -> running norm estimate
         self.strikes: dict[int, list[int]] = {}  # group -> the rounds it was refused in lately
+        self.evicting: dict[int, Evict] = {}  # group -> its eviction, raised in its own rounds (``evict_if_struck``)
 
     @property
     def on(self) -> bool:
@@ -47,7 +48,8 @@ class OuterGuard:
             if await self.resend(hr, f, r, again):
                 verdict = judge(senders, await self.reports(hr, f, r, senders, again), estimates, self.aggregate)
         update_estimates(estimates, verdict)
-        self.ctx.event({"event": "outer_check", "fragment": f, "round": r, "norms": {str(g): round(n, 6) for g, n in verdict.norms.items()},
+        # a record in the metrics file, not an event: a user sees the refusals (``strike``), not every check that passed
+        self.ctx.metrics.write({"event": "outer_check", "fragment": f, "round": r, "norms": {str(g): round(n, 6) for g, n in verdict.norms.items()},
                         "cosines": {str(g): round(c, 4) for g, c in verdict.cosines.items()},
                         "refused": {str(g): why for g, why in verdict.refused.items()}, "sent_again": again,
                         "scales": {str(g): round(s, 4) for g, s in verdict.accepted.items() if s != 1.0}})
@@ -127,5 +129,12 @@ class OuterGuard:
                             f"(--numeric-guard stop); --numeric-guard retry leaves such a group out and evicts it at --evict-after strikes")
         self.ctx.say(f"outer round {r} of fragment {f}: group {g} left out ({why}); strike {len(rounds)}"
                      + (f" of {c.evict_after}" if c.evict_after else ""))
-        if action == "evict" and g not in hr.evicting:
-            hr.evicting[g] = Evict(set(workers), f"{len(rounds)} refused pseudo-gradients ({why})", hr.step_at(r))
+        if action == "evict" and g not in self.evicting:
+            self.evicting[g] = Evict(set(workers), f"{len(rounds)} refused pseudo-gradients ({why})", hr.step_at(r))
+
+    def evict_if_struck(self, g: int) -> None:
+        """Group ``g``'s pseudo-gradients were refused ``--evict-after`` times: it is evicted from its
+        own rounds (raised there), as a worker blamed for bad tensors is."""
+        ev = self.evicting.pop(g, None)
+        if ev is not None:
+            raise ev

@@ -11,7 +11,9 @@ several to one, or to other groups. A regroup is one operation at a pause, from 
   the same outer weights; one group's outer weights and outer momentum are read (the momentum
   follows to the next grouping of several groups; one group has no outer step).
 
-The next grouping is planned and assigned with them, and trains on from STEP: the learning-rate
+Where the planner forms the groups, it is asked once per grouping before anything is set up
+(``grouping.choose``); its answer, one group or several, is the grouping that runs. The next
+grouping is planned and assigned with them, and trains on from STEP: the learning-rate
 schedule goes on where it was, and its batches are ones no earlier grouping read. Each grouping
 runs through the one step of every group (``steps.py``); a grouping of one group is the
 synchronous step loop (``training.py``), with its recovery, re-plans, evictions and stops.
@@ -20,7 +22,6 @@ synchronous step loop (``training.py``), with its recovery, re-plans, evictions 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 from fusionllm.core.config import TrainResult
@@ -28,7 +29,8 @@ from fusionllm.core.tensorboard import MetricsWriter
 
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
-from .hier_setup import GroupSetup, OneGroup
+from .grouping import Grouping, choose, groupings
+from .hier_setup import GroupSetup
 from .hierarchical import Groups
 from .recovery import Recovery
 from .restart import Interrupted, Stopper, final_checkpoint, resume_event, start_or_resume
@@ -37,33 +39,6 @@ from .state import Checkpoints
 from .steps import StepRunner, measured_links
 from .training import SyncLoop
 from .workers import Liveness
-
-
-@dataclass(frozen=True)
-class Grouping:
-    """Steps ``first`` to ``last`` trained as one group (``groups`` None) or several (``groups``: by
-    hand; ``[]``: the planner's)."""
-
-    first: int
-    last: int
-    groups: list[list[int]] | None
-    replanned: bool = False  # the rest of a grouping a re-plan ended early (not a regroup)
-
-    def describe(self) -> str:
-        if self.groups is None:
-            return "one group (synchronous)"
-        return f"{len(self.groups)} groups {'/'.join(','.join(map(str, g)) for g in self.groups)}" if self.groups else "the planner's groups"
-
-
-def groupings(sync: str, groups: list[list[int]] | None, regroup: list[tuple[int, list[list[int]]]] | None, steps: int) -> list[Grouping]:
-    """The run's groupings in order (``--sync``, ``--groups``, ``--regroup``); regroups at or past
-    ``steps`` are dropped."""
-    starts: list[tuple[int, list[list[int]] | None]] = [(0, None if sync == "synchronous" else (groups or []))]
-    for step, grouping in regroup or []:
-        if step < steps:
-            starts.append((int(step), None if len(grouping) == 1 else [list(g) for g in grouping]))
-    ends = [s for s, _ in starts[1:]] + [steps]
-    return [Grouping(first, last, g) for (first, g), last in zip(starts, ends, strict=True)]
 
 
 class Phases:
@@ -85,7 +60,7 @@ class Phases:
         with MetricsWriter(ctx.train.metrics, ctx.train.log_to) as ctx.metrics:
             k = 0
             while k < len(plan):
-                grouping = plan[k]
+                plan[k] = grouping = await choose(ctx, GroupSetup(ctx, self.setup, self.checkpoints), plan[k])  # decided once, here
                 final = k + 1 == len(plan)
                 regroup = k > 0 and not grouping.replanned
                 if regroup:
@@ -94,13 +69,7 @@ class Phases:
                 if grouping.groups is None:
                     part, states, data_from = await self.one(grouping, states, data_from, final=final)
                 else:
-                    try:
-                        part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
-                    except OneGroup as one:  # --sync auto chose one synchronous group for this grouping
-                        auto_event(ctx, one.plan, grouping.first)
-                        plan[k] = Grouping(grouping.first, grouping.last, None, grouping.replanned)
-                        part, states, data_from = await self.one(plan[k], states, data_from, final=final)
-                        again = None
+                    part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
                     if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
                         plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
@@ -113,8 +82,6 @@ class Phases:
     async def one(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
         """A synchronous grouping: the step loop with its recovery, re-plans, evictions and stops."""
         ctx = self.ctx
-        if ctx.data_spec is not None:  # the run's batches again, after groups that read smaller ones
-            ctx.data_spec = replace(ctx.data_spec, batch_size=ctx.train.batch_size, eval_batches=ctx.cluster.eval_batches)
         if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
             run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
         else:
@@ -155,22 +122,20 @@ class Phases:
         ctx = self.ctx
         group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
         hr = await group_setup.setup_groups(groups=grouping.groups or None, first=grouping.first, last=grouping.last, states=states,
-                                            data_from=data_from)
+                                            data_from=data_from, hier=grouping.hier)
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
-        if ctx.cluster.sync == "auto":
-            auto_event(ctx, hr.hier, grouping.first)
         if group_setup.resumed is not None:
             ctx.event(resume_event(ctx, group_setup.resumed, self.began))
         groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans)
         again = None
         try:
             part = await groups.train(hr)
-            if hr.end_at is not None and hr.reached() < grouping.last:
-                again = Grouping(hr.reached(), grouping.last, [], replanned=True)
+            if hr.clock.end_at is not None and hr.clock.reached() < grouping.last:
+                again = Grouping(hr.clock.reached(), grouping.last, [], replanned=True)
                 self.recovery.replans += 1
                 self.setup.measured = {link: bps for run in hr.runs.values() for link, bps in measured_links(run).items()}
-                ctx.event({"event": "replan", "why": hr.replan_why, "at_step": again.first, "round": hr.end_at, "sync": "hierarchical"})
+                ctx.event({"event": "replan", "why": hr.clock.replan_why, "at_step": again.first, "round": hr.clock.end_at, "sync": "hierarchical"})
                 final = False
             if not final:  # every average applied: each group holds the same outer weights and momentum
                 run = hr.runs[min(hr.alive)]
@@ -180,18 +145,7 @@ class Phases:
                 await client.close()
         if not final:
             ctx.clock.new_epoch()
-        return part, None if final else states, hr.next_data, again
-
-
-def auto_event(ctx: RunContext, hier: Any, at_step: int) -> None:
-    """What ``--sync auto`` chose at ``at_step`` and why (the planner's candidates), said and recorded."""
-    meta = hier.meta
-    ctx.event({"event": "auto", "at_step": at_step, "chose": meta.get("grouping"), "groups": len(hier.groups),
-               "tokens_per_s": meta.get("tokens_per_s", 0.0), "efficiency": meta.get("efficiency", 1.0),
-               "candidates": [{k: c.get(k) for k in ("grouping", "groups", "group_batch", "tokens_per_s", "efficiency", "time_to_target")}
-                              for c in meta.get("candidates", [])]})
-    ctx.say(f"--sync auto: {meta.get('grouping')} ({len(hier.groups)} group{'s' if len(hier.groups) != 1 else ''}) is predicted to reach "
-            f"a target loss first: " + ", ".join(f"{c['grouping']} {c['time_to_target']:.2f}x" for c in meta.get("candidates", [])))
+        return part, None if final else states, hr.data.next, again
 
 
 def merge(total: TrainResult, part: TrainResult) -> None:

@@ -1,11 +1,98 @@
-"""The round arithmetic of a hierarchical run, and a bounded wait on its condition.
+"""The round arithmetic of a grouping, the components that own it, and a bounded wait on its condition.
 
-Pure functions: which pauses write a checkpoint, which round a resumed run starts at.
+``RoundClock``: where each group is (its rounds, the round it is in, the user's step an inner step
+is at); ``DataOffsets``: which batch each inner step reads; ``PauseSchedule``: the rounds before
+which every group pauses. Pure functions: which pauses write a checkpoint, which round a resumed
+run starts at.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RoundClock:
+    """The user's steps ``first`` to ``last`` as rounds: group -> inner steps of each of its rounds
+    (every group has as many rounds; a faster group more inner steps in each), the first round a
+    group takes part in (one that joined), the round each is in, and the round a re-plan ends every
+    group before (``end_at``)."""
+
+    first: int
+    last: int
+    lengths: dict[int, list[int]]
+    first_round: dict[int, int] = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)
+    end_at: int | None = None
+    replan_why: str = ""
+
+    @property
+    def rounds(self) -> int:
+        return len(next(iter(self.lengths.values())))
+
+    def user_step(self, g: int, i: int) -> int:
+        """The user's step at group ``g``'s inner step ``i`` (of this grouping): its place on ``first`` to ``last``."""
+        return self.first + i * (self.last - self.first) // max(1, sum(self.lengths[g]))
+
+    def step_at(self, p: int, alive: set[int]) -> int:
+        """The user's step once rounds ``0 .. p - 1`` are done: counted in the live group with the
+        fewest inner steps per round (a checkpoint's step, and the step a restart resumes at)."""
+        ref = min((self.lengths[g] for g in alive), key=sum, default=None)
+        return self.first + sum(ref[:p]) if ref is not None else self.first
+
+    def reached(self) -> int:
+        """The user's step where every group ended (``end_at``): counted in the slowest group, on
+        ``first`` to ``last``."""
+        ref = min(self.lengths.values(), key=sum)
+        done = sum(ref[: self.end_at]) if self.end_at is not None else sum(ref)
+        return self.first + done * (self.last - self.first) // max(1, sum(ref))
+
+    def expected(self, r: int, alive: set[int]) -> set[int]:
+        """The live groups that take part in round ``r`` (a group that joined later does not)."""
+        return {g for g in alive if self.first_round.get(g, 0) <= r}
+
+    def join(self, g: int, like: int, k0: int) -> None:
+        """Group ``g`` takes part from round ``k0``, with group ``like``'s rounds."""
+        self.lengths[g] = list(self.lengths[like])
+        self.first_round[g] = self.current[g] = k0
+
+
+@dataclass
+class DataOffsets:
+    """Which batch each inner step reads: group ``g`` of the first plan's ``n`` groups reads
+    ``start + i * n + g`` (``start``: the first batch no earlier grouping read), a group that joined
+    reads batches of its own from ``base[g]``; ``next`` is past every batch read so far (where the
+    next grouping's data starts)."""
+
+    start: int
+    n: int
+    base: dict[int, int] = field(default_factory=dict)
+    next: int = 0
+
+    def batch(self, g: int, i: int) -> int:
+        """The batch group ``g``'s inner step ``i`` reads."""
+        return self.base[g] + i if g in self.base else self.start + i * self.n + g
+
+    def read(self, batch: int) -> None:
+        """``batch`` was read (a step ran on it, or was skipped: it is spent either way)."""
+        self.next = max(self.next, batch + 1)
+
+    def join(self, g: int, longest: int) -> None:
+        """Group ``g`` joins: batches past every one another group reads in ``longest`` inner steps."""
+        self.base[g] = self.start + (self.n + len(self.base)) * longest
+
+
+@dataclass
+class PauseSchedule:
+    """The rounds before which every group pauses (``hier_pauses.py``), those that write a
+    checkpoint, the pause at which spares join, the last pause done, and the groups waiting."""
+
+    pauses: set[int]
+    ckpt_rounds: set[int]
+    resumed: int = 0
+    join_at: int | None = None
+    arrived: set[int] = field(default_factory=set)
 
 
 async def wait_notified(cond: asyncio.Condition, timeout: float) -> None:

@@ -9,6 +9,7 @@ shards it reads itself.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from fusionllm.compress.codecs import parse_codec
@@ -119,9 +120,20 @@ class Setup:
         self.say(f"{indent}adatopk: compressed links {slow or 'none (no codec predicts a shorter step)'}")
         return policy
 
-    async def assign(self, run: Run, addresses: dict[int, str], states: list[Any], load: str | None, codec: Any) -> None:
-        """Hand ``run``'s plan out: each worker its program, its stage's tensors, its peers."""
+    def data_spec(self, rows: int | None) -> Any:
+        """The run's data (``ctx.data_spec``) as a group that reads ``rows`` rows per step reads it
+        (None: the run's own batch): validation cuts the same windows into batches of that size."""
+        spec, t = self.ctx.data_spec, self.train
+        if spec is None or rows is None:
+            return spec
+        return replace(spec, batch_size=rows, eval_batches=self.cluster.eval_batches * (t.batch_size // rows))
+
+    async def assign(self, run: Run, addresses: dict[int, str], states: list[Any], load: str | None, codec: Any, *,
+                     rows: int | None = None) -> None:
+        """Hand ``run``'s plan out: each worker its program, its stage's tensors, its peers; ``rows``:
+        the rows a step of its group reads (None: the run's batch)."""
         t, c = self.train, self.cluster
+        data_spec = self.data_spec(rows)
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
                       seed=t.seed, precision=t.precision,
@@ -137,7 +149,7 @@ class Setup:
             blob = await asyncio.to_thread(read_selected, states, stage_keep(names)) if states else b""
             peers, data, through = routes(infos, w)  # LAN addresses between workers behind one NAT (reach.py)
             head = Assign(worker=w, graph=graph_json, plan=plan_json, addresses={str(k): v for k, v in {**addresses, **peers}.items()}, hyper=hyper,
-                          nbytes=len(blob), epoch=self.ctx.clock.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=self.ctx.data_spec,
+                          nbytes=len(blob), epoch=self.ctx.clock.epoch, data_addresses={str(k): v for k, v in data.items() if v}, data=data_spec,
                           load=load, program=[str(a) for a in run.actions[w]], hier=run.hier,  # what the validator checked is what the worker runs
                           step=self.ctx.clock.start_step, relayed=through, collective=collective.get(w))
             frames = [pack(head.to_wire())] + [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]

@@ -55,7 +55,7 @@ class RunStatus:
         self.validation: list[dict[str, Any]] = []  # step, val_loss, metrics: step records' val_loss and eval events alike
         self.groups: dict[int, dict[str, Any]] = {}  # group -> its progress: steps, round, inner step, loss, outer syncs and bytes
         self.outer = {"syncs": 0, "bytes": 0, "last": ""}
-        self.steps_total: int | None = None  # a hierarchical run's inner steps of every group
+        self.steps_total: int | None = None  # the user's steps, as the step records say (--steps)
 
     def step(self, record: dict[str, Any] | StepRecord) -> None:
         rec = record if isinstance(record, StepRecord) else StepRecord.from_json(record)
@@ -89,8 +89,8 @@ class RunStatus:
         elif isinstance(rec, OuterRecord):
             self._outer(rec)
             return  # many per round: counted on the page, not listed
-        elif isinstance(rec, EventRecord) and rec.kind == "outer_bytes":
-            return  # the end's total: the outer syncs already counted it
+        elif isinstance(rec, EventRecord) and rec.kind in ("outer_bytes", "outer_check"):
+            return  # the end's total (the outer syncs already counted it), a round's routine check (a refusal is its own event)
         self.events.append({"event": record.get("event"), "text": event_line(rec), "elapsed_s": record.get("elapsed_s"), "record": dict(record)})
 
     def _outer(self, rec: OuterRecord) -> None:

@@ -28,7 +28,7 @@ from fusionllm.schedule.plan import routes
 from fusionllm.transport.control import Step, StepDone
 
 from .bad_steps import Strikes
-from .config import Run
+from .config import ClusterConfig, Run
 from .task import RunTask
 from .workers import Liveness
 
@@ -154,6 +154,16 @@ def slower_than_planned(run: Run, factor: float) -> str | None:
     if median > MISPREDICTED * factor * predicted:
         return f"steps take {median:.2f} s, the plan predicted {predicted:.2f} s"
     return None
+
+
+def replan_due(run: Run, cluster: ClusterConfig, replans: int) -> str | None:
+    """The one re-plan rule of every group, whatever the grouping: why ``run``'s plan should be made
+    again (``slower_than_planned``), or None; never without a planner (``--scheduler``) or past
+    ``--max-replans``. A grouping of one group re-plans at once; of several, every group ends at
+    the next round boundary first (``hierarchical.py``)."""
+    if not cluster.scheduler or replans >= cluster.max_replans:
+        return None
+    return slower_than_planned(run, cluster.replan_factor)
 
 
 def noise_scale(run: Run, replies: dict[int, StepDone], rows: int) -> float | None:

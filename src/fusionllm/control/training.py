@@ -18,8 +18,9 @@ from fusionllm.core.errors import FusionError
 
 from .config import Replan, Run
 from .context import RunContext
+from .rounds import DataOffsets, RoundClock
 from .state import Checkpoints
-from .steps import StepRunner, slower_than_planned, step_record
+from .steps import StepRunner, replan_due, step_record
 from .workers import Liveness
 
 
@@ -46,11 +47,13 @@ class SyncLoop:
         result = TrainResult(num_params=run.graph.num_params())
         ctx.segment()
         started = time.perf_counter()
-        step = start
-        while step < end:
+        # one group's rounds are one step each: the groups' clock and data offsets, with one group
+        clock, data = RoundClock(start, end, {0: [1] * (end - start)}), DataOffsets(start + data_offset, 1, next=start + data_offset)
+        for i in range(end - start):
+            step = clock.user_step(0, i)
             self.stop_if_asked(step)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup)
-            done = await self.runner.run(run, step, lr, data_step=step + data_offset, cap=budget_cap(step, t.steps))
+            done = await self.runner.run(run, step, lr, data_step=data.batch(0, i), cap=budget_cap(step, t.steps))
             step += 1
             if done is None:  # skipped: no worker applied it, its batch is not used again (a checkpoint due here is still written)
                 await self.checkpoint_if_due(run, step, end)
@@ -80,10 +83,7 @@ class SyncLoop:
             await self.live.guard(run, self.checkpoints.checkpoint(run, done))
 
     def check_plan(self, run: Run, done: int) -> None:
-        """Raise Replan when the last 8 steps took far longer than they should (``steps.slower_than_planned``)."""
-        c = self.ctx.cluster
-        if not c.scheduler or self.replans() >= c.max_replans:
-            return
-        why = slower_than_planned(run, c.replan_factor)
+        """Raise Replan when the last 8 steps took far longer than they should (``steps.replan_due``)."""
+        why = replan_due(run, self.ctx.cluster, self.replans())
         if why is not None:
             raise Replan(why, done)

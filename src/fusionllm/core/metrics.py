@@ -124,8 +124,10 @@ _STEP_KEYS = ("step", "steps_total", "group", "round", "inner_step", "loss", "to
 
 @dataclass
 class StepRecord:
-    """One training step of one group. A synchronous run's steps have no ``group``; a hierarchical
-    run's ``step`` counts inner steps of every group together (``steps_total`` of them planned)."""
+    """One training step of one group. ``step`` counts in the user's steps (``--steps``, of which
+    there are ``steps_total``) whatever the grouping: with several groups, each group writes a record
+    for each of its inner steps, at the user's step it is at (``inner_step`` the same for groups of
+    equal H); a synchronous run's steps have no ``group``."""
 
     step: int
     loss: float
@@ -203,7 +205,7 @@ class EvalRecord:
     """A validation of the outer weights between rounds (hierarchical runs write these; a synchronous
     run's validation is in its step records' ``val_loss``)."""
 
-    step: int  # steps trained before it (every group)
+    step: int  # the user's steps trained before it
     val_loss: float
     round: int | None = None
     tokens: int | None = None
@@ -382,6 +384,13 @@ def _bad_step(f: Mapping[str, Any]) -> str:
     return f"step {f['step']}: bad step (attempt {f.get('attempt', 0)}),{suspects} {why}; {f.get('action', 'retry')}"
 
 
+def _outer_check(f: Mapping[str, Any]) -> str:
+    said = [f"refused {_groups(sorted(f['refused'], key=int))}" if f.get("refused") else "",
+            f"sent again by {_groups(f['sent_again'])}" if f.get("sent_again") else "",
+            "scaled " + ", ".join(f"group {g} by {s:.2f}" for g, s in sorted(f['scales'].items())) if f.get("scales") else ""]
+    return f"outer round {f['round']} of fragment {f['fragment']} checked: " + ("; ".join(x for x in said if x) or "every pseudo-gradient accepted")
+
+
 _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "bad_step": _bad_step,
     "evict": lambda f: (f"evicted {_workers(f['workers'])} ({f['why']}): step {f['at_step']} runs again on {f['workers_left']} workers "
@@ -398,6 +407,9 @@ _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "group_left": lambda f: f"group {f['group']} left the run: {f['why']}",
     "group_joined": lambda f: (f"group {f['group']} joined at outer round {f['round']} with {_workers(f['workers'])}"
                                + (f" (weights from group {f['source_group']})" if f.get("source_group") is not None else "")),
+    "outer_check": lambda f: _outer_check(f),
+    "outer_refused": lambda f: (f"outer round {f['round']} of fragment {f['fragment']}: group {f['group']}'s pseudo-gradient refused "
+                                f"({f['why']}), strike {f['strikes']}: {f['action']}"),
     "left_out": lambda f: f"outer round {f['round']} of fragment {f['fragment']}: {_groups(f['groups'])} left out (too late)",
     "paused": lambda f: f"group {f['group']} paused at outer round {f['round']} for {f['seconds']:.2f} s",
     "join_failed": lambda f: f"{_workers(f['workers'])} could not join: {f['why']}",
