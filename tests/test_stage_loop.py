@@ -125,7 +125,7 @@ def test_replicas_sum_their_gradients_with_the_ring_reducer_and_stay_equal(nano)
 
 def test_a_bad_tensor_taints_what_follows_and_no_worker_applies_the_step(nano) -> None:
     graph, tensors, batch = nano
-    hyper = Hyper(lr=1e-2, recv_timeout=20.0, guard="retry")
+    hyper = Hyper(lr=1e-2, recv_timeout=20.0, numeric_guard="retry")
     runtimes, nets = _workers(graph, make_plan(graph, 2, micro_batches=2), tensors, hyper, faults={0: (Fault("nan", 1),)})
     steps = _train(runtimes, batch, steps=2)
     assert not any(d.skipped for d in steps[0])
@@ -140,7 +140,7 @@ def test_a_bad_tensor_taints_what_follows_and_no_worker_applies_the_step(nano) -
 
 def test_a_skipped_step_leaves_the_weights_as_the_step_before_left_them(nano) -> None:
     graph, tensors, batch = nano
-    hyper = Hyper(lr=1e-2, recv_timeout=20.0, guard="retry")
+    hyper = Hyper(lr=1e-2, recv_timeout=20.0, numeric_guard="retry")
     clean, _ = _workers(graph, make_plan(graph, 2, micro_batches=2), tensors, hyper)
     faulty, _ = _workers(graph, make_plan(graph, 2, micro_batches=2), tensors, hyper, faults={0: (Fault("nan", 1),)})
     _train(clean, batch, steps=1)

@@ -137,7 +137,7 @@ class Setup:
         graph, plan = run.graph, run.plan
         hyper = Hyper(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, recv_timeout=c.step_timeout, compress=str(codec),
                       seed=t.seed, precision=t.precision,
-                      recompute=t.recompute, guard=c.numeric_guard, guard_factor=c.guard_factor)
+                      recompute=t.recompute, numeric_guard=c.numeric_guard, guard_factor=c.guard_factor)
         graph_json, plan_json = graph.to_json(), plan.to_json()
         infos = {w: m.info for w, m in self.membership.members.items()}
         replies: dict[int, Assigned] = {}

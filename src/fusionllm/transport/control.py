@@ -172,7 +172,7 @@ class Hyper(Message):
     seed: int = 0  # the run's seed: random ops (dropout) draw from (seed, step, op, micro-batch)
     precision: str = "fp32"  # bf16: each stage computes under autocast (its weights and AdamW state stay fp32)
     recompute: bool = False  # activation checkpointing of the stage's module ops
-    guard: str = "retry"  # numeric guards (runtime/stage/guards.py): off | retry | stop; off checks nothing
+    numeric_guard: str = "retry"  # --numeric-guard (runtime/stage/guards.py): off | retry | stop; off checks nothing
     guard_factor: float = 100.0  # a received tensor whose norm exceeds this many times its edge's running estimate is bad
 
 

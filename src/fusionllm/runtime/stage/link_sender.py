@@ -70,7 +70,7 @@ class LinkSender:
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
         self.world: Any = None  # the worker's world (runtime/collective.py), where it has one
         self.carried_to: dict[int, int] = {}  # bytes sent point to point through the world, per destination
-        self.norms = SentNorms(hyper.guard_factor) if hyper.guard != "off" else None
+        self.norms = SentNorms(hyper.guard_factor) if hyper.numeric_guard != "off" else None
 
     # ---- what leaves ---------------------------------------------------------------------------------
     def outgoing(self, st: StepState, header: dict, x: np.ndarray | None, role: str, dst: int,

@@ -97,7 +97,7 @@ class StageRuntime:
             self.backend.load_optimizer_state(optimizer_state)
         self.loss_scale = 1.0 / plan.micro_batches
         self._grad_leaving = [e for e in self.executor.leaving if self.edges[e].requires_grad]
-        self.guard = NumericGuard(worker, hyper.guard_factor) if hyper.guard != "off" else None
+        self.guard = NumericGuard(worker, hyper.guard_factor) if hyper.numeric_guard != "off" else None
         # tensors a forward changes in place (BatchNorm's running statistics): put back when a step is skipped
         self._buffers = [n for n in self.executor.params if n in graph.params and not graph.params[n].trainable] if self.guard else []
         edge_index = {e: i for i, e in enumerate(sorted(self.edges))}  # the same on every worker: the world's tags
