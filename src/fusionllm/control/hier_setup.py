@@ -62,6 +62,7 @@ class HierRun:
     pauses: set[int] = field(default_factory=set)  # rounds before which every group pauses (hier_pauses.py)
     ckpt_rounds: set[int] = field(default_factory=set)  # the pauses that write a checkpoint
     join_at: int | None = None  # the pause at which the spares form a new group
+    leaving: int = 0  # groups whose workers not to blame are being told to abort (spares once they answer): pauses wait
     resumed: int = 0  # the last pause done
     arrived: set[int] = field(default_factory=set)  # groups waiting at the next pause
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
