@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -182,3 +182,34 @@ def assert_group_eviction(m: Any, steps: int = 16) -> None:
     assert [r for r in m.steps if r["group"] == joined["group"]]  # the new group trained too
     assert all(math.isfinite(r["loss"]) and "rss" in r for r in m.steps)
 
+
+
+# ---- waiting for processes: on what they say or write, never on a sleep long enough on a quiet machine ----
+def coordinator_port(out: IO[str] | None, seen: list[str] | None = None, *, drain: bool = False) -> int:
+    """The port a ``fusionllm coordinator --listen HOST:0`` says it listens on, read from ``out``
+    (its stderr piped as text, or its stdout with stderr joined): it says it once it listens, so
+    workers started after it find it. ``seen`` collects the lines read; ``drain``: a thread reads
+    the rest (a full pipe would stall the coordinator)."""
+    import re
+    import threading
+
+    lines = [] if seen is None else seen
+    assert out is not None, "pipe the coordinator's output (text=True)"
+    for line in out:
+        lines.append(line)
+        if m := re.search(r"coordinator on [\d.]+:(\d+)", line):
+            if drain:
+                threading.Thread(target=out.read, daemon=True).start()
+            return int(m.group(1))
+    raise AssertionError(f"the coordinator ended without saying its port: {''.join(lines)[-3000:]}")
+
+
+def eventually(what: str, ready: Any, timeout: float = 120.0, every: float = 0.1) -> None:
+    """Wait until ``ready()`` holds, at most ``timeout`` seconds (a bound for a hung run, never the
+    expected time); fails naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(every)
