@@ -28,20 +28,27 @@ os.environ["XDG_CACHE_HOME"] = CACHE
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `make test` runs two pytest processes on two cores
 
-_TESTBED_MODULES: dict[Path, bool] = {}
 TESTBED_TURN = Path(tempfile.gettempdir()) / "fusionllm-tests-testbed.lock"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs two pytest processes (pytest-xdist, ``--dist loadgroup``): the tests marked
+    ``testbed`` go to one of them, so they never wait for each other's turn while the other
+    process runs everything else."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("testbed") is not None:
+            item.add_marker(pytest.mark.xdist_group("testbed"))
 
 
 @pytest.fixture(autouse=True)
 def _one_testbed_at_a_time(request: pytest.FixtureRequest) -> Any:
-    """`make test` runs two pytest processes (pytest-xdist); a machine holds one emulated testbed at a
-    time (a second refuses to start). So each test of a module that mentions the testbed waits for
-    its turn (an exclusive lock on a file of the machine's temporary directory, released when the
-    test ends, also when its process dies)."""
-    path = Path(str(request.node.fspath))
-    if path not in _TESTBED_MODULES:
-        _TESTBED_MODULES[path] = "testbed" in path.read_text(errors="replace").lower()
-    if not _TESTBED_MODULES[path] or not os.environ.get("PYTEST_XDIST_WORKER"):
+    """A machine holds one emulated testbed at a time (a second refuses to start), and other pytest
+    processes may run beside this one (``-n 2`` without ``--dist loadgroup``, or another checkout's
+    suite): a test marked ``testbed`` waits for its turn, an exclusive lock on a file of the machine's
+    temporary directory, released when the test ends, also when its process dies."""
+    if request.node.get_closest_marker("testbed") is None:
         yield
         return
     import fcntl
