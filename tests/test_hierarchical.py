@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -378,11 +379,30 @@ def test_a_group_that_joins_mid_run_starts_from_the_current_outer_weights_and_mo
 
     async def main() -> InProcessCluster:
         async with InProcessCluster(train, cluster) as c:
+            def scheduled() -> bool:
+                return any("a new group at outer round" in line for line in c.lines)
+
+            def hold(worker: Any) -> None:  # its steps wait until the join is scheduled: the joiner's start races no group
+                real_once = worker._once
+
+                async def once(method: str, key: object, work: object) -> dict:
+                    while method == "Step" and len(c.workers) == 3 and not scheduled():
+                        await asyncio.sleep(0.02)
+                    return await real_once(method, key, work)
+
+                worker._once = once
+
             def on_step(record: dict) -> None:
                 if record["group"] == 0 and record["inner_step"] == 3 and len(c.workers) == 2:
                     c.add_worker()
             c.on_step = on_step
-            await c.run()
+            run = asyncio.create_task(c.run())
+            while len(c.workers) < 2:  # the workers exist
+                assert not run.done(), run.exception()
+                await asyncio.sleep(0.02)
+            for w in c.workers:
+                hold(w)
+            await run
         return c
 
     c = asyncio.run(main())
