@@ -203,7 +203,7 @@ def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_pat
     proc = subprocess.Popen([*BASE, "train", "--cluster", "local:2", *RUN, "--steps", "16", "--sync", "hierarchical", "--groups", "0/1",
                              "--inner-steps", "4", "--fragments", "2", "--metrics", str(out), "--run-dir", str(run_dir), "--dead-after", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    spare = None
+    spare, early = None, []
     try:
         port = coordinator_port(proc.stdout)
         _wait_steps(out, 1, proc)
@@ -220,10 +220,15 @@ def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_pat
                 said = spare.stderr.readline()
                 assert said or spare.poll() is None, "the spare exited before it joined"
             threading.Thread(target=spare.stderr.read, daemon=True).start()  # keep its pipe drained
+            for line in proc.stdout if proc.stdout else []:  # and until the coordinator scheduled its join: no group runs ahead
+                early.append(line)
+                if "a new group at outer round" in line:
+                    break
         finally:
             for pid in held:
                 os.kill(pid, signal.SIGCONT)
-        text, _ = proc.communicate(timeout=600)
+        rest, _ = proc.communicate(timeout=600)
+        text = "".join(early) + rest
     finally:
         for p in (proc, spare):
             if p is not None and p.poll() is None:
