@@ -120,7 +120,8 @@ class Groups:
         run = hr.runs[g]
         others = [w for w in run.plan.workers if w not in (set(run.plan.workers) if gone is None else gone)]
         hr.alive.discard(g)
-        if others and hr.alive:  # before any await: no group passes the join's round, which waits for them (``leaving``)
+        rejoin = bool(others and hr.alive)
+        if rejoin:  # before any await: no group passes the join's round, which waits for them (``leaving``)
             self.pauses.schedule_join(hr, others)
             hr.leaving += 1
         async with hr.changed:
@@ -130,7 +131,7 @@ class Groups:
         self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "workers": sorted(run.plan.workers),
                         "addresses": {str(w): members[w].address for w in sorted(run.plan.workers) if w in members},
                         "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
-        if others and hr.alive:  # alive and not to blame: they train on in a new group from the next pause
+        if rejoin:  # alive and not to blame: they train on in a new group from the next pause
             try:
                 back = set(others) - await self.live.abort(run, others)
                 self.ctx.membership.spares |= back
