@@ -50,10 +50,10 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 
 # Three tiers (markers in pyproject.toml). `make test` (CI): every test but the soak tier, processes,
-# testbed (as root) and browser included. Two pytest processes; the tests marked `testbed` all in one of them.
+# testbed (as root) and browser included.
 test: $(VENV)/.installed-dev testbed-tools
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 # In-process tests only (no `slow`: no subprocesses, root, browser or long runs).
 test-fast: $(VENV)/.installed-dev

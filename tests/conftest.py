@@ -31,23 +31,13 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `mak
 TESTBED_TURN = Path(tempfile.gettempdir()) / "fusionllm-tests-testbed.lock"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest processes (pytest-xdist, ``--dist loadgroup``): the tests marked
-    ``testbed`` go to one of them, so they never wait for each other's turn while the other
-    process runs everything else."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("testbed") is not None:
-            item.add_marker(pytest.mark.xdist_group("testbed"))
-
-
 @pytest.fixture(autouse=True)
 def _one_testbed_at_a_time(request: pytest.FixtureRequest) -> Any:
     """A machine holds one emulated testbed at a time (a second refuses to start), and other pytest
-    processes may run beside this one (``-n 2`` without ``--dist loadgroup``, or another checkout's
-    suite): a test marked ``testbed`` waits for its turn, an exclusive lock on a file of the machine's
-    temporary directory, released when the test ends, also when its process dies."""
+    processes may run beside this one (`make test` runs two, pytest-xdist): a test marked
+    ``testbed`` waits for its turn, an exclusive lock on a file of the machine's temporary
+    directory, released when the test ends, also when its process dies. Only those: a test that
+    merely mentions the testbed runs beside them."""
     if request.node.get_closest_marker("testbed") is None:
         yield
         return
@@ -220,3 +210,5 @@ def eventually(what: str, ready: Any, timeout: float = 120.0, every: float = 0.1
     while not ready():
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
         time.sleep(every)
+
+
