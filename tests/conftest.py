@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -28,20 +28,17 @@ os.environ["XDG_CACHE_HOME"] = CACHE
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `make test` runs two pytest processes on two cores
 
-_TESTBED_MODULES: dict[Path, bool] = {}
 TESTBED_TURN = Path(tempfile.gettempdir()) / "fusionllm-tests-testbed.lock"
 
 
 @pytest.fixture(autouse=True)
 def _one_testbed_at_a_time(request: pytest.FixtureRequest) -> Any:
-    """`make test` runs two pytest processes (pytest-xdist); a machine holds one emulated testbed at a
-    time (a second refuses to start). So each test of a module that mentions the testbed waits for
-    its turn (an exclusive lock on a file of the machine's temporary directory, released when the
-    test ends, also when its process dies)."""
-    path = Path(str(request.node.fspath))
-    if path not in _TESTBED_MODULES:
-        _TESTBED_MODULES[path] = "testbed" in path.read_text(errors="replace").lower()
-    if not _TESTBED_MODULES[path] or not os.environ.get("PYTEST_XDIST_WORKER"):
+    """A machine holds one emulated testbed at a time (a second refuses to start), and other pytest
+    processes may run beside this one (`make test` runs two, pytest-xdist): a test marked
+    ``testbed`` waits for its turn, an exclusive lock on a file of the machine's temporary
+    directory, released when the test ends, also when its process dies. Only those: a test that
+    merely mentions the testbed runs beside them."""
+    if request.node.get_closest_marker("testbed") is None:
         yield
         return
     import fcntl
@@ -181,4 +178,37 @@ def assert_group_eviction(m: Any, steps: int = 16) -> None:
     assert len([r for r in m.steps if r["group"] == 1]) == steps  # the other group trained every step
     assert [r for r in m.steps if r["group"] == joined["group"]]  # the new group trained too
     assert all(math.isfinite(r["loss"]) and "rss" in r for r in m.steps)
+
+
+
+# ---- waiting for processes: on what they say or write, never on a sleep long enough on a quiet machine ----
+def coordinator_port(out: IO[str] | None, seen: list[str] | None = None, *, drain: bool = False) -> int:
+    """The port a ``fusionllm coordinator --listen HOST:0`` says it listens on, read from ``out``
+    (its stderr piped as text, or its stdout with stderr joined): it says it once it listens, so
+    workers started after it find it. ``seen`` collects the lines read; ``drain``: a thread reads
+    the rest (a full pipe would stall the coordinator)."""
+    import re
+    import threading
+
+    lines = [] if seen is None else seen
+    assert out is not None, "pipe the coordinator's output (text=True)"
+    for line in out:
+        lines.append(line)
+        if m := re.search(r"coordinator on [\d.]+:(\d+)", line):
+            if drain:
+                threading.Thread(target=out.read, daemon=True).start()
+            return int(m.group(1))
+    raise AssertionError(f"the coordinator ended without saying its port: {''.join(lines)[-3000:]}")
+
+
+def eventually(what: str, ready: Any, timeout: float = 120.0, every: float = 0.1) -> None:
+    """Wait until ``ready()`` holds, at most ``timeout`` seconds (a bound for a hung run, never the
+    expected time); fails naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(every)
+
 

@@ -15,7 +15,7 @@ import pytest
 
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.local_cluster import read_pids
-from tests.conftest import Started
+from tests.conftest import Started, coordinator_port, eventually
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -155,19 +155,20 @@ def test_wrong_token_is_refused_on_both_sides(tmp: Path) -> None:
     good, bad = tmp / "good.token", tmp / "bad.token"
     good.write_text("a" * 64)
     bad.write_text("b" * 64)
-    port = 20000 + os.getpid() % 20000
     coord = subprocess.Popen(
-        [*BASE, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(good), "--workers", "1", "--join-timeout", "20", "--model", "gpt-nano"],
+        [*BASE, "coordinator", "--listen", "127.0.0.1:0", "--token-file", str(good), "--workers", "1", "--join-timeout", "20", "--model", "gpt-nano"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "FUSIONLLM_LOGLEVEL": "WARNING"},
     )
     try:
-        time.sleep(1.5)
+        seen: list[str] = []
+        port = coordinator_port(coord.stderr, seen)
         worker = subprocess.run([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(bad)], capture_output=True, text=True, timeout=60)
         assert worker.returncode == 2
         assert "wrong token" in worker.stderr.strip().splitlines()[-1]
     finally:
         coord.send_signal(signal.SIGINT)
-        _, err = coord.communicate(timeout=30)
+        _, rest = coord.communicate(timeout=30)
+    err = "".join(seen) + rest
     assert "refused" in err and "wrong token" in err
 
 
@@ -191,8 +192,7 @@ def test_ctrl_c_stops_every_process(tmp: Path) -> None:
     assert len(_running(run_dir)) == 3  # coordinator and two workers
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl+C
     proc.wait(timeout=120)
-    time.sleep(1)
-    assert _running(run_dir) == []
+    eventually("every process of the local cluster stopped", lambda: _running(run_dir) == [], timeout=30)
     steps = [r["step"] for r in read_metrics(metrics).steps]
     final = sorted(ckpt.glob("step-*"))
     assert len(final) == 1 and json.loads((final[0] / "state.json").read_text())["step"] == steps[-1] + 1  # the step it reached
@@ -202,12 +202,12 @@ def test_workers_stop_when_the_coordinator_dies(tmp: Path) -> None:
     token = tmp / "t.token"
     token.write_text("c" * 64)
     metrics = tmp / "dies.jsonl"
-    port = 20001 + os.getpid() % 20000
     coord = subprocess.Popen(
-        [*BASE, "coordinator", "--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--workers", "2", "--model", "gpt-nano",
+        [*BASE, "coordinator", "--listen", "127.0.0.1:0", "--token-file", str(token), "--workers", "2", "--model", "gpt-nano",
          "--steps", "100000", "--batch-size", "8", "--seq-len", "16", "--metrics", str(metrics), "--eval-every", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
+    port = coordinator_port(coord.stderr, drain=True)
     workers = [
         subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

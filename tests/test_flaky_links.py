@@ -242,6 +242,7 @@ def _records(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # like tests/test_testbed.py: processes in network namespaces, root only
+@pytest.mark.testbed
 @pytest.mark.skipif(not EMULATED, reason=f"testbed needs root on Linux with iproute2: {WHY}")
 def test_a_veth_down_for_five_seconds_costs_seconds_not_the_run(tmp_path: Path) -> None:
     """Worker 1's veth (of the emulated uniform cluster) goes down for 5 s mid-run: its packets are

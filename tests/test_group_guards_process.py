@@ -10,16 +10,14 @@ workers, or worker processes left running. The same faults as the in-process
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fusionllm.core.metrics import read_metrics
-from tests.conftest import Started, assert_group_eviction
+from tests.conftest import Started, assert_group_eviction, coordinator_port
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -44,18 +42,12 @@ def test_a_worker_of_a_group_that_sends_nan_and_garbage_is_retried_skipped_and_e
                               "--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--warmup", "1", "--seed", "0",
                               "--steps", "16", "--eval-every", "0", "--micro-batches", "2", "--sync", "hierarchical", "--groups", "0,1,2/3",
                               "--inner-steps", "2", "--fragments", "1", "--evict-after", "3", "--metrics", str(out),
-                              "--group-batch", "8"],  # 8 rows a group, as the in-process test: the new group joins long before group 1 ends
+                              "--group-batch", "8"],  # 8 rows a group, as the in-process test
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: list[subprocess.Popen] = []
     try:
-        port, seen = None, []
-        deadline = time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            line = coord.stdout.readline() if coord.stdout else ""
-            seen.append(line)
-            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, f"the coordinator did not say its port: {''.join(seen)}"
+        seen: list[str] = []
+        port = coordinator_port(coord.stdout, seen)
         for rank in range(4):
             faults = ["--inject-fault", "nan@4", "--inject-fault", "scale@10"] if rank == 1 else []
             workers.append(subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--rank", str(rank),

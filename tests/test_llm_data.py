@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import json
+import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,32 +62,49 @@ def test_bad_tokenizers_fail_in_one_line(tmp_path: Path) -> None:
         train_bpe(["abc"], 100)
 
 
-def test_documents_come_from_text_jsonl_parquet_and_a_datasets_directory(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+def write_dataset(path: Path, *tables: dict[str, list]) -> Path:
+    """The layout ``datasets``' ``save_to_disk`` writes, with pyarrow: ``state.json`` naming one
+    Arrow stream file per table (written without the ``datasets`` library, which the dev extras
+    do not install)."""
+    import pyarrow as pa
 
-    (tmp_path / "a.txt").write_text("plain text")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "from jsonl", "id": 1}) + "\n\n" + json.dumps({"text": "second"}) + "\n")
-    pq.write_table(pa.table({"text": ["from parquet", "", "again"]}), tmp_path / "c.parquet")
-    ds = tmp_path / "ds"  # the layout datasets' save_to_disk writes: state.json naming Arrow stream files
-    ds.mkdir()
-    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, pa.schema([("text", pa.string())])) as w:
-        w.write_table(pa.table({"text": ["from a dataset"]}))
-    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
-    (ds / "dataset_info.json").write_text("{}")
-    spec = ",".join(str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet", "ds"))
-    import fusionllm.data.documents as docs
+    path.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(tables):05d}.arrow" for i in range(len(tables))]
+    for name, columns in zip(names, tables, strict=True):
+        table = pa.table(columns)
+        with pa.OSFile(str(path / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    (path / "dataset_info.json").write_text("{}")
+    return path
 
-    real_import = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builtins__.__import__
 
-    def no_datasets(name: str, *a, **k):  # noqa: ANN002, ANN003, ANN202 (the pyarrow fallback, as without the datasets library)
+@contextlib.contextmanager
+def without_datasets() -> Iterator[None]:
+    """Import as if the ``datasets`` library were not installed (the reader's pyarrow path), also where it is."""
+    real_import = builtins.__import__
+
+    def no_datasets(name: str, *a, **k):  # noqa: ANN002, ANN003, ANN202
         if name == "datasets":
             raise ImportError(name)
         return real_import(name, *a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("builtins.__import__", no_datasets)
-        assert list(docs.documents(spec)) == ["plain text", "from jsonl", "second", "from parquet", "again", "from a dataset"]
+        mp.setattr(builtins, "__import__", no_datasets)
+        yield
+
+
+def test_documents_come_from_text_jsonl_parquet_and_a_datasets_directory(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "from jsonl", "id": 1}) + "\n\n" + json.dumps({"text": "second"}) + "\n")
+    pq.write_table(pa.table({"text": ["from parquet", "", "again"]}), tmp_path / "c.parquet")
+    write_dataset(tmp_path / "ds", {"text": ["from a dataset"]})
+    spec = ",".join(str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet", "ds"))
+    with without_datasets():
+        assert list(documents(spec)) == ["plain text", "from jsonl", "second", "from parquet", "again", "from a dataset"]
     with pytest.raises(DataError, match="no text field 'body'"):
         list(documents(str(tmp_path / "b.jsonl"), field="body"))
     with pytest.raises(DataError, match="no column 'body'"):
@@ -91,12 +113,50 @@ def test_documents_come_from_text_jsonl_parquet_and_a_datasets_directory(tmp_pat
         list(documents(str(tmp_path / "missing.txt")))
 
 
-def test_a_datasets_save_to_disk_directory_reads_with_the_library(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
-    datasets.Dataset.from_dict({"text": ["one", "two"], "n": [1, 2]}).save_to_disk(str(tmp_path / "ds"))
-    assert list(documents(str(tmp_path / "ds"))) == ["one", "two"]
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]})}).save_to_disk(str(tmp_path / "dd"))
-    assert list(documents(str(tmp_path / "dd"))) == ["t"]
+def test_a_dataset_dicts_train_split_reads_from_every_arrow_file_without_the_datasets_library(tmp_path: Path) -> None:
+    dd = tmp_path / "dd"  # a DatasetDict's save_to_disk: dataset_dict.json and one directory per split
+    write_dataset(dd / "train", {"text": ["one", "", "two"], "n": [1, 2, 3]}, {"text": ["three"], "n": [4]})
+    write_dataset(dd / "test", {"text": ["held out"], "n": [5]})
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with without_datasets():
+        assert list(documents(str(dd))) == ["one", "two", "three"]  # the train split only, empty rows left out
+        assert list(documents(str(dd / "test"))) == ["held out"]  # a split's own directory
+        with pytest.raises(DataError, match="no column 'body'"):
+            list(documents(str(dd), field="body"))
+        (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
+        with pytest.raises(DataError, match="without a train split"):
+            list(documents(str(dd)))
+
+
+def test_with_the_datasets_library_installed_the_reader_hands_it_the_train_splits_directory(tmp_path: Path) -> None:
+    """Our side of the library path (the library itself is not installed by the dev extras): which
+    directory it loads, the column check, empty rows left out. A stand-in for ``datasets``."""
+    loaded: list[str] = []
+
+    class Dataset:
+        column_names = ["text", "n"]
+
+        def select_columns(self, columns: list[str]) -> Dataset:
+            assert columns == ["text"]
+            return self
+
+        def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
+            yield {"text": ["one", ""]}
+            yield {"text": ["two"]}
+
+    def load_from_disk(path: str) -> Dataset:
+        loaded.append(path)
+        return Dataset()
+
+    dd = tmp_path / "dd"
+    (dd / "train").mkdir(parents=True)
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "datasets", types.SimpleNamespace(load_from_disk=load_from_disk))
+        assert list(documents(str(dd))) == ["one", "two"]
+        with pytest.raises(DataError, match="no column 'body'"):
+            list(documents(str(dd), field="body"))
+    assert loaded == [str(dd / "train")] * 2
 
 
 def test_prepared_shards_hold_every_document_with_its_end_token_across_shard_files(tmp_path: Path, tok_file: Path) -> None:

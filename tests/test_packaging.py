@@ -7,6 +7,7 @@ of the source checkout works from the repository and breaks for everyone who ins
 
 from __future__ import annotations
 
+import os
 import shutil
 import site
 import subprocess
@@ -21,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd: list[str], timeout: float = 300, **kw: object) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+    # never a source tree of fusionllm on PYTHONPATH (a run as `PYTHONPATH=src pytest`): the installed wheel must be what imports
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "fusionllm").is_dir()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env, **kw)  # type: ignore[call-overload]
     assert done.returncode == 0, f"{' '.join(map(str, cmd))}: {done.stdout[-1500:]} {done.stderr[-1500:]}"
     return done
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.local_cluster import read_pids
-from tests.conftest import Started
+from tests.conftest import Started, coordinator_port
 
 pytestmark = pytest.mark.slow  # real processes
 
@@ -139,13 +138,7 @@ def test_workers_stop_when_the_coordinator_dies_and_resume_continues(tmp_path: P
     workers: list[subprocess.Popen] = []
     proc = None
     try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = coord.stdout.readline() if coord.stdout else ""
-            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "the coordinator did not say its port"
+        port = coordinator_port(coord.stdout)
         workers = [subprocess.Popen([*BASE, "worker", "--join", f"127.0.0.1:{port}", "--token-file", str(token), "--coordinator-timeout", "4"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         _wait_steps(out, 8, coord)
@@ -177,13 +170,7 @@ def test_a_spare_that_joins_mid_run_takes_the_place_of_a_lost_worker(tmp_path: P
                              "--metrics", str(out), "--run-dir", str(run_dir), "--dead-after", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     spare = None
     try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline() if proc.stdout else ""
-            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port
+        port = coordinator_port(proc.stdout)
         _wait_steps(out, 1, proc)
         victim = _workers(run_dir, 1)
         assert len(victim) == 1
@@ -216,15 +203,9 @@ def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_pat
     proc = subprocess.Popen([*BASE, "train", "--cluster", "local:2", *RUN, "--steps", "16", "--sync", "hierarchical", "--groups", "0/1",
                              "--inner-steps", "4", "--fragments", "2", "--metrics", str(out), "--run-dir", str(run_dir), "--dead-after", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    spare = None
+    spare, early = None, []
     try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline() if proc.stdout else ""
-            m = re.search(r"coordinator on [\d.]+:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port
+        port = coordinator_port(proc.stdout)
         _wait_steps(out, 1, proc)
         held = _workers(run_dir, 0, 1)
         assert len(held) == 2
@@ -239,10 +220,15 @@ def test_a_worker_that_joins_a_hierarchical_run_forms_a_group_of_its_own(tmp_pat
                 said = spare.stderr.readline()
                 assert said or spare.poll() is None, "the spare exited before it joined"
             threading.Thread(target=spare.stderr.read, daemon=True).start()  # keep its pipe drained
+            for line in proc.stdout if proc.stdout else []:  # and until the coordinator scheduled its join: no group runs ahead
+                early.append(line)
+                if "a new group at outer round" in line:
+                    break
         finally:
             for pid in held:
                 os.kill(pid, signal.SIGCONT)
-        text, _ = proc.communicate(timeout=600)
+        rest, _ = proc.communicate(timeout=600)
+        text = "".join(early) + rest
     finally:
         for p in (proc, spare):
             if p is not None and p.poll() is None:

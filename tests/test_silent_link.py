@@ -84,6 +84,7 @@ def namespace() -> Iterator[tuple[str, str, str]]:
 
 
 @pytest.mark.slow  # root: a network namespace of its own
+@pytest.mark.testbed  # (its namespace and nftables rules beside no testbed's)
 @pytest.mark.skipif(not EMULATED or shutil.which("nft") is None, reason=f"needs root on Linux with iproute2 and nftables: {WHY}")
 def test_a_push_on_a_link_gone_silent_connects_again_instead_of_waiting_for_tcp(namespace: tuple[str, str, str]) -> None:
     ns, ns_end, address = namespace

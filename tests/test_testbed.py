@@ -22,7 +22,7 @@ CLUSTERS = ROOT / "examples" / "clusters"
 BASE = [sys.executable, "-m", "fusionllm"]
 OK, WHY = can_emulate()
 needs_root = pytest.mark.skipif(not OK, reason=f"testbed needs root on Linux with iproute2: {WHY}")
-pytestmark = pytest.mark.slow  # every test here starts processes, and most need root
+pytestmark = [pytest.mark.slow, pytest.mark.testbed]  # every test here starts processes, and most need root
 COMMON = ["--model", "gpt-nano", "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--seed", "2"]
 
 

@@ -239,6 +239,7 @@ c.close()
 
 
 @pytest.mark.slow
+@pytest.mark.testbed
 @pytest.mark.skipif(not OK, reason=f"testbed needs root on Linux with iproute2: {WHY}")
 @pytest.mark.skipif(not NFT, reason=NO_NFT)
 def test_a_round_trip_between_two_sites_costs_twice_the_latency_and_the_bytes_arrive_intact() -> None:

@@ -20,6 +20,7 @@ from fusionllm.testbed.testbed import LOCK, STATE, Slot, Testbed, down, leftover
 OK, WHY = can_nat()
 needs_nat = pytest.mark.skipif(not OK, reason=f"NAT testbed needs root on Linux with iproute2 and nftables: {WHY}")
 needs_root = pytest.mark.skipif(not can_emulate()[0], reason=f"testbed needs root on Linux with iproute2: {can_emulate()[1]}")
+pytestmark = pytest.mark.testbed  # the machine's one testbed, its lock and its records
 
 SPEC = """
 [sites.pub]

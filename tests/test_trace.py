@@ -1,7 +1,6 @@
 """Tracing: granularity, meta tracing of large models, unusual Python in glue code, clear errors."""
 
 import resource
-import time
 
 import pytest
 import torch
@@ -21,15 +20,12 @@ def _rss_mb() -> float:
 
 def test_gpt2_xl_traces_on_meta_without_weights() -> None:
     before = _rss_mb()
-    started = time.perf_counter()
     model = build_model("gpt2-xl", 50257, device="meta")
     graph = trace_lm(model, 1, 1024, vocab_size=50257, spec="gpt2-xl")
-    seconds = time.perf_counter() - started
     assert all(p.is_meta for p in model.parameters())
     assert graph.num_params() == sum(p.numel() for p in model.parameters()) > 1.5e9
     # 1.5B float32 weights would be 6 GB; tracing must not come near it
     assert _rss_mb() - before < 500
-    assert seconds < 60  # generous: the README reports the measured time (about a second here)
     assert sum(n.kind.endswith("gpt.Block") for n in graph.nodes) == 48
 
 

@@ -76,18 +76,11 @@ class Pauses:
             async with hr.changed:
                 await wait_notified(hr.changed, POLL_S)
             spares = sorted(self.membership.spares - ignored)
-            if spares and hr.alive and hr.pausing.join_at is None and hr.clock.end_at is None:  # (a re-plan takes the spares in)
-                k0 = max(hr.clock.current[g] for g in hr.alive) + 1
-                if k0 >= hr.clock.rounds:
-                    self.say(f"worker(s) {spares} joined, but no outer round is left to join: they stay idle")
-                    ignored |= set(spares)
-                else:
-                    later = [p for p in hr.pausing.pauses if p > hr.pausing.resumed and p >= k0]
-                    hr.pausing.join_at = min(later) if later else k0
-                    hr.pausing.pauses.add(hr.pausing.join_at)
-                    self.say(f"worker(s) {spares} joined: they form a new group at outer round {hr.pausing.join_at}")
+            if spares and not self.schedule_join(hr, spares):
+                self.say(f"worker(s) {spares} joined, but no outer round is left to join: they stay idle")
+                ignored |= set(spares)
             upcoming = [p for p in hr.pausing.pauses if p > hr.pausing.resumed]
-            if not upcoming or not hr.alive or not hr.alive <= hr.pausing.arrived:
+            if not upcoming or not hr.alive or not hr.alive <= hr.pausing.arrived or hr.leaving:  # (a group's workers about to be spares)
                 continue
             p = min(upcoming)
             try:
@@ -107,6 +100,23 @@ class Pauses:
                     hr.pausing.resumed = p
                     hr.pausing.arrived.clear()
                     hr.changed.notify_all()
+
+    def schedule_join(self, hr: HierRun, workers: list[int]) -> bool:
+        """Schedule the pause at which ``workers`` form a new group: the round after the latest one any
+        group has started, or a later pause already scheduled. No await: the groups cannot pass that
+        round meanwhile. False when no outer round is left to join (a re-plan, ``end_at``, or a join
+        already scheduled takes them in: True)."""
+        pausing, clock = hr.pausing, hr.clock
+        if not hr.alive or pausing.join_at is not None or clock.end_at is not None:
+            return True
+        k0 = max(clock.current.get(g, clock.first_round.get(g, 0)) for g in hr.alive) + 1
+        if k0 >= clock.rounds:
+            return False
+        later = [p for p in pausing.pauses if p > pausing.resumed and p >= k0]
+        pausing.join_at = min(later) if later else k0
+        pausing.pauses.add(pausing.join_at)
+        self.say(f"worker(s) {workers} form a new group at outer round {pausing.join_at}")
+        return True
 
     async def pause(self, hr: HierRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
         """Group ``g`` at the end of round ``p - 1``: apply what it has not applied, then wait for

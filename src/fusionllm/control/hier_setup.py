@@ -54,6 +54,7 @@ class HierRun:
     result: TrainResult = field(default_factory=TrainResult)
     started: float = 0.0
     paused: float = 0.0  # seconds spent evaluating (not counted as training time)
+    leaving: int = 0  # groups whose workers not to blame are being told to abort (spares once they answer): pauses wait
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     stopping: bool = False  # the run is over: the pauser ends
 

@@ -118,23 +118,28 @@ class Groups:
         none do). Once per group."""
         if g not in hr.alive:
             return
+        run = hr.runs[g]
+        others = [w for w in run.plan.workers if w not in (set(run.plan.workers) if gone is None else gone)]
         hr.alive.discard(g)
+        rejoin = bool(others and hr.alive)
+        if rejoin:  # before any await: no group passes the join's round, which waits for them (``leaving``)
+            self.pauses.schedule_join(hr, others)
+            hr.leaving += 1
         async with hr.changed:
             hr.changed.notify_all()
         self.ctx.say(f"group {g} left the run: {exc}")
-        run = hr.runs[g]
         members = self.ctx.membership.members
         self.ctx.event({"event": "group_left", "group": g, "why": str(exc), "workers": sorted(run.plan.workers),
                         "addresses": {str(w): members[w].address for w in sorted(run.plan.workers) if w in members},
                         "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
-        gone = set(run.plan.workers) if gone is None else gone
-        others = [w for w in run.plan.workers if w not in gone]
-        if others and hr.alive:  # alive and not to blame: they train on in a new group from the next pause
-            unreachable = await self.live.abort(run, others)
-            back = sorted(set(others) - unreachable)
-            if back:
-                self.ctx.membership.spares |= set(back)
-                self.ctx.say(f"worker(s) {back} of group {g} wait to form a new group at the next pause")
+        if rejoin:  # alive and not to blame: they train on in a new group from the next pause
+            try:
+                back = set(others) - await self.live.abort(run, others)
+                self.ctx.membership.spares |= back
+            finally:
+                async with hr.changed:
+                    hr.leaving -= 1
+                    hr.changed.notify_all()
         elif hr.alive:
             with contextlib.suppress(FusionError):
                 await asyncio.gather(*(run.clients[w].call_retrying("Abort", {}, within=5, timeout=5) for w in run.plan.workers), return_exceptions=True)
