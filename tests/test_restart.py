@@ -277,7 +277,7 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
             try:
                 await until("step 2", lambda: len(c.steps) >= 3, run)
                 dropped = c.workers[2]
-                assert dropped.address.startswith("127.0.0.1:")
+                assert dropped.me.address.startswith("127.0.0.1:")
                 real_call, outage = dropped.coordinator.call, [True]
 
                 async def call(method: str, msg: dict, **kw: object) -> dict:
@@ -286,7 +286,7 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                     return await real_call(method, msg, **kw)
 
                 dropped.coordinator.call = call  # type: ignore[method-assign]
-                dropped._advertise_host = lambda: "127.0.0.2"  # type: ignore[method-assign]  # back on another network
+                dropped.link.host_towards_coordinator = lambda: "127.0.0.2"  # back on another network
                 coordinator = c.coordinator
                 assert coordinator is not None
                 # recoveries counts from the start of a recovery; the member goes once its survivors are aborted
@@ -295,13 +295,13 @@ def test_a_worker_dropped_alive_rejoins_as_a_spare_under_its_new_address(tmp_pat
                 outage[0] = False
                 spare = lambda: [m for w, m in coordinator.membership.members.items() if w in coordinator.membership.spares]  # noqa: E731
                 await until("the spare", lambda: bool(spare()), run)
-                assert spare()[0].address.startswith("127.0.0.2:") and dropped.address.startswith("127.0.0.2:")
+                assert spare()[0].address.startswith("127.0.0.2:") and dropped.me.address.startswith("127.0.0.2:")
                 c.workers[1].done.set()  # another worker goes: the re-plan takes the spare in
                 await until("the second recovery", lambda: coordinator.recovery.recoveries >= 2, run)
                 steps = len(c.steps)
                 await until("steps on the new plan", lambda: len(c.steps) >= steps + 3, run)
                 addresses = {m.address for m in coordinator.membership.members.values()}
-                assert dropped.address in addresses and len(addresses) == 2
+                assert dropped.me.address in addresses and len(addresses) == 2
                 assert {w["address"] for w in coordinator.setup.plan_record["workers"].values() if w["in_plan"]} == addresses
             finally:
                 run.cancel()

@@ -76,6 +76,7 @@ class CoordinatorLink:
         self.began = time.monotonic()  # Worker.run sets it again: joining is timed from there
         self.join_s = 0.0  # from the start of run() to registered (the device probe, the reach check, a relay's tunnel)
         self._probe_task: asyncio.Task | None = None
+        self.host_towards_coordinator: Callable[[], str] = lambda: advertise_host(config)  # a test moves the worker to another network
 
     async def register(self, info: dict[str, Any]) -> None:
         """Join the coordinator (tried again until it listens, within --join-timeout)."""
@@ -258,7 +259,7 @@ class CoordinatorLink:
         if self.config.advertise or listen_host(self.config) or self.nat.tunnel is not None:  # behind NAT: the relay's address
             return
         try:
-            now = advertise_host(self.config)
+            now = self.host_towards_coordinator()
         except OSError:  # no route at all (yet)
             return
         me = self.me
