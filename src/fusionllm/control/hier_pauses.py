@@ -45,15 +45,12 @@ from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import FusionError
 from fusionllm.schedule.hierarchy import GroupPlan, remap
 from fusionllm.schedule.plan import make_plan
-from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE, Regroup
 from fusionllm.transport.rpc import RpcClient
 
-from .capabilities import place
-from .config import Run, WorkerLost
+from .config import WorkerLost
 from .context import RunContext
 from .hier_setup import GroupSetup, HierRun
-from .limits import check_message_sizes
 from .rounds import wait_notified
 from .state import Checkpoints
 from .workers import Liveness
@@ -167,20 +164,17 @@ class Pauses:
         states = [await self.checkpoints.read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
         micro = math.gcd(self.group_setup.group_batch(), c.micro_batches)  # as setup_groups traced hr.graph
         plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=micro), workers)
-        infos = {w: m.info for w, m in members.items()}
-        plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.ctx.task.refused_ops)
-        programs = await asyncio.to_thread(validate_plan, hr.graph, plan)
-        await asyncio.to_thread(check_message_sizes, hr.graph, plan)
+        clients = src.clients  # one dict, shared by every group's Run
+        run = await self.group_setup.setup.placed_run(hr.graph, plan, clients)  # as any group's plan is
+        plan = run.plan
+        addresses = {m.id: m.address for m in members.values()}
+        for w in workers:
+            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
         live = [g for g in hr.hier.groups if g.index in hr.alive]
         ref = min(live, key=lambda g: g.inner_steps)  # the slowest group's H: the new group's speed is not known yet
         index = max(g.index for g in hr.hier.groups) + 1
         hier = replace(hr.hier, groups=[*live, GroupPlan(index, plan, ref.inner_steps)])
         text = hier.to_json()
-        addresses = {m.id: m.address for m in members.values()}
-        clients = src.clients  # one dict, shared by every group's Run
-        for w in workers:
-            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
-        run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
         await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress), rows=self.group_setup.group_batch())
         if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:

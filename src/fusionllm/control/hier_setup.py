@@ -21,14 +21,12 @@ from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.hierarchy import HierPlan, group_rows, make_hier_plan, round_lengths
 from fusionllm.schedule.plan import Request
-from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
 from .config import Run
 from .context import RunContext
-from .limits import check_message_sizes
 from .restart import resume_event, resume_live, start_or_resume
 from .rounds import DataOffsets, PauseSchedule, RoundClock, checkpoint_rounds, resume_round
 from .setup import Setup
@@ -192,11 +190,8 @@ class GroupSetup:
             m = g.plan.micro_batches
             if batch % m:
                 raise FusionError(f"group {g.index} has {m} micro-batches, which does not divide the group batch {batch}")
-            gg = await traced_at(batch // m)
-            g.plan = await asyncio.to_thread(place, gg, g.plan, infos, self.say, self.task.refused_ops)
-            programs = await asyncio.to_thread(validate_plan, gg, g.plan)
-            await asyncio.to_thread(check_message_sizes, gg, g.plan)
-            runs[g.index] = Run(gg, g.plan, clients, actions=programs)
+            runs[g.index] = await self.setup.placed_run(await traced_at(batch // m), g.plan, clients)  # as one group's plan is
+            g.plan = runs[g.index].plan
         graph = await traced_at(batch // math.gcd(batch, c.micro_batches))  # the model at the group batch's default micro-batches (a joining group's)
         text = hier.to_json()
         for run in runs.values():
