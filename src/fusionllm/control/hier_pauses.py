@@ -50,7 +50,7 @@ from fusionllm.transport.rpc import RpcClient
 
 from .config import WorkerLost
 from .context import RunContext
-from .hier_setup import GroupSetup, HierRun
+from .hier_setup import GroupingRun, GroupSetup
 from .rounds import wait_notified
 from .state import Checkpoints
 from .workers import Liveness
@@ -66,7 +66,7 @@ class Pauses:
         self.ctx, self.group_setup, self.checkpoints, self.live, self.groups = ctx, group_setup, checkpoints, live, groups
         self.membership, self.say = ctx.membership, ctx.say
 
-    async def pauser(self, hr: HierRun) -> None:
+    async def pauser(self, hr: GroupingRun) -> None:
         """Schedules pauses for spares, and does each pause's work once every group waits at it."""
         ignored: set[int] = set()
         while not hr.stopping:
@@ -105,7 +105,7 @@ class Pauses:
                     hr.pausing.arrived.clear()
                     hr.changed.notify_all()
 
-    async def pause(self, hr: HierRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
+    async def pause(self, hr: GroupingRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
         """Group ``g`` at the end of round ``p - 1``: apply what it has not applied, then wait for
         the pause's work to be done."""
         paused = time.perf_counter()
@@ -122,7 +122,7 @@ class Pauses:
         self.ctx.metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
                        "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
-    async def checkpoint(self, hr: HierRun, p: int) -> None:
+    async def checkpoint(self, hr: GroupingRun, p: int) -> None:
         """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group.
 
         Its workers' heartbeats are watched meanwhile (``_guard``): a worker lost there, dead or hung,
@@ -140,7 +140,7 @@ class Pauses:
                 await self.groups.left(hr, g, exc, gone=set(exc.workers))
         raise FusionError(f"no group is left to write the checkpoint of outer round {p} from")
 
-    async def join(self, hr: HierRun, workers: list[int], k0: int) -> None:
+    async def join(self, hr: GroupingRun, workers: list[int], k0: int) -> None:
         """The spares ``workers`` form a new group that takes part from round ``k0``."""
         if not workers:
             return
@@ -155,7 +155,7 @@ class Pauses:
         self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
                  f"with group {source}'s outer weights and momentum")
 
-    async def add_group(self, hr: HierRun, workers: list[int], k0: int) -> tuple[int, int]:
+    async def add_group(self, hr: GroupingRun, workers: list[int], k0: int) -> tuple[int, int]:
         """Plan, assign and announce the new group; returns its index and the group its state came from."""
         c = self.ctx.cluster
         members = self.membership.members

@@ -3,7 +3,7 @@ plan each group, assign, lay out the rounds); ``setup_grouping`` is the one entr
 
 The groups come from the planner (``--scheduler``: ``planning`` forms them, with H and the codec)
 or from ``--groups`` by hand. Each group's plan is placed, validated and sized like a synchronous
-plan (``setup.py``), and every worker gets the ``HierPlan`` with its assignment. ``HierRun`` is
+plan (``setup.py``), and every worker gets the ``HierPlan`` with its assignment. ``GroupingRun`` is
 the run's state while the groups train (``hierarchical.py``) and pause (``hier_pauses.py``).
 """
 
@@ -35,7 +35,7 @@ from .status import stage_rows
 
 
 @dataclass
-class HierRun:
+class GroupingRun:
     """A grouping while it trains (``hierarchical.py``) and, of several groups, pauses
     (``hier_pauses.py``): the groups' plans and runs, which are alive, and the components that own
     the rest: where each group is (``clock``), which batches they read (``data``), and when they
@@ -69,11 +69,11 @@ class HierRun:
         return time.perf_counter() - self.started - self.paused
 
 
-def one_group(run: Run, first: int, last: int, data_offset: int) -> HierRun:
+def one_group(run: Run, first: int, last: int, data_offset: int) -> GroupingRun:
     """A grouping of one group over steps ``first`` to ``last``: a round of it is one step (no outer
     sync, no pause), and step ``s`` reads batch ``s + data_offset``."""
     n = max(0, last - first)
-    return HierRun(None, run.graph, {0: run}, alive={0}, clock=RoundClock(first, last, {0: [1] * n}),
+    return GroupingRun(None, run.graph, {0: run}, alive={0}, clock=RoundClock(first, last, {0: [1] * n}),
                    data=DataOffsets(first + data_offset, 1, next=first + data_offset), pausing=PauseSchedule(set(), set()))
 
 
@@ -88,7 +88,7 @@ class GroupSetup:
         self.rows: int | None = None  # the groups' rows per inner step, once planned
 
     async def setup_grouping(self, *, groups: list[list[int]] | None, first: int, last: int, states: list[Any] | None, data_from: int,
-                             hier: HierPlan | None, began: float) -> tuple[HierRun, Run | None]:
+                             hier: HierPlan | None, began: float) -> tuple[GroupingRun, Run | None]:
         """Any grouping set up: one group (``groups`` None) by ``Setup.setup`` (the run's start, with
         ``--resume``, by ``start_or_resume``), several by ``setup_groups``; and, for one group, its
         plan in force. ``states``: the live weights it starts from (None: the run's start); ``began``:
@@ -125,7 +125,7 @@ class GroupSetup:
         return None
 
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
-                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> HierRun:
+                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> GroupingRun:
         """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
 
         A regroup passes the grouping (``groups``; default ``--groups`` or the planner's), the steps
@@ -229,7 +229,7 @@ class GroupSetup:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
         clock = RoundClock(first, last, lengths, first_round={g.index: start for g in hier.groups}, current={g.index: start for g in hier.groups})
-        return HierRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
+        return GroupingRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
                        data=DataOffsets(data_from, len(hier.groups), next=data_from),
                        pausing=PauseSchedule({p for p in ckpt if p > start}, ckpt, resumed=start))
 

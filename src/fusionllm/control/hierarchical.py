@@ -36,7 +36,7 @@ from fusionllm.schedule.hierarchy import sync_offsets
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
 from .hier_pauses import Pauses
-from .hier_setup import GroupSetup, HierRun
+from .hier_setup import GroupingRun, GroupSetup
 from .outer_guard import OuterGuard, OuterStop
 from .outer_rounds import OuterRounds
 from .recovery import evict_event
@@ -62,7 +62,7 @@ class Groups:
         self.outer = OuterRounds(ctx, live, self.outer_guard)
         self.pauses = Pauses(ctx, group_setup, checkpoints, live, self) if group_setup is not None else None
 
-    async def train(self, hr: HierRun) -> TrainResult:
+    async def train(self, hr: GroupingRun) -> TrainResult:
         """Every group's rounds, and the pauser of several, until the last group ends its last round.
         One group (``hr.hier`` None) raises what its plan cannot go on from (``WorkerLost``, ``Evict``,
         ``Replan``, a stop's ``Interrupted``) to ``phases.py``, which makes the next plan."""
@@ -99,11 +99,11 @@ class Groups:
         self.ctx.metrics.write({"event": "outer_bytes", "bytes": self.outer.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
-    def start(self, hr: HierRun, g: int) -> asyncio.Task:
+    def start(self, hr: GroupingRun, g: int) -> asyncio.Task:
         """Group ``g``'s rounds as a task (a group that joins mid-run gets one too)."""
         return asyncio.create_task(self.loop(hr, g))
 
-    async def loop(self, hr: HierRun, g: int) -> None:
+    async def loop(self, hr: GroupingRun, g: int) -> None:
         """Group ``g``'s rounds. A worker of it evicted or lost takes the group out of the run, as in a
         synchronous run's plan; its other workers become spares, which form a new group at the next
         pause from the outer weights (``hier_pauses.py``), the way a synchronous run re-plans."""
@@ -120,7 +120,7 @@ class Groups:
             if not hr.alive:
                 raise
 
-    async def evicted(self, hr: HierRun, g: int, ev: Evict) -> None:
+    async def evicted(self, hr: GroupingRun, g: int, ev: Evict) -> None:
         """Evict ``ev.workers`` (told to leave, out of the membership) and take their group out."""
         began = time.perf_counter()
         run = hr.runs[g]
@@ -131,7 +131,7 @@ class Groups:
         event = evict_event(ev, addresses, time.perf_counter() - began, workers_left=len(self.ctx.membership.members), group=g)
         self.ctx.event(event)
 
-    async def left(self, hr: HierRun, g: int, exc: Exception, *, gone: set[int] | None = None) -> None:
+    async def left(self, hr: GroupingRun, g: int, exc: Exception, *, gone: set[int] | None = None) -> None:
         """Group ``g`` leaves the run (a worker of it lost, in its rounds or in a pause's checkpoint):
         the others go on without it; its workers are told to abort. ``gone``: the workers to blame
         (lost or evicted); the group's others become spares that join again at the next pause (None:
@@ -159,7 +159,7 @@ class Groups:
             with contextlib.suppress(FusionError):
                 await asyncio.gather(*(run.clients[w].call_retrying("Abort", {}, within=5, timeout=5) for w in run.plan.workers), return_exceptions=True)
 
-    async def rounds(self, hr: HierRun, g: int) -> None:
+    async def rounds(self, hr: GroupingRun, g: int) -> None:
         """Group ``g``'s inner steps, outer syncs, evaluations and pauses, round after round."""
         t, c = self.ctx.train, self.ctx.cluster
         run = hr.runs[g]
@@ -217,7 +217,7 @@ class Groups:
         if eval_n and not one and g == min(hr.alive):
             await self.evaluate_outer(hr, run, eval_n, end)
 
-    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
+    async def inner_step(self, hr: GroupingRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
                          cap: float = 1.0) -> None:
         """One inner step of group ``g``: the same step for every group (``steps.py``), guards,
         retry, skip, strikes and eviction included. Its record counts in the user's steps
@@ -245,7 +245,7 @@ class Groups:
         if done is not None:
             self.check_plan(hr, g, run, user_step + 1)
 
-    def check_plan(self, hr: HierRun, g: int, run: Run, done: int) -> None:
+    def check_plan(self, hr: GroupingRun, g: int, run: Run, done: int) -> None:
         """A group whose last 8 steps took far longer than they should (``steps.replan_due``): one
         group raises ``Replan`` at once (its round ends here); of several, every group ends at the
         next round boundary and the run is planned again (``phases.py``)."""
@@ -260,7 +260,7 @@ class Groups:
             hr.clock.replan_why = f"group {g}'s {why}"
             self.ctx.say(f"re-planning at outer round {hr.clock.end_at}: {hr.clock.replan_why}")
 
-    async def evaluate_step(self, hr: HierRun, run: Run, record: StepRecord, done: int) -> None:
+    async def evaluate_step(self, hr: GroupingRun, run: Run, record: StepRecord, done: int) -> None:
         """One group's validation loss into the record of step ``done - 1`` (``--eval-every``, and the grouping's end)."""
         every = self.ctx.cluster.eval_every
         if not every or (done % every and done != hr.clock.last):
@@ -273,9 +273,9 @@ class Groups:
             record.val_metrics[self.ctx.task.metric_name] = run.val_metric
             hr.result.val_metrics.append((done - 1, run.val_metric))
 
-    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, rounds: int) -> None:
+    async def evaluate_outer(self, hr: GroupingRun, run: Run, eval_n: int, rounds: int) -> None:
         """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
-        pipeline; recorded at the user's step they reach (``HierRun.step_at``)."""
+        pipeline; recorded at the user's step they reach (``GroupingRun.step_at``)."""
         step = hr.step_at(rounds)
         paused = time.perf_counter()
         val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))

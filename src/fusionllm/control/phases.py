@@ -32,7 +32,7 @@ from fusionllm.core.tensorboard import MetricsWriter
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
 from .grouping import Grouping, choose, groupings
-from .hier_setup import GroupSetup, HierRun, one_group
+from .hier_setup import GroupingRun, GroupSetup, one_group
 from .hierarchical import Groups
 from .recovery import Recovery
 from .restart import Interrupted, Stopper, final_checkpoint
@@ -133,7 +133,7 @@ class Phases:
             ctx.clock.new_epoch()
         return part, states, data_next, again
 
-    def replanned(self, hr: HierRun, grouping: Grouping) -> Grouping | None:
+    def replanned(self, hr: GroupingRun, grouping: Grouping) -> Grouping | None:
         """The rest of a grouping of several groups that a re-plan ended early (every group at one
         round boundary), to be planned again; None when it ran to its end."""
         if hr.clock.end_at is None or hr.clock.reached() >= grouping.last:
@@ -144,7 +144,7 @@ class Phases:
         self.ctx.event({"event": "replan", "why": hr.clock.replan_why, "at_step": again.first, "round": hr.clock.end_at, "sync": "hierarchical"})
         return again
 
-    async def outer_states(self, hr: HierRun) -> list[Any]:
+    async def outer_states(self, hr: GroupingRun) -> list[Any]:
         """One group's outer weights and momentum (every group holds the same ones)."""
         run = hr.runs[min(hr.alive)]
         return [await self.live.guard(run, self.checkpoints.read_state(run, s.workers[0], outer=True)) for s in run.plan.stages]
