@@ -306,3 +306,45 @@ def test_the_planners_grouping_is_chosen_once_and_one_group_is_a_grouping() -> N
     assert held == Grouping(0, 8, [[0]]) and asked == [8, 4]
     several = asyncio.run(choose(ctx("hierarchical"), setup([[0, 1]]), Grouping(0, 8, [])))  # only --sync auto may answer one group
     assert several.groups == [[0, 1]] and len(events) == 2
+
+
+def test_a_grouping_of_one_group_recovers_through_the_one_loop_by_planning_the_same_group_again() -> None:
+    """Phases with fakes: a worker lost at step 4 of a one-group run goes to ``Recovery``, and the
+    same round loop goes on from the step the new plan starts at (a checkpoint's, here 3), reading
+    that step's batch again. Why it can fail: a second loop for one group that drifted, a lost
+    worker that ends the run, a recovered run that restarts at step 0 or skips the steps lost."""
+    from fusionllm.control.config import WorkerLost
+    from fusionllm.control.phases import Phases
+
+    records: list[dict] = []
+    ctx = _ctx(records, sync="synchronous", groups=None, regroup=None, resume=False, checkpoint_every=0)
+    ctx.membership = SimpleNamespace(members={})  # type: ignore[assignment]
+
+    class LosingRunner(FakeRunner):
+        async def run(self, run: Any, step: int, lr: float, **kw: Any) -> Any:
+            if step == 4 and not lost:
+                lost.append(step)
+                raise WorkerLost({1}, "killed")
+            return await super().run(run, step, lr, **kw)
+
+    lost: list[int] = []
+    runner = LosingRunner()
+    handled: list[Any] = []
+
+    async def setup(**kw: Any) -> Any:
+        ctx.clock.start_at(0)
+        return _run()
+
+    async def handle(run: Any, exc: Any) -> Any:
+        handled.append(exc)
+        ctx.clock.start_at(3)  # the newest checkpoint's step
+        return _run()
+
+    recovery = SimpleNamespace(handle=handle, replans=0, send_away=None)
+    stopper = Stopper(SimpleNamespace(checkpoint_dir=None, stop_timeout=60.0), lambda _: None)  # type: ignore[arg-type]
+    phases = Phases(ctx, SimpleNamespace(setup=setup, plan_record={}), FakeCheckpoints(), FakeLiveness([]), runner, recovery, stopper, 0.0)  # type: ignore[arg-type]
+    result = asyncio.run(phases.train())
+    assert [type(e) for e in handled] == [WorkerLost] and lost == [4]
+    assert [s for s, _ in runner.ran] == [0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9] and all(d == s for s, d in runner.ran)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9] and len(result.losses) == 7  # the result: the plan in force's steps
+    assert phases.run is not None and not stopper.training
