@@ -20,10 +20,11 @@ from fusionllm.control.bad_steps import Strikes
 from fusionllm.control.config import Evict, Replan
 from fusionllm.control.context import RunContext, StepClock
 from fusionllm.control.grouping import Grouping, groupings
+from fusionllm.control.hier_setup import one_group
+from fusionllm.control.hierarchical import Groups
 from fusionllm.control.restart import Interrupted, Stopper
 from fusionllm.control.status import RunStatus
 from fusionllm.control.steps import StepRunner
-from fusionllm.control.training import SyncLoop
 from fusionllm.core.config import TrainConfig
 from fusionllm.planning.noise_scale import NoiseScale
 from fusionllm.transport.control import BadTensor, StepDone
@@ -130,52 +131,77 @@ class FakeCheckpoints:
 
 
 def _ctx(records: list[dict], **cluster: Any) -> RunContext:
-    c = SimpleNamespace(eval_every=0, eval_batches=1, checkpoint_every=0, scheduler=None, replan_factor=2.0, max_replans=2, compress="none")
+    c = SimpleNamespace(eval_every=0, eval_batches=1, checkpoint_every=0, scheduler=None, replan_factor=2.0, max_replans=2, compress="none",
+                        outer_aggregate="mean")
     c.__dict__.update(cluster)
     task = SimpleNamespace(items_per_row=4, metric_name="accuracy", eval_count=lambda n: n)
     return RunContext(TrainConfig(steps=10, warmup=0), c, task, SimpleNamespace(), RunStatus("m", 10), say=lambda _: None,  # type: ignore[arg-type]
                       on_step=records.append)
 
 
-def test_the_step_loop_evaluates_checkpoints_and_skips_at_their_steps_and_stops_at_a_regroup() -> None:
+def _loop(ctx: RunContext, runner: Any, checkpoints: Any, replans: int = 0, stop_if_asked: Any = lambda _: None) -> Any:
+    """The one round loop (``hierarchical.Groups``) as a grouping of one group runs it: no pauser, no outer sync."""
+    async def send_away(run: Any, workers: set[int]) -> dict[int, str]:
+        raise AssertionError("one group evicts through Recovery, not the loop")
+
+    return Groups(ctx, checkpoints, FakeLiveness([]), runner, send_away, lambda: replans, stop_if_asked=stop_if_asked)  # type: ignore[arg-type]
+
+
+def _train(loop: Any, run: Any, *, start: int = 0, end: int, data_offset: int = 0) -> Any:
+    return asyncio.run(loop.train(one_group(run, start, end, data_offset)))
+
+
+def test_one_groups_rounds_are_one_step_each_with_evaluations_checkpoints_and_skips_at_their_steps() -> None:
     records: list[dict] = []
     ctx = _ctx(records, eval_every=4, checkpoint_every=3)
-    ctx.clock.start_at(2)
     runner, checkpoints = FakeRunner(skip={5}), FakeCheckpoints()
-    loop = SyncLoop(ctx, runner, checkpoints, FakeLiveness([]), lambda _: None, lambda: 0)  # type: ignore[arg-type]
-    result = asyncio.run(loop.train(_run(), end=9, data_offset=100))
+    loop = _loop(ctx, runner, checkpoints)
+    result = _train(loop, _run(), start=2, end=9, data_offset=100)
     assert [s for s, _ in runner.ran] == [2, 3, 4, 5, 6, 7, 8] and all(d == s + 100 for s, d in runner.ran)
     assert [r["step"] for r in records] == [2, 3, 4, 6, 7, 8]  # step 5 skipped: no record
+    assert all(r.get("group") is None and r.get("round") is None for r in records)  # a synchronous run's records
     assert checkpoints.evaluated == [4, 8, 9] and [r["step"] for r in records if "val_loss" in r] == [3, 7, 8]
     assert checkpoints.written == [3, 6, 9]
     assert result.tokens == 7 * ctx.train.batch_size * 4
 
 
-def test_the_step_loop_caps_adatopks_error_in_the_schedules_first_sixteenth() -> None:
+def test_the_one_loop_caps_adatopks_error_in_the_schedules_first_sixteenth() -> None:
     ctx = _ctx([])
     ctx.train = TrainConfig(steps=40, warmup=0)
     runner = FakeRunner()
-    asyncio.run(SyncLoop(ctx, runner, FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 0).train(_run(), end=5))  # type: ignore[arg-type]
+    _train(_loop(ctx, runner, FakeCheckpoints()), _run(), end=5)
     assert runner.caps == [EARLY_BUDGET, EARLY_BUDGET, EARLY_BUDGET, 1.0, 1.0]  # steps 0-2 of 40: under 40/16
 
 
-def test_the_step_loop_asks_for_a_replan_when_steps_take_far_longer_than_predicted() -> None:
+def test_one_group_asks_for_a_replan_when_steps_take_far_longer_than_predicted() -> None:
     """From the start only when far off the prediction (2 x --replan-factor: a link far slower than
     its file said); a plan merely slower than predicted is kept (planned again with the same cost
     model it would be as wrong); then against its own settled steps (a link that slowed down)."""
     ctx = _ctx([], scheduler="opfence")
-    loop = SyncLoop(ctx, FakeRunner(), FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 0)  # type: ignore[arg-type]
+    loop = _loop(ctx, FakeRunner(), FakeCheckpoints())
     with pytest.raises(Replan) as again:
-        asyncio.run(loop.train(_run_with(0.2), end=20))  # the fake steps take 1 s: 5x the prediction, over 2 x 2
+        _train(loop, _run_with(0.2), end=20)  # the fake steps take 1 s: 5x the prediction, over 2 x 2
     assert again.value.next_step == 10  # the plan's own step time is known after 10 steps
-    asyncio.run(loop.train(_run_with(0.3), end=20))  # 3.3x: kept
-    slowed = SyncLoop(ctx, FakeRunner(seconds=lambda step: 1.0 if step < 12 else 2.5), FakeCheckpoints(), FakeLiveness([]),  # type: ignore[arg-type]
-                      lambda _: None, lambda: 0)
+    _train(loop, _run_with(0.3), end=20)  # 3.3x: kept
+    slowed = _loop(ctx, FakeRunner(seconds=lambda step: 1.0 if step < 12 else 2.5), FakeCheckpoints())
     with pytest.raises(Replan) as again:
-        asyncio.run(slowed.train(_run_with(0.9), end=40))
+        _train(slowed, _run_with(0.9), end=40)
     assert again.value.next_step == 17 and "when the plan settled" in str(again.value)  # 5 of the last 8 steps slow: the median
-    loop_done = SyncLoop(ctx, FakeRunner(), FakeCheckpoints(), FakeLiveness([]), lambda _: None, lambda: 2)  # type: ignore[arg-type]
-    asyncio.run(loop_done.train(_run_with(0.1), end=20))  # --max-replans reached: no more
+    _train(_loop(ctx, FakeRunner(), FakeCheckpoints(), replans=2), _run_with(0.1), end=20)  # --max-replans reached: no more
+
+
+def test_a_stop_asked_in_one_groups_rounds_interrupts_them_between_two_steps() -> None:
+    asked: list[int] = []
+
+    def stop_if_asked(step: int) -> None:
+        asked.append(step)
+        if step == 3:
+            raise Interrupted(step)
+
+    runner = FakeRunner()
+    with pytest.raises(Interrupted) as stop:
+        _train(_loop(_ctx([]), runner, FakeCheckpoints(), stop_if_asked=stop_if_asked), _run(), end=8)
+    assert stop.value.done == 3 and [s for s, _ in runner.ran] == [0, 1, 2] and asked == [0, 1, 2, 3]
 
 
 def _run_with(predicted: float) -> Any:
@@ -280,3 +306,45 @@ def test_the_planners_grouping_is_chosen_once_and_one_group_is_a_grouping() -> N
     assert held == Grouping(0, 8, [[0]]) and asked == [8, 4]
     several = asyncio.run(choose(ctx("hierarchical"), setup([[0, 1]]), Grouping(0, 8, [])))  # only --sync auto may answer one group
     assert several.groups == [[0, 1]] and len(events) == 2
+
+
+def test_a_grouping_of_one_group_recovers_through_the_one_loop_by_planning_the_same_group_again() -> None:
+    """Phases with fakes: a worker lost at step 4 of a one-group run goes to ``Recovery``, and the
+    same round loop goes on from the step the new plan starts at (a checkpoint's, here 3), reading
+    that step's batch again. Why it can fail: a second loop for one group that drifted, a lost
+    worker that ends the run, a recovered run that restarts at step 0 or skips the steps lost."""
+    from fusionllm.control.config import WorkerLost
+    from fusionllm.control.phases import Phases
+
+    records: list[dict] = []
+    ctx = _ctx(records, sync="synchronous", groups=None, regroup=None, resume=False, checkpoint_every=0)
+    ctx.membership = SimpleNamespace(members={})  # type: ignore[assignment]
+
+    class LosingRunner(FakeRunner):
+        async def run(self, run: Any, step: int, lr: float, **kw: Any) -> Any:
+            if step == 4 and not lost:
+                lost.append(step)
+                raise WorkerLost({1}, "killed")
+            return await super().run(run, step, lr, **kw)
+
+    lost: list[int] = []
+    runner = LosingRunner()
+    handled: list[Any] = []
+
+    async def setup(**kw: Any) -> Any:
+        ctx.clock.start_at(0)
+        return _run()
+
+    async def handle(run: Any, exc: Any) -> Any:
+        handled.append(exc)
+        ctx.clock.start_at(3)  # the newest checkpoint's step
+        return _run()
+
+    recovery = SimpleNamespace(handle=handle, replans=0, send_away=None)
+    stopper = Stopper(SimpleNamespace(checkpoint_dir=None, stop_timeout=60.0), lambda _: None)  # type: ignore[arg-type]
+    phases = Phases(ctx, SimpleNamespace(setup=setup, plan_record={}), FakeCheckpoints(), FakeLiveness([]), runner, recovery, stopper, 0.0)  # type: ignore[arg-type]
+    result = asyncio.run(phases.train())
+    assert [type(e) for e in handled] == [WorkerLost] and lost == [4]
+    assert [s for s, _ in runner.ran] == [0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9] and all(d == s for s, d in runner.ran)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9] and len(result.losses) == 7  # the result: the plan in force's steps
+    assert phases.run is not None and not stopper.training

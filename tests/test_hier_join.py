@@ -14,18 +14,18 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from fusionllm.control.hier_setup import HierRun
+from fusionllm.control.hier_setup import GroupingRun
 from fusionllm.control.hierarchical import Groups
 from fusionllm.control.rounds import DataOffsets, PauseSchedule, RoundClock
 
 
-def groups_and_run(current: dict[int, int], rounds: int = 8) -> tuple[Groups, HierRun, list[dict[str, Any]], list[str]]:
+def groups_and_run(current: dict[int, int], rounds: int = 8) -> tuple[Groups, GroupingRun, list[dict[str, Any]], list[str]]:
     """Groups 0 (workers 0, 1, 2) and 1 (worker 3) at rounds ``current``; the Abort records what the run held meanwhile."""
     said: list[str] = []
     ctx: Any = SimpleNamespace(cluster=SimpleNamespace(outer_aggregate="mean"), membership=SimpleNamespace(spares=set(), members={}),
                                say=said.append, event=lambda record: None, run_seconds=lambda s: s)
     seen: list[dict[str, Any]] = []
-    hr = HierRun(hier=None, graph=None, runs={0: SimpleNamespace(plan=SimpleNamespace(workers=[0, 1, 2])),  # type: ignore[arg-type]
+    hr = GroupingRun(hier=None, graph=None, runs={0: SimpleNamespace(plan=SimpleNamespace(workers=[0, 1, 2])),  # type: ignore[arg-type]
                                               1: SimpleNamespace(plan=SimpleNamespace(workers=[3]))},
                  alive={0, 1}, clock=RoundClock(0, 8 * rounds, {0: [4] * rounds, 1: [4] * rounds}, current=dict(current)),
                  data=DataOffsets(0, 2), pausing=PauseSchedule(set(), set()))

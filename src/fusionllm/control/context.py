@@ -3,9 +3,10 @@
 The coordinator is a few components (``coordinator.py`` wires them), each owning its own state:
 membership (``membership.py``), liveness (``workers.py``), the step of one group (``steps.py``),
 bad-step strikes (``bad_steps.py``), setup (``setup.py``), checkpoints and evaluation (``state.py``),
-recovery (``recovery.py``), the grouping chosen once (``grouping.py``), the synchronous step loop
-(``training.py``), groups and their rounds (``hierarchical.py``; their clock, data offsets and pauses
-in ``rounds.py``, outer syncs in ``outer_rounds.py``, pauses in ``hier_pauses.py``), stopping and
+recovery (``recovery.py``), the grouping chosen once (``grouping.py``) and set up by one entry point
+(``hier_setup.py``), the one round loop of every grouping (``hierarchical.py``; its clock, data
+offsets and pauses in ``rounds.py``, outer syncs in ``outer_rounds.py``, pauses in
+``hier_pauses.py``), the groupings in order (``phases.py``), stopping and
 restarting (``restart.py``) and relays
 (``reach.py``). What they all read is here, in one object: settings that do not change, the sinks
 every record goes to, and the ``StepClock``, the one owner of the epoch and of the step a plan

@@ -2,8 +2,9 @@
 
 The coordinator is thin, and made of components that own their state (``context.py`` lists
 them); this file wires them and runs the phases of a run: join, plan, train, shut down. A run is a
-set of groups: a synchronous run is one group whose step loop is ``training.py``, a hierarchical
-run several (``hierarchical.py``); both run each step through ``steps.py``. The workers read
+list of groups: a synchronous run is one group, a hierarchical run several; every grouping runs
+through one round loop (``hierarchical.py``, a round of one group is one step) and each step
+through ``steps.py``. The workers read
 their own batches and talk to each other directly; no weight and no batch passes through here in
 steady state.
 """

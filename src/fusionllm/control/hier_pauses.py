@@ -45,15 +45,12 @@ from fusionllm.compress.codecs import parse_codec
 from fusionllm.core.errors import FusionError
 from fusionllm.schedule.hierarchy import GroupPlan, remap
 from fusionllm.schedule.plan import make_plan
-from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE, Regroup
 from fusionllm.transport.rpc import RpcClient
 
-from .capabilities import place
-from .config import Run, WorkerLost
+from .config import WorkerLost
 from .context import RunContext
-from .hier_setup import GroupSetup, HierRun
-from .limits import check_message_sizes
+from .hier_setup import GroupingRun, GroupSetup
 from .rounds import wait_notified
 from .state import Checkpoints
 from .workers import Liveness
@@ -69,7 +66,7 @@ class Pauses:
         self.ctx, self.group_setup, self.checkpoints, self.live, self.groups = ctx, group_setup, checkpoints, live, groups
         self.membership, self.say = ctx.membership, ctx.say
 
-    async def pauser(self, hr: HierRun) -> None:
+    async def pauser(self, hr: GroupingRun) -> None:
         """Schedules pauses for spares, and does each pause's work once every group waits at it."""
         ignored: set[int] = set()
         while not hr.stopping:
@@ -101,7 +98,7 @@ class Pauses:
                     hr.pausing.arrived.clear()
                     hr.changed.notify_all()
 
-    def schedule_join(self, hr: HierRun, workers: list[int]) -> bool:
+    def schedule_join(self, hr: GroupingRun, workers: list[int]) -> bool:
         """Schedule the pause at which ``workers`` form a new group: the round after the latest one any
         group has started, or a later pause already scheduled. No await: the groups cannot pass that
         round meanwhile. False when no outer round is left to join (a re-plan, ``end_at``, or a join
@@ -118,7 +115,7 @@ class Pauses:
         self.say(f"worker(s) {workers} form a new group at outer round {pausing.join_at}")
         return True
 
-    async def pause(self, hr: HierRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
+    async def pause(self, hr: GroupingRun, g: int, p: int, pending: list[tuple[int, int, int]]) -> None:
         """Group ``g`` at the end of round ``p - 1``: apply what it has not applied, then wait for
         the pause's work to be done."""
         paused = time.perf_counter()
@@ -135,7 +132,7 @@ class Pauses:
         self.ctx.metrics.write({"event": "paused", "group": g, "round": p, "seconds": round(time.perf_counter() - paused, 4),
                        "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
-    async def checkpoint(self, hr: HierRun, p: int) -> None:
+    async def checkpoint(self, hr: GroupingRun, p: int) -> None:
         """The outer weights and momentum after round ``p - 1`` (the same in every group), from one group.
 
         Its workers' heartbeats are watched meanwhile (``_guard``): a worker lost there, dead or hung,
@@ -153,7 +150,7 @@ class Pauses:
                 await self.groups.left(hr, g, exc, gone=set(exc.workers))
         raise FusionError(f"no group is left to write the checkpoint of outer round {p} from")
 
-    async def join(self, hr: HierRun, workers: list[int], k0: int) -> None:
+    async def join(self, hr: GroupingRun, workers: list[int], k0: int) -> None:
         """The spares ``workers`` form a new group that takes part from round ``k0``."""
         if not workers:
             return
@@ -168,7 +165,7 @@ class Pauses:
         self.say(f"group {index} (workers {workers}) joined at outer round {k0} in {event['seconds']:.1f} s, "
                  f"with group {source}'s outer weights and momentum")
 
-    async def add_group(self, hr: HierRun, workers: list[int], k0: int) -> tuple[int, int]:
+    async def add_group(self, hr: GroupingRun, workers: list[int], k0: int) -> tuple[int, int]:
         """Plan, assign and announce the new group; returns its index and the group its state came from."""
         c = self.ctx.cluster
         members = self.membership.members
@@ -177,20 +174,17 @@ class Pauses:
         states = [await self.checkpoints.read_state(src, s.workers[0], outer=True) for s in src.plan.stages]
         micro = math.gcd(self.group_setup.group_batch(), c.micro_batches)  # as setup_groups traced hr.graph
         plan = remap(make_plan(hr.graph, len(workers), schedule=c.schedule, micro_batches=micro), workers)
-        infos = {w: m.info for w, m in members.items()}
-        plan = await asyncio.to_thread(place, hr.graph, plan, infos, self.say, self.ctx.task.refused_ops)
-        programs = await asyncio.to_thread(validate_plan, hr.graph, plan)
-        await asyncio.to_thread(check_message_sizes, hr.graph, plan)
+        clients = src.clients  # one dict, shared by every group's Run
+        run = await self.group_setup.setup.placed_run(hr.graph, plan, clients)  # as any group's plan is
+        plan = run.plan
+        addresses = {m.id: m.address for m in members.values()}
+        for w in workers:
+            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
         live = [g for g in hr.hier.groups if g.index in hr.alive]
         ref = min(live, key=lambda g: g.inner_steps)  # the slowest group's H: the new group's speed is not known yet
         index = max(g.index for g in hr.hier.groups) + 1
         hier = replace(hr.hier, groups=[*live, GroupPlan(index, plan, ref.inner_steps)])
         text = hier.to_json()
-        addresses = {m.id: m.address for m in members.values()}
-        clients = src.clients  # one dict, shared by every group's Run
-        for w in workers:
-            clients[w] = RpcClient(addresses[w], WORKER_SERVICE, c.token, tls=c.tls, incarnation=self.membership.incarnation)
-        run = Run(hr.graph, plan, clients, actions=programs)
         run.hier = text
         await self.group_setup.setup.assign(run, addresses, states, None, parse_codec(c.compress), rows=self.group_setup.group_batch())
         if run.fed and self.group_setup.group_batch() != self.ctx.train.batch_size:

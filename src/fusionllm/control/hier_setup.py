@@ -1,8 +1,9 @@
-"""Forming the groups of a hierarchical run: trace, plan each group, assign, lay out the rounds.
+"""Setting up any grouping: one group by ``Setup.setup``, several by forming the groups (trace,
+plan each group, assign, lay out the rounds); ``setup_grouping`` is the one entry point.
 
 The groups come from the planner (``--scheduler``: ``planning`` forms them, with H and the codec)
 or from ``--groups`` by hand. Each group's plan is placed, validated and sized like a synchronous
-plan (``setup.py``), and every worker gets the ``HierPlan`` with its assignment. ``HierRun`` is
+plan (``setup.py``), and every worker gets the ``HierPlan`` with its assignment. ``GroupingRun`` is
 the run's state while the groups train (``hierarchical.py``) and pause (``hier_pauses.py``).
 """
 
@@ -20,15 +21,13 @@ from fusionllm.core.errors import ConfigError, FusionError
 from fusionllm.graph.ir import OpGraph
 from fusionllm.schedule.hierarchy import HierPlan, group_rows, make_hier_plan, round_lengths
 from fusionllm.schedule.plan import Request
-from fusionllm.schedule.validate import validate_plan
 from fusionllm.transport.control import WORKER_SERVICE, LiveState
 from fusionllm.transport.rpc import RpcClient
 
 from .capabilities import backend_of, place
 from .config import Run
 from .context import RunContext
-from .limits import check_message_sizes
-from .restart import resume_live
+from .restart import resume_event, resume_live, start_or_resume
 from .rounds import DataOffsets, PauseSchedule, RoundClock, checkpoint_rounds, resume_round
 from .setup import Setup
 from .state import Checkpoints
@@ -36,13 +35,14 @@ from .status import stage_rows
 
 
 @dataclass
-class HierRun:
-    """A grouping of several groups while it trains (``hierarchical.py``) and pauses
+class GroupingRun:
+    """A grouping while it trains (``hierarchical.py``) and, of several groups, pauses
     (``hier_pauses.py``): the groups' plans and runs, which are alive, and the components that own
     the rest: where each group is (``clock``), which batches they read (``data``), and when they
-    pause (``pausing``). The outer syncs' own state is ``outer_rounds.OuterRounds``'s."""
+    pause (``pausing``). The outer syncs' own state is ``outer_rounds.OuterRounds``'s. One group
+    (``hier`` None, ``one_group``) is the same with rounds of one step and no pause."""
 
-    hier: HierPlan
+    hier: HierPlan | None  # None: one group (synchronous), whose rounds are one step each
     graph: OpGraph
     runs: dict[int, Run]  # group -> its synchronous run
     alive: set[int]
@@ -70,6 +70,14 @@ class HierRun:
         return time.perf_counter() - self.started - self.paused
 
 
+def one_group(run: Run, first: int, last: int, data_offset: int) -> GroupingRun:
+    """A grouping of one group over steps ``first`` to ``last``: a round of it is one step (no outer
+    sync, no pause), and step ``s`` reads batch ``s + data_offset``."""
+    n = max(0, last - first)
+    return GroupingRun(None, run.graph, {0: run}, alive={0}, clock=RoundClock(first, last, {0: [1] * n}),
+                   data=DataOffsets(first + data_offset, 1, next=first + data_offset), pausing=PauseSchedule(set(), set()))
+
+
 class GroupSetup:
     """Forms the groups (by the planner, or ``--groups``), plans each, and assigns every worker."""
 
@@ -77,7 +85,25 @@ class GroupSetup:
         self.ctx, self.setup, self.checkpoints = ctx, setup, checkpoints
         self.train, self.cluster, self.task, self.membership, self.say = ctx.train, ctx.cluster, ctx.task, ctx.membership, ctx.say
         self.resumed: tuple[list[bytes], int, OpGraph] | str | None = None  # --resume: what resume_live found (restart.py)
+        self.resume_record: dict[str, Any] | None = None  # the ``resume`` record of the run's start, once set up
         self.rows: int | None = None  # the groups' rows per inner step, once planned
+
+    async def setup_grouping(self, *, groups: list[list[int]] | None, first: int, last: int, states: list[Any] | None, data_from: int,
+                             hier: HierPlan | None, began: float) -> tuple[GroupingRun, Run | None]:
+        """Any grouping set up: one group (``groups`` None) by ``Setup.setup`` (the run's start, with
+        ``--resume``, by ``start_or_resume``), several by ``setup_groups``; and, for one group, its
+        plan in force. ``states``: the live weights it starts from (None: the run's start); ``began``:
+        when the coordinator started (the ``resume`` record's seconds)."""
+        if groups is not None:
+            hr = await self.setup_groups(groups=groups or None, first=first, last=last, states=states, data_from=data_from, hier=hier)
+            if self.resumed is not None:
+                self.resume_record = resume_event(self.ctx, self.resumed, began)
+            return hr, None
+        if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
+            run, self.resume_record = await start_or_resume(self.ctx, self.setup, self.checkpoints, began)
+        else:
+            run = await self.setup.setup(carry=(states, first))
+        return one_group(run, self.ctx.clock.start_step, last, data_from - first), run
 
     def group_batch(self) -> int:
         """Rows per inner step of every group: the plan's once planned (``--group-batch``, else the
@@ -100,7 +126,7 @@ class GroupSetup:
         return None
 
     async def setup_groups(self, *, groups: list[list[int]] | None = None, first: int = 0, last: int | None = None,
-                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> HierRun:
+                           states: list[Any] | None = None, data_from: int = 0, hier: HierPlan | None = None) -> GroupingRun:
         """Every group's plan assigned; the rounds laid out (and resumed from a checkpoint's).
 
         A regroup passes the grouping (``groups``; default ``--groups`` or the planner's), the steps
@@ -165,11 +191,8 @@ class GroupSetup:
             m = g.plan.micro_batches
             if batch % m:
                 raise FusionError(f"group {g.index} has {m} micro-batches, which does not divide the group batch {batch}")
-            gg = await traced_at(batch // m)
-            g.plan = await asyncio.to_thread(place, gg, g.plan, infos, self.say, self.task.refused_ops)
-            programs = await asyncio.to_thread(validate_plan, gg, g.plan)
-            await asyncio.to_thread(check_message_sizes, gg, g.plan)
-            runs[g.index] = Run(gg, g.plan, clients, actions=programs)
+            runs[g.index] = await self.setup.placed_run(await traced_at(batch // m), g.plan, clients)  # as one group's plan is
+            g.plan = runs[g.index].plan
         graph = await traced_at(batch // math.gcd(batch, c.micro_batches))  # the model at the group batch's default micro-batches (a joining group's)
         text = hier.to_json()
         for run in runs.values():
@@ -207,7 +230,7 @@ class GroupSetup:
             self.say(f"resuming the outer weights and momentum at outer round {start} of {len(ref)}")
         ckpt = checkpoint_rounds(ref, c.checkpoint_every)
         clock = RoundClock(first, last, lengths, first_round={g.index: start for g in hier.groups}, current={g.index: start for g in hier.groups})
-        return HierRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
+        return GroupingRun(hier, graph, runs, alive={g.index for g in hier.groups}, clock=clock,
                        data=DataOffsets(data_from, len(hier.groups), next=data_from),
                        pausing=PauseSchedule({p for p in ckpt if p > start}, ckpt, resumed=start))
 

@@ -1,4 +1,10 @@
-"""Hierarchical mode on the coordinator: one step clock per group, outer syncs between them.
+"""The one round loop of every grouping: one step clock per group, outer syncs between groups.
+
+A grouping of one group (``hier_setup.one_group``) runs here too: a round of it is one step, with
+no outer sync and no pauser; its step records hold the evaluations due at their steps, the
+checkpoints of ``--checkpoint-every`` follow them, and what its plan cannot go on from (a lost or
+evicted worker, a plan far slower than predicted: ``Replan``, a stop) is raised to ``phases.py``,
+which plans the same group again (``recovery.py``). With several groups:
 
 Each group (``schedule/hierarchy.py``) trains its own synchronous plan on its own data shard
 (group ``g`` of ``G`` reads batches ``i * G + g``) as fast as its devices allow; nothing waits for
@@ -24,12 +30,13 @@ from collections.abc import Awaitable, Callable
 from fusionllm.compress.budget import budget_cap
 from fusionllm.core.config import TrainResult, lr_at
 from fusionllm.core.errors import FusionError
+from fusionllm.core.metrics import StepRecord
 from fusionllm.schedule.hierarchy import sync_offsets
 
-from .config import Evict, Run, WorkerLost
+from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
 from .hier_pauses import Pauses
-from .hier_setup import GroupSetup, HierRun
+from .hier_setup import GroupingRun, GroupSetup
 from .outer_guard import OuterGuard, OuterStop
 from .outer_rounds import OuterRounds
 from .recovery import evict_event
@@ -39,24 +46,37 @@ from .workers import Liveness
 
 
 class Groups:
-    """The rounds of every group of a hierarchical run, their outer syncs and evaluations."""
+    """The rounds of every group of a grouping (one, or several with their outer syncs and pauses) and their evaluations."""
 
-    def __init__(self, ctx: RunContext, group_setup: GroupSetup, checkpoints: Checkpoints, live: Liveness, runner: StepRunner,
-                 send_away: Callable[[Run, set[int]], Awaitable[dict[int, str]]], replans: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, ctx: RunContext, checkpoints: Checkpoints, live: Liveness, runner: StepRunner,
+                 send_away: Callable[[Run, set[int]], Awaitable[dict[int, str]]], replans: Callable[[], int] = lambda: 0, *,
+                 group_setup: GroupSetup | None = None, stop_if_asked: Callable[[int], None] = lambda _: None) -> None:
         """``send_away``: tells evicted workers to leave (``Recovery.send_away``); ``replans()``: the
-        run's re-plans so far (``--max-replans``)."""
+        run's re-plans so far (``--max-replans``); ``group_setup``: several groups' set-up (their batch,
+        and the joins of their pauses; None: one group, which reads the run's batch and never pauses);
+        ``stop_if_asked(step)``: raises between two steps of one group once a stop was asked (``restart.py``)."""
         self.ctx, self.checkpoints, self.live, self.runner, self.send_away = ctx, checkpoints, live, runner, send_away
-        self.replans = replans
-        self.group_batch = group_setup.group_batch()
+        self.replans, self.stop_if_asked = replans, stop_if_asked
+        self.group_batch = group_setup.group_batch() if group_setup is not None else ctx.train.batch_size
         self.outer_guard = OuterGuard(ctx, ctx.cluster.outer_aggregate)  # checked outer steps: strikes last the whole grouping
         self.outer = OuterRounds(ctx, live, self.outer_guard)
-        self.pauses = Pauses(ctx, group_setup, checkpoints, live, self)
+        self.pauses = Pauses(ctx, group_setup, checkpoints, live, self) if group_setup is not None else None
 
-    async def train(self, hr: HierRun) -> TrainResult:
-        """Every group's rounds, and the pauser, until the last group ends its last round."""
+    async def train(self, hr: GroupingRun) -> TrainResult:
+        """Every group's rounds, and the pauser of several, until the last group ends its last round.
+        One group (``hr.hier`` None) raises what its plan cannot go on from (``WorkerLost``, ``Evict``,
+        ``Replan``, a stop's ``Interrupted``) to ``phases.py``, which makes the next plan."""
+        if hr.hier is None and self.ctx.cluster.eval_every and self.ctx.eval_count() == 0:
+            t = self.ctx.train
+            raise FusionError(f"the validation split holds no whole batch of {t.batch_size} x {t.seq_len} tokens: use --eval-every 0 or more data")
         hr.result = TrainResult(num_params=hr.graph.num_params())
         self.ctx.segment()
         hr.started = time.perf_counter()
+        if self.pauses is None:  # one group: its rounds (one step each) and nothing beside them
+            for g in hr.runs:
+                await self.rounds(hr, g)
+            hr.result.elapsed_s = hr.elapsed()
+            return hr.result
         hr.loops = {g: self.start(hr, g) for g in hr.runs}
         watcher = asyncio.create_task(self.pauses.pauser(hr))
         try:
@@ -79,11 +99,11 @@ class Groups:
         self.ctx.metrics.write({"event": "outer_bytes", "bytes": self.outer.outer_bytes, "tokens": hr.result.tokens})
         return hr.result
 
-    def start(self, hr: HierRun, g: int) -> asyncio.Task:
+    def start(self, hr: GroupingRun, g: int) -> asyncio.Task:
         """Group ``g``'s rounds as a task (a group that joins mid-run gets one too)."""
         return asyncio.create_task(self.loop(hr, g))
 
-    async def loop(self, hr: HierRun, g: int) -> None:
+    async def loop(self, hr: GroupingRun, g: int) -> None:
         """Group ``g``'s rounds. A worker of it evicted or lost takes the group out of the run, as in a
         synchronous run's plan; its other workers become spares, which form a new group at the next
         pause from the outer weights (``hier_pauses.py``), the way a synchronous run re-plans."""
@@ -100,7 +120,7 @@ class Groups:
             if not hr.alive:
                 raise
 
-    async def evicted(self, hr: HierRun, g: int, ev: Evict) -> None:
+    async def evicted(self, hr: GroupingRun, g: int, ev: Evict) -> None:
         """Evict ``ev.workers`` (told to leave, out of the membership) and take their group out."""
         began = time.perf_counter()
         run = hr.runs[g]
@@ -111,7 +131,7 @@ class Groups:
         event = evict_event(ev, addresses, time.perf_counter() - began, workers_left=len(self.ctx.membership.members), group=g)
         self.ctx.event(event)
 
-    async def left(self, hr: HierRun, g: int, exc: Exception, *, gone: set[int] | None = None) -> None:
+    async def left(self, hr: GroupingRun, g: int, exc: Exception, *, gone: set[int] | None = None) -> None:
         """Group ``g`` leaves the run (a worker of it lost, in its rounds or in a pause's checkpoint):
         the others go on without it; its workers are told to abort. ``gone``: the workers to blame
         (lost or evicted); the group's others become spares that join again at the next pause (None:
@@ -144,17 +164,17 @@ class Groups:
             with contextlib.suppress(FusionError):
                 await asyncio.gather(*(run.clients[w].call_retrying("Abort", {}, within=5, timeout=5) for w in run.plan.workers), return_exceptions=True)
 
-    async def rounds(self, hr: HierRun, g: int) -> None:
+    async def rounds(self, hr: GroupingRun, g: int) -> None:
         """Group ``g``'s inner steps, outer syncs, evaluations and pauses, round after round."""
         t, c = self.ctx.train, self.ctx.cluster
-        gp = next(x for x in hr.hier.groups if x.index == g)
         run = hr.runs[g]
-        n_frags = len(hr.hier.fragments)
+        one = hr.hier is None  # one group: no fragment, no outer sync; it evaluates into its step records
+        n_frags = 0 if one else len(hr.hier.fragments)
         lengths = hr.clock.lengths[g]
         start = hr.clock.first_round.get(g, 0)
         tokens_per_step = self.group_batch * self.ctx.task.items_per_row
         eval_n = self.ctx.eval_count() * (t.batch_size // self.group_batch)
-        delay = hr.hier.delay_of(gp)
+        delay = 0 if one else hr.hier.delay_of(next(x for x in hr.hier.groups if x.index == g))
         pending: list[tuple[int, int, int]] = []  # (inner step it is due after, fragment, round): averages not applied yet
         evaluate: int | None = None  # a round whose outer weights are evaluated once all its fragments are applied
         i = sum(lengths[:start])  # a group that joined takes the schedule (learning rate) where the others are
@@ -168,6 +188,7 @@ class Groups:
             offsets = sync_offsets(h, n_frags)
             for j in range(h):
                 at = hr.clock.user_step(g, i)  # where the group is on the run's steps (the schedule, the records)
+                self.stop_if_asked(at)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
                 lr = lr_at(min(t.steps - 1, at), lr=t.lr, steps=t.steps, warmup=t.warmup)
                 await self.inner_step(hr, g, run, i, hr.data.batch(g, i), lr, k, user_step=at, cap=budget_cap(min(t.steps - 1, at), t.steps))
                 i += 1
@@ -182,7 +203,7 @@ class Groups:
                     await self.evaluate_outer(hr, run, eval_n, evaluate + 1)  # the outer weights of whole rounds
                     evaluate = None
             hr.round_s[g] = time.perf_counter() - began
-            if eval_n and g == min(hr.alive) and ((hr.clock.first + i) // c.eval_every) > ((hr.clock.first + i - h) // c.eval_every) and k + 1 < len(lengths):
+            if eval_n and not one and g == min(hr.alive) and ((hr.clock.first + i) // c.eval_every) > ((hr.clock.first + i - h) // c.eval_every) and k + 1 < len(lengths):
                 evaluate = k  # once every fragment of this round is applied
             if k + 1 in hr.pausing.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
                 await self.pauses.pause(hr, g, k + 1, pending)
@@ -198,43 +219,68 @@ class Groups:
             tail = (lengths[rounds_done - 1] - off) * tokens_per_step
             rounds = sorted(r for _, pf, r in pending if pf == f) + ([end] if tail else [])
             await self.outer.sync(hr, g, f, end, tail, rounds, send=tail > 0, announce=True)
-        if eval_n and g == min(hr.alive):
+        if eval_n and not one and g == min(hr.alive):
             await self.evaluate_outer(hr, run, eval_n, end)
 
-    async def inner_step(self, hr: HierRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
+    async def inner_step(self, hr: GroupingRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
                          cap: float = 1.0) -> None:
-        """One inner step of group ``g``: the same step as a synchronous run's (``steps.py``), guards,
+        """One inner step of group ``g``: the same step for every group (``steps.py``), guards,
         retry, skip, strikes and eviction included. Its record counts in the user's steps
-        (``user_step``: where the group is on the run's ``--steps``), as a synchronous run's does."""
+        (``user_step``: where the group is on the run's ``--steps``); one group's also holds the
+        evaluation due at its step, and is followed by the checkpoint due there."""
+        one = hr.hier is None
         self.outer_guard.evict_if_struck(g)
-        done = await self.runner.run(run, data_step, lr, group=g, cap=cap)
+        done = await self.runner.run(run, user_step if one else data_step, lr, data_step=data_step, group=None if one else g, cap=cap)
         hr.data.read(data_step)
         hr.result.tokens += self.group_batch * self.ctx.task.items_per_row  # a skipped step's batch is spent too
-        if done is None:
-            return
-        hr.result.losses.append(done.loss)
-        elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = step_record(run, done, step=user_step, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
-        record.group, record.round, record.inner_step = g, k, hr.clock.first + i
-        record.steps_total = self.ctx.train.steps
-        self.ctx.step(record)
-        self.check_plan(hr, g, run)
+        if done is not None:
+            hr.result.losses.append(done.loss)
+            elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
+            record = step_record(run, done, step=user_step, lr=lr, tokens=tokens, elapsed=elapsed, compress=self.ctx.cluster.compress, rows=self.group_batch)
+            if one:
+                await self.evaluate_step(hr, run, record, user_step + 1)
+            else:
+                record.group, record.round, record.inner_step = g, k, hr.clock.first + i
+                record.steps_total = self.ctx.train.steps
+            self.ctx.step(record)
+        if one:  # a skipped step's checkpoint too
+            every = self.ctx.cluster.checkpoint_every
+            if every and ((user_step + 1) % every == 0 or user_step + 1 == hr.clock.last):
+                await self.live.guard(run, self.checkpoints.checkpoint(run, user_step + 1))
+        if done is not None:
+            self.check_plan(hr, g, run, user_step + 1)
 
-    def check_plan(self, hr: HierRun, g: int, run: Run) -> None:
-        """A group whose last 8 steps took far longer than they should (``steps.slower_than_planned``):
-        every group ends at the next round boundary and the run is planned again (``phases.py``),
-        as a synchronous run re-plans."""
+    def check_plan(self, hr: GroupingRun, g: int, run: Run, done: int) -> None:
+        """A group whose last 8 steps took far longer than they should (``steps.replan_due``): one
+        group raises ``Replan`` at once (its round ends here); of several, every group ends at the
+        next round boundary and the run is planned again (``phases.py``)."""
         if hr.clock.end_at is not None:
             return
         why = replan_due(run, self.ctx.cluster, self.replans())
-        if why is not None:
+        if why is not None and hr.hier is None:
+            if done < hr.clock.last:
+                raise Replan(why, done)
+        elif why is not None:
             hr.clock.end_at = max(hr.clock.current[x] for x in hr.alive) + 1  # no group has started it yet
             hr.clock.replan_why = f"group {g}'s {why}"
             self.ctx.say(f"re-planning at outer round {hr.clock.end_at}: {hr.clock.replan_why}")
 
-    async def evaluate_outer(self, hr: HierRun, run: Run, eval_n: int, rounds: int) -> None:
+    async def evaluate_step(self, hr: GroupingRun, run: Run, record: StepRecord, done: int) -> None:
+        """One group's validation loss into the record of step ``done - 1`` (``--eval-every``, and the grouping's end)."""
+        every = self.ctx.cluster.eval_every
+        if not every or (done % every and done != hr.clock.last):
+            return
+        paused = time.perf_counter()
+        record.val_loss = await self.live.guard(run, self.checkpoints.evaluate(run, self.ctx.eval_count(), done))
+        hr.paused += time.perf_counter() - paused  # elapsed_s and tokens/s count training only
+        hr.result.val_losses.append((done - 1, record.val_loss))
+        if run.val_metric is not None:
+            record.val_metrics[self.ctx.task.metric_name] = run.val_metric
+            hr.result.val_metrics.append((done - 1, run.val_metric))
+
+    async def evaluate_outer(self, hr: GroupingRun, run: Run, eval_n: int, rounds: int) -> None:
         """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
-        pipeline; recorded at the user's step they reach (``HierRun.step_at``)."""
+        pipeline; recorded at the user's step they reach (``GroupingRun.step_at``)."""
         step = hr.step_at(rounds)
         paused = time.perf_counter()
         val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))

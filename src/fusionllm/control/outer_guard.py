@@ -12,7 +12,7 @@ from fusionllm.transport.control import OuterCheck, OuterChecked, OuterResend
 
 from .config import Evict
 from .context import RunContext
-from .hier_setup import HierRun
+from .hier_setup import GroupingRun
 from .outer_checks import STRIKE_ROUNDS, Reports, Verdict, add_report, judge, update_estimates
 
 
@@ -33,7 +33,7 @@ class OuterGuard:
     def on(self) -> bool:
         return self.ctx.cluster.numeric_guard != "off"
 
-    async def check(self, hr: HierRun, f: int, r: int, groups: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    async def check(self, hr: GroupingRun, f: int, r: int, groups: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
         """The groups of ``groups`` (-> tokens) whose deltas of round ``r`` of fragment ``f`` are
         averaged, and their scales. Refused ones are sent again once, then struck."""
         senders = sorted(groups)
@@ -61,7 +61,7 @@ class OuterGuard:
     def _why(verdict: Verdict) -> str:
         return "; ".join(f"group {g}: {why}" for g, why in sorted(verdict.refused.items()))
 
-    async def reports(self, hr: HierRun, f: int, r: int, senders: list[int], again: list[int]) -> Reports:
+    async def reports(self, hr: GroupingRun, f: int, r: int, senders: list[int], again: list[int]) -> Reports:
         """Every sending group's report (the sum of its workers'); a group with a worker that did not
         answer gives none (a partial sum would misjudge)."""
         msg = OuterCheck(f, r, senders, again).to_wire()
@@ -102,7 +102,7 @@ class OuterGuard:
 
         return await watched(call, look)
 
-    async def resend(self, hr: HierRun, f: int, r: int, groups: list[int]) -> bool:
+    async def resend(self, hr: GroupingRun, f: int, r: int, groups: list[int]) -> bool:
         """Ask ``groups``' workers to push their deltas of round ``r`` again; False when one could not."""
         msg = OuterResend(f, r).to_wire()
         calls = [self.answer(w, hr.runs[g].clients[w].call_retrying("OuterResend", msg, within=self.ctx.cluster.step_timeout,
@@ -114,7 +114,7 @@ class OuterGuard:
             self.ctx.say(f"outer round {r} of fragment {f}: a group could not send again ({failed[0]})")
         return not failed
 
-    def strike(self, hr: HierRun, g: int, f: int, r: int, why: str) -> None:
+    def strike(self, hr: GroupingRun, g: int, f: int, r: int, why: str) -> None:
         """A refused delta of group ``g``: left out of the round; evicted at ``--evict-after`` strikes
         (rounds) within ``STRIKE_ROUNDS``; with ``--numeric-guard stop`` the run ends."""
         c = self.ctx.cluster

@@ -15,7 +15,7 @@ import time
 from fusionllm.transport.control import OuterApply, OuterSync, OuterSynced
 
 from .context import RunContext
-from .hier_setup import HierRun
+from .hier_setup import GroupingRun
 from .outer_guard import OuterGuard
 from .rounds import wait_notified
 from .workers import Liveness
@@ -33,7 +33,7 @@ class OuterRounds:
         self.deciding: dict[tuple[int, int], asyncio.Future] = {}  # decided once: the others wait for it
         self.outer_bytes: dict[str, int] = {}  # pseudo-gradient bytes per link, the whole grouping
 
-    async def sync(self, hr: HierRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,
+    async def sync(self, hr: GroupingRun, g: int, f: int, r: int, tokens: int, apply: list[int], *,
                           send: bool = True, announce: bool | None = None) -> None:
         """Send fragment ``f``'s delta of round ``r`` (``send``), tell the other groups it is there or
         that there is none (``announce``, default ``send``), then apply the ``apply`` rounds' averages."""
@@ -70,7 +70,7 @@ class OuterRounds:
                        "applied": {str(a.round): a.groups for a in applies}, "bytes": sent, "seconds": round(time.perf_counter() - began, 4),
                        "elapsed_s": round(self.ctx.run_seconds(hr.elapsed()), 4)})
 
-    async def decide(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
+    async def decide(self, hr: GroupingRun, f: int, r: int, asking: int) -> dict[int, float]:
         """The groups whose deltas of round ``r`` of fragment ``f`` are averaged: decided once, by
         the first group that needs it, after every live group sent it or a round's time passed, and
         after their deltas were checked (``outer_guard.py``); the others wait for that decision."""
@@ -97,7 +97,7 @@ class OuterRounds:
             decision.set_result(None)
         return groups
 
-    async def senders(self, hr: HierRun, f: int, r: int, asking: int) -> dict[int, float]:
+    async def senders(self, hr: GroupingRun, f: int, r: int, asking: int) -> dict[int, float]:
         """The live groups that sent round ``r`` of fragment ``f`` within a round's time (the caller
         holds ``hr.changed``)."""
         loop = asyncio.get_running_loop()

@@ -14,9 +14,11 @@ several to one, or to other groups. A regroup is one operation at a pause, from 
 Where the planner forms the groups, it is asked once per grouping before anything is set up
 (``grouping.choose``); its answer, one group or several, is the grouping that runs. The next
 grouping is planned and assigned with them, and trains on from STEP: the learning-rate
-schedule goes on where it was, and its batches are ones no earlier grouping read. Each grouping
-runs through the one step of every group (``steps.py``); a grouping of one group is the
-synchronous step loop (``training.py``), with its recovery, re-plans, evictions and stops.
+schedule goes on where it was, and its batches are ones no earlier grouping read. Every grouping
+is set up by one entry point (``GroupSetup.setup_grouping``) and runs through one round loop
+(``hierarchical.Groups``) and the one step of every group (``steps.py``); a round of one group is
+one step, with no outer sync and no pause, and what its plan cannot go on from (lost workers,
+evictions, a re-plan, a stop) is handled here by ``Recovery`` and ``restart.py``.
 """
 
 from __future__ import annotations
@@ -30,14 +32,13 @@ from fusionllm.core.tensorboard import MetricsWriter
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
 from .grouping import Grouping, choose, groupings
-from .hier_setup import GroupSetup
+from .hier_setup import GroupingRun, GroupSetup, one_group
 from .hierarchical import Groups
 from .recovery import Recovery
-from .restart import Interrupted, Stopper, final_checkpoint, resume_event, start_or_resume
+from .restart import Interrupted, Stopper, final_checkpoint
 from .setup import Setup
 from .state import Checkpoints
 from .steps import StepRunner, measured_links
-from .training import SyncLoop
 from .workers import Liveness
 
 
@@ -60,18 +61,16 @@ class Phases:
         with MetricsWriter(ctx.train.metrics, ctx.train.log_to) as ctx.metrics:
             k = 0
             while k < len(plan):
-                plan[k] = grouping = await choose(ctx, GroupSetup(ctx, self.setup, self.checkpoints), plan[k])  # decided once, here
+                group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
+                plan[k] = grouping = await choose(ctx, group_setup, plan[k])  # decided once, here
                 final = k + 1 == len(plan)
                 regroup = k > 0 and not grouping.replanned
                 if regroup:
                     began = time.perf_counter()
                     ctx.say(f"regrouping at step {grouping.first}: {plan[k - 1].describe()} -> {grouping.describe()}")
-                if grouping.groups is None:
-                    part, states, data_from = await self.one(grouping, states, data_from, final=final)
-                else:
-                    part, states, data_from, again = await self.several(grouping, states, data_from, final=final)
-                    if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
-                        plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
+                part, states, data_from, again = await self.grouping(group_setup, grouping, states, data_from, final=final)
+                if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
+                    plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
                     ctx.event({"event": "regroup", "at_step": grouping.first, "from": plan[k - 1].describe(), "to": grouping.describe(),
                                "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3)})
@@ -79,73 +78,76 @@ class Phases:
                 k += 1
         return result
 
-    async def one(self, grouping: Grouping, states: list[Any] | None, data_from: int, *, final: bool) -> tuple[TrainResult, list[Any] | None, int]:
-        """A synchronous grouping: the step loop with its recovery, re-plans, evictions and stops."""
+    async def grouping(self, group_setup: GroupSetup, grouping: Grouping, states: list[Any] | None, data_from: int, *,
+                       final: bool) -> tuple[TrainResult, list[Any] | None, int, Grouping | None]:
+        """One grouping, set up (``GroupSetup.setup_grouping``) and trained through the one round loop
+        (``hierarchical.Groups``); returns its result, the weights the next grouping starts from (None
+        after the last), the first batch no grouping read yet, and, when a group of several was far
+        slower than its plan, the rest of the grouping to plan again (every group ended at a round
+        boundary). One group's lost workers, evictions, re-plans and stops raise out of the loop and
+        are handled here (``Recovery``, ``restart.py``); several groups handle theirs in the loop."""
         ctx = self.ctx
-        if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
-            run, resumed = await start_or_resume(ctx, self.setup, self.checkpoints, self.began)
-        else:
-            run, resumed = await self.setup.setup(carry=(states, grouping.first)), None
+        hr, run = await group_setup.setup_grouping(groups=grouping.groups, first=grouping.first, last=grouping.last, states=states,
+                                                   data_from=data_from, hier=grouping.hier, began=self.began)
+        one, offset = run is not None, data_from - grouping.first
         self.run = run
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
-        if resumed is not None:
-            ctx.event(resumed)
-        loop = SyncLoop(ctx, self.runner, self.checkpoints, self.live, self.stopper.stop_if_asked, lambda: self.recovery.replans)
-        offset = data_from - grouping.first
-        self.stopper.training = True
-        while True:
-            try:
-                part = await loop.train(run, end=grouping.last, data_offset=offset)
-                break
-            except WorkerLost as lost:
-                run = self.run = await self.recovery.recover(run, lost)
-            except Replan as again:
-                run = self.run = await self.recovery.replan(run, again)
-            except Evict as ev:
-                run = self.run = await self.recovery.evict(run, ev)
-            except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps
-                raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
-        self.stopper.training = False
-        if final:
-            return part, None, grouping.last + offset
-        states = list((await self.live.guard(run, self.checkpoints.stage_states(run))).values())
-        await self.recovery.leave(run, set())
-        self.run = None
-        return part, states, grouping.last + offset
-
-    async def several(self, grouping: Grouping, states: list[Any] | None, data_from: int, *,
-                      final: bool) -> tuple[TrainResult, list[Any] | None, int, Grouping | None]:
-        """A grouping of several groups, each with its own step clock (``hierarchical.py``). A group
-        far slower than its plan ends every group at the next round boundary: the rest of the
-        grouping is returned (the planner's groups, from the step reached) to be planned again."""
-        ctx = self.ctx
-        group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
-        hr = await group_setup.setup_groups(groups=grouping.groups or None, first=grouping.first, last=grouping.last, states=states,
-                                            data_from=data_from, hier=grouping.hier)
-        ctx.status.state = "running"
-        ctx.metrics.write(self.setup.plan_record)
-        if group_setup.resumed is not None:
-            ctx.event(resume_event(ctx, group_setup.resumed, self.began))
-        groups = Groups(ctx, group_setup, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans)
-        again = None
+        if group_setup.resume_record is not None:
+            ctx.event(group_setup.resume_record)
+        self.stopper.training = one  # several groups stop at once (no step in flight to wait for)
         try:
-            part = await groups.train(hr)
-            if hr.clock.end_at is not None and hr.clock.reached() < grouping.last:
-                again = Grouping(hr.clock.reached(), grouping.last, [], replanned=True)
-                self.recovery.replans += 1
-                self.setup.measured = {link: bps for run in hr.runs.values() for link, bps in measured_links(run).items()}
-                ctx.event({"event": "replan", "why": hr.clock.replan_why, "at_step": again.first, "round": hr.clock.end_at, "sync": "hierarchical"})
-                final = False
-            if not final:  # every average applied: each group holds the same outer weights and momentum
-                run = hr.runs[min(hr.alive)]
-                states = [await self.live.guard(run, self.checkpoints.read_state(run, s.workers[0], outer=True)) for s in run.plan.stages]
+            while True:
+                groups = Groups(ctx, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans,
+                                group_setup=None if one else group_setup, stop_if_asked=self.stopper.stop_if_asked if one else lambda _: None)
+                try:
+                    part = await groups.train(hr)
+                    break
+                except (WorkerLost, Replan, Evict) as exc:
+                    if run is None:
+                        raise
+                    run = self.run = await self.recovery.handle(run, exc)  # the same group, planned again
+                    hr = one_group(run, ctx.clock.start_step, grouping.last, offset)
+                except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps of one group
+                    assert run is not None
+                    raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
+            self.stopper.training = False
+            again = self.replanned(hr, grouping) if run is None else None
+            final = final and again is None
+            if final:
+                states = None
+            elif run is not None:  # one group: its live weights and AdamW state carry over
+                states = list((await self.live.guard(run, self.checkpoints.stage_states(run))).values())
+            else:  # every average applied: each group holds the same outer weights and momentum
+                states = await self.outer_states(hr)
         finally:
-            for client in next(iter(hr.runs.values())).clients.values():
-                await client.close()
-        if not final:
+            self.stopper.training = False
+            if run is None:
+                for client in next(iter(hr.runs.values())).clients.values():  # (one dict, shared by the groups' runs)
+                    await client.close()
+        data_next = grouping.last + offset if one else hr.data.next
+        if not final and run is not None:
+            await self.recovery.leave(run, set())
+            self.run = None
+        elif not final:
             ctx.clock.new_epoch()
-        return part, None if final else states, hr.data.next, again
+        return part, states, data_next, again
+
+    def replanned(self, hr: GroupingRun, grouping: Grouping) -> Grouping | None:
+        """The rest of a grouping of several groups that a re-plan ended early (every group at one
+        round boundary), to be planned again; None when it ran to its end."""
+        if hr.clock.end_at is None or hr.clock.reached() >= grouping.last:
+            return None
+        self.recovery.replans += 1
+        self.setup.measured = {link: bps for run in hr.runs.values() for link, bps in measured_links(run).items()}
+        again = Grouping(hr.clock.reached(), grouping.last, [], replanned=True)
+        self.ctx.event({"event": "replan", "why": hr.clock.replan_why, "at_step": again.first, "round": hr.clock.end_at, "sync": "hierarchical"})
+        return again
+
+    async def outer_states(self, hr: GroupingRun) -> list[Any]:
+        """One group's outer weights and momentum (every group holds the same ones)."""
+        run = hr.runs[min(hr.alive)]
+        return [await self.live.guard(run, self.checkpoints.read_state(run, s.workers[0], outer=True)) for s in run.plan.stages]
 
 
 def merge(total: TrainResult, part: TrainResult) -> None:

@@ -29,12 +29,20 @@ from .workers import Liveness
 
 
 class Recovery:
-    """Lost workers, re-plans and evictions of a synchronous run (one group)."""
+    """Lost workers, re-plans and evictions of a grouping of one group (``phases.py``)."""
 
     def __init__(self, ctx: RunContext, setup: Setup, checkpoints: Checkpoints, live: Liveness) -> None:
         self.ctx, self.setup, self.checkpoints, self.live = ctx, setup, checkpoints, live
         self.recoveries = 0
         self.replans = 0
+
+    async def handle(self, run: Run, exc: WorkerLost | Replan | Evict) -> Run:
+        """The next plan of a grouping of one group, after ``exc``: ``recover``, ``replan`` or ``evict``."""
+        if isinstance(exc, WorkerLost):
+            return await self.recover(run, exc)
+        if isinstance(exc, Replan):
+            return await self.replan(run, exc)
+        return await self.evict(run, exc)
 
     async def replan(self, run: Run, again: Replan) -> Run:
         """Plan again with the links as measured, carrying the current weights and AdamW state over."""

@@ -87,10 +87,8 @@ class Setup:
             plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
             cost = await self.cost(graph, clients) if codec.adaptive else None
         infos = {w: m.info for w, m in self.membership.members.items()}
-        plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)  # each stage on workers that run its op kinds
-        programs = await asyncio.to_thread(validate_plan, graph, plan)  # the plan shipped runs (InvalidPlan names the first broken rule)
-        await asyncio.to_thread(check_message_sizes, graph, plan)  # and no message it makes exceeds the transport's limits
-        run = Run(graph, plan, clients, actions=programs)
+        run = await self.placed_run(graph, plan, clients)
+        plan = run.plan
         if codec.adaptive:
             run.policy = self.adatopk(plan, cost, t.batch_size)
         run.worlds = await self.worlds(run, infos, cost)
@@ -110,6 +108,16 @@ class Setup:
         self.plan_record = plan_event(run, addresses, self.membership.members, cost, epoch=clock.epoch, scheduler=c.scheduler)
         self.ctx.status.event(self.plan_record)
         return run
+
+    async def placed_run(self, graph: OpGraph, plan: Plan, clients: dict[int, RpcClient]) -> Run:
+        """One group's plan as it will run, the building block of every grouping's set-up: each stage
+        on workers that run its op kinds, validated (``InvalidPlan`` names the first broken rule), no
+        message over the transport's limits."""
+        infos = {w: m.info for w, m in self.membership.members.items()}
+        plan = await asyncio.to_thread(place, graph, plan, infos, self.say, self.task.refused_ops)
+        programs = await asyncio.to_thread(validate_plan, graph, plan)
+        await asyncio.to_thread(check_message_sizes, graph, plan)
+        return Run(graph, plan, clients, actions=programs)
 
     def adatopk(self, plan: Plan, cost: Any, batch: int, *, indent: str = "") -> Any:
         """AdaTopK's link policy for ``plan`` (each group has its own)."""

@@ -9,7 +9,7 @@ it), marks every tensor it sends afterwards as tainted, so that its receivers do
 what it forwards, and at the step's STEP action all workers learn, through the gradient-norm
 exchange they do anyway, that somebody was poisoned: nobody applies the update. The coordinator
 names the suspect (the sender of the first untainted bad tensor) and retries or skips the step
-(``control/training.py``).
+(``control/steps.py``).
 
 The estimate learns only from tensors it accepted, after ``warmup`` observations; a norm above
 ``factor`` times the estimate is bad. A genuine loss spike of that size would be refused too: it is
