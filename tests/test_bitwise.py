@@ -4,7 +4,7 @@ With compression off, the same seed, micro-batches and thread count, a pipeline 
 float operations as one plain PyTorch process in the same order: each stage accumulates its
 weights' gradients over the micro-batches as autograd does, a tied weight's uses are added at the
 end of the step (``single.per_use_gradients``), the global gradient norm is an exact sum of the
-same per-tensor squares (``runtime/global_norm.py``), and the step loss is the same float64 mean.
+same per-tensor squares (``runtime/stage/global_norm.py``), and the step loss is the same float64 mean.
 A difference in the last bit of any of them grows under AdamW within a few steps (ResNet-18: 2.4e-8
 at step 1, 1.1e-2 at step 7), so these tests compare with ``==``, not a tolerance.
 """

@@ -38,7 +38,7 @@ def groups_and_run(current: dict[int, int], rounds: int = 8) -> tuple[Groups, Gr
             return set()
 
     setup: Any = SimpleNamespace(group_batch=lambda: 8)
-    return Groups(ctx, setup, None, Live(), None, send_away=None), hr, seen, said  # type: ignore[arg-type]
+    return Groups(ctx, None, Live(), None, send_away=None, group_setup=setup), hr, seen, said  # type: ignore[arg-type]
 
 
 def test_the_join_of_a_groups_healthy_workers_is_scheduled_before_the_abort_lets_other_groups_run() -> None:

@@ -1,4 +1,4 @@
-"""The link sender (runtime/link_sender.py): what a tensor becomes on its way to another worker.
+"""The link sender (runtime/stage/link_sender.py): what a tensor becomes on its way to another worker.
 
 Why these checks can fail: a gradient whose compression error is dropped instead of kept biases
 every later step (error feedback is what makes top-k converge); an activation that is error-fed

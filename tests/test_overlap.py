@@ -1,4 +1,4 @@
-"""The world's all-reduce overlapped with the backward (runtime/overlap.py): buckets launched from
+"""The world's all-reduce overlapped with the backward (runtime/stage/overlap.py): buckets launched from
 autograd's hooks in a fixed order, in process with a stand-in world; and (slow) two gloo processes
 whose overlapped sums equal the plain ``World.all_reduce``."""
 

@@ -1,4 +1,4 @@
-"""The reducer a stage's REDUCE runs (runtime/reducers.py), chosen once when the stage is assigned.
+"""The reducer a stage's REDUCE runs (runtime/dist/reducers.py), chosen once when the stage is assigned.
 
 Why these checks can fail: a group the world reduces that is summed over the data plane too counts
 its gradients twice; a group the world does not reduce that is handed to it hangs every member;

@@ -1,4 +1,4 @@
-"""The ring all-reduce in whole parameter rows (runtime/reduce.py: ``row_width``, ``ring_allreduce(row=)``).
+"""The ring all-reduce in whole parameter rows (runtime/dist/reduce.py: ``row_width``, ``ring_allreduce(row=)``).
 
 Why these checks can fail: a width that cuts a parameter's rows makes one scale span two rows; a
 padded ring that keeps its padding, or splits rows unevenly between members, returns a wrong or

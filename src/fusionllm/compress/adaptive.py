@@ -9,7 +9,7 @@ AdaTopK is a policy over codecs, in two halves that meet in this module's ``Link
   error, measured on the tensor, stays within its role's budget (``budget.BudgetChooser``).
 
 A run with a fixed codec (``--compress eq:0.5``) takes the same path with one candidate. The send
-path (``runtime/link_sender.py``) asks only ``compresses`` and ``codec_for``, and keeps the per-link
+path (``runtime/stage/link_sender.py``) asks only ``compresses`` and ``codec_for``, and keeps the per-link
 state a codec asks for (``link_state``: a learnt basis for ``klt``); it never reads codec names.
 """
 

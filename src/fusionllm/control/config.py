@@ -67,7 +67,7 @@ class ClusterConfig:
     replan_factor: float = _R.replan_factor
     max_replans: int = 2
     dashboard: str | None = _D.train.dashboard
-    numeric_guard: GuardMode = _R.numeric_guard  # runtime/guards.py
+    numeric_guard: GuardMode = _R.numeric_guard  # runtime/stage/guards.py
     guard_factor: float = _R.guard_factor
     evict_after: int = _R.evict_after
     tls: TlsFiles | None = None  # mutual TLS on every connection (transport/tls.py)

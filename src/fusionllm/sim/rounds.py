@@ -155,7 +155,7 @@ class _Prices:
 
 def _prices(hier: HierPlan, cost: CostModel, traffic: Traffic, steps: list[GroupStep]) -> _Prices:
     """Each message's link seconds, latency and decoding, each sender's encoding (once per codec,
-    then decoded again for the error feedback, runtime/outer.py) and each receiver's decoding."""
+    then decoded again for the error feedback, runtime/stage/outer.py) and each receiver's decoding."""
     n_groups, n_frag = len(hier.groups), len(hier.fragments)
     ratio = {(a, b): codec_ratio(hier.codec_between(hier.groups[a].index, hier.groups[b].index))
              for a in range(n_groups) for b in range(n_groups) if a != b}

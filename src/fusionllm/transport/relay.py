@@ -24,7 +24,7 @@ Wire (every connection to the relay)::
     client: {"op": "join", "session": s}     relay: {"ok": true}, then raw bytes both ways
 
 Either side of a tunnel closes it when it has heard nothing for ``DEAD_S`` seconds; the worker then
-finds another relay (``runtime/reach.py``).
+finds another relay (``runtime/worker/nat_link.py``).
 """
 
 from __future__ import annotations

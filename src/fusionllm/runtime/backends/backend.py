@@ -76,7 +76,7 @@ class StageBackend(Protocol):
 
     def grad_squares(self, names: set[str]) -> list[float]:
         """Each gradient's sum of squares in float64, of ``names`` in name order (the global norm
-        adds them up exactly, ``runtime/global_norm.py``)."""
+        adds them up exactly, ``runtime/stage/global_norm.py``)."""
 
     def step(self, coef: float, lr: float) -> None:
         """Scale every gradient by ``coef`` (clipping), apply AdamW at ``lr``, clear the gradients."""

@@ -166,7 +166,7 @@ BACKEND = TorchBackend()
 
 def square_sum(g: torch.Tensor) -> float:
     """A gradient's sum of squares in float64: the same float for the same tensor on any worker and in
-    the one-process reference (``runtime/single.py``), where both run torch at the same thread count."""
+    the one-process reference (``runtime/reference/single.py``), where both run torch at the same thread count."""
     return float(g.detach().double().pow(2).sum())
 
 

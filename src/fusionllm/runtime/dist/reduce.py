@@ -8,7 +8,7 @@ one member and then copied), so replicas and tied copies stay in sync.
 compressed). In the all-gather the member that completed a chunk keeps that value too, so that a
 compressed chunk is identical everywhere.
 
-It works on NumPy arrays (what travels, ``runtime/peers.py``), so torch and NumPy workers reduce
+It works on NumPy arrays (what travels, ``runtime/worker/peers.py``), so torch and NumPy workers reduce
 together and get the same bits.
 
 With ``row`` > 1 the chunks are whole rows of that many values (the array padded with zeros to a

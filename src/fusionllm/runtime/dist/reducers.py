@@ -3,12 +3,12 @@
 Replicas of a stage, and stages that hold a tied weight, share parameters: before ``STEP`` each
 group of workers sums its gradients. Three ways, one small interface (``Reducer``):
 
-- ``RingReduce``: the data plane's ring all-reduce (``runtime/reduce.py``), compressed where the
+- ``RingReduce``: the data plane's ring all-reduce (``runtime/dist/reduce.py``), compressed where the
   run's codec applies to ``reduce`` traffic, tainted and checked like any tensor;
 - ``WorldReduce``: the group's all-reduce in the worker's ``torch.distributed`` world (gloo or
-  NCCL, ``runtime/collective.py``), all buckets launched at ``REDUCE``;
+  NCCL, ``runtime/dist/collective.py``), all buckets launched at ``REDUCE``;
 - ``OverlapReduce``: the same, each bucket launched during the step's last backward as soon as
-  its gradients are final (``runtime/overlap.py``).
+  its gradients are final (``runtime/stage/overlap.py``).
 
 ``choose_reducer`` picks when the stage is assigned (again when its world is formed), not per
 step. What can still change within an assignment is handled where it happens: an overlapped

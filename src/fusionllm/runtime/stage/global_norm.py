@@ -5,7 +5,7 @@ share (a flag, then the squared norm of each parameter it owns, counted once ove
 copies, in float64) to every other over the data plane, and each adds all of them up exactly
 (``math.fsum``: the correctly rounded sum, whatever the order), so every worker gets the same total
 bit for bit, and the same as one process that sums the squares of all its gradients the same way
-(``runtime/single.py``): however the plan splits the model, the clipping coefficient is the same
+(``runtime/reference/single.py``): however the plan splits the model, the clipping coefficient is the same
 float, and the run stays bitwise equal to one process. The flag says whether the worker saw a bad
 tensor (the numeric guards): this exchange, which every step does anyway, is how every worker learns
 that one of them did, and then none of them applies the update. A share itself is checked like any

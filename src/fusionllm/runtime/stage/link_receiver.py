@@ -1,10 +1,10 @@
 """What a stage receives from another worker, checked before it is used.
 
 A tensor is waited for by its key (kind, step, micro-batch, edge, sending worker) in the worker's
-``Inbox``, or taken from the worker's world where that link goes through it (``runtime/carrier.py``),
-and then admitted: the numeric guard (``runtime/guards.py``) refuses a non-finite or outsized one,
+``Inbox``, or taken from the worker's world where that link goes through it (``runtime/dist/carrier.py``),
+and then admitted: the numeric guard (``runtime/stage/guards.py``) refuses a non-finite or outsized one,
 and one its sender stamped tainted is taken without blame. Either poisons the step (``StepState``):
-what this worker sends afterwards is tainted too (``runtime/link_sender.py``), and no worker applies
+what this worker sends afterwards is tainted too (``runtime/stage/link_sender.py``), and no worker applies
 the update. Evaluation passes (negative step numbers) are not checked.
 """
 
@@ -35,7 +35,7 @@ class LinkReceiver:
         self.worker, self.inbox, self.backend, self.edges, self.guard, self.timeout = worker, inbox, backend, edges, guard, timeout
         self.micro_batches = micro_batches
         self.edge_index = edge_index or {}
-        self.world: Any = None  # the worker's world (runtime/collective.py), where it has one
+        self.world: Any = None  # the worker's world (runtime/dist/collective.py), where it has one
 
     async def recv(self, st: StepState, kind: str, mb: int, edge: str, src: int) -> Any:
         """Edge ``edge`` of micro-batch ``mb`` from worker ``src``, checked, as the backend's tensor."""

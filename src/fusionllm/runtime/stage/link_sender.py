@@ -4,7 +4,7 @@ Every tensor a stage sends goes through one ``LinkSender``: an activation or gra
 ``SEND_*`` action (``send``) and a chunk of the data plane's ring all-reduce (``push``,
 ``push_plain``). On its way out a tensor
 
-- is stamped ``taint`` when the step is poisoned (a bad tensor arrived: ``runtime/guards.py``),
+- is stamped ``taint`` when the step is poisoned (a bad tensor arrived: ``runtime/stage/guards.py``),
   so that the receiver neither trusts nor blames it;
 - is measured, an activation or gradient, against the worker's own estimate of what it sends on
   that edge (``SentNorms``, where the numeric guards are on: the blame of a spike, ``control/blame.py``);
@@ -18,7 +18,7 @@ No codec name and no test fault is read here: codecs are behind ``compress/base.
 faulty worker (tests) is a ``FaultyLinkSender`` (``runtime/stage/faults.py``) that corrupts a tensor
 before this class measures and encodes it.
 
-Links the worker's ``torch.distributed`` world carries (``runtime/carrier.py``) take the tensor
+Links the worker's ``torch.distributed`` world carries (``runtime/dist/carrier.py``) take the tensor
 itself, uncompressed, with the same taint.
 """
 
@@ -68,7 +68,7 @@ class LinkSender:
         self.states: dict[tuple[int, str, str], LinkState | None] = {}  # a codec's learnt state per (destination, edge, role)
         self.micro_batches = micro_batches
         self.edge_index = edge_index or {}  # the same on every worker: the world's tags
-        self.world: Any = None  # the worker's world (runtime/collective.py), where it has one
+        self.world: Any = None  # the worker's world (runtime/dist/collective.py), where it has one
         self.carried_to: dict[int, int] = {}  # bytes sent point to point through the world, per destination
         self.norms = SentNorms(hyper.guard_factor) if hyper.numeric_guard != "off" else None
 

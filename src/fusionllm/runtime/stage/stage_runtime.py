@@ -4,14 +4,14 @@ The loop runs the worker's action list (the program the coordinator validated an
 assignment) for each step and makes no decisions of its own: each action kind has one handler
 (``_HANDLERS``). ``F``/``B`` run the executor (in a thread, so tensors keep arriving meanwhile),
 ``SEND_*`` hand the edges each peer of the action names to the link sender
-(``runtime/link_sender.py``: encoding, error feedback, taint, faults), ``RECV_*`` wait for the
-edges each of its peers sends, checked by the link receiver (``runtime/link_receiver.py``),
+(``runtime/stage/link_sender.py``: encoding, error feedback, taint, faults), ``RECV_*`` wait for the
+edges each of its peers sends, checked by the link receiver (``runtime/stage/link_receiver.py``),
 ``REDUCE`` sums the gradients shared with other workers with the reducer chosen at assignment
-(``runtime/reducers.py``), and ``STEP`` clips by the global gradient norm
-(``runtime/global_norm.py``) and applies AdamW. Where a tensor goes is the action's own data
+(``runtime/dist/reducers.py``), and ``STEP`` clips by the global gradient norm
+(``runtime/stage/global_norm.py``) and applies AdamW. Where a tensor goes is the action's own data
 (``schedule.plan.resolve``); nothing here recomputes it.
 
-The loop knows no framework: the stage's ``StageBackend`` (``runtime/backend.py``) runs the
+The loop knows no framework: the stage's ``StageBackend`` (``runtime/backends/backend.py``) runs the
 executor and the optimizer in torch or in NumPy and declares what else it can do
 (``Capabilities``); tensors cross the network as NumPy arrays.
 """
@@ -67,7 +67,7 @@ class StageRuntime:
         reduce_overlap: bool = True,
     ) -> None:
         """``program``: the action list the planner validated for this worker (shipped with the
-        assignment). ``faults``: tensors to corrupt on purpose (``runtime/faults.py``, tests only).
+        assignment). ``faults``: tensors to corrupt on purpose (``runtime/stage/faults.py``, tests only).
         ``reduce_overlap``: False keeps the world's all-reduce out of the backward (measurements)."""
         self.graph, self.plan, self.worker, self.hyper = graph, plan, worker, hyper
         self.peers, self.inbox = peers, inbox
@@ -125,7 +125,7 @@ class StageRuntime:
         return RingReduce(group, names, self.worker, self.backend, self.sender, self.receiver)
 
     def use_world(self, world: Any) -> None:
-        """The worker's ``torch.distributed`` world (``runtime/collective.py``), formed for this
+        """The worker's ``torch.distributed`` world (``runtime/dist/collective.py``), formed for this
         assignment: the links and reduce groups it carries go through it from now on."""
         self.world = self.sender.world = self.receiver.world = world
         self.reducer = choose_reducer(self._groups, self._ring, world=world, overlap=self._reduce_overlap, recompute=self.hyper.recompute,

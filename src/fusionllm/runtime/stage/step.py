@@ -3,7 +3,7 @@
 A step (or an evaluation pass) runs the worker's action list; the handlers of the actions hand
 tensors to each other through ``StepState`` (what a forward made for a ``SEND_F``, what a
 ``RECV_B`` summed for a ``B``), and the numeric guards mark it poisoned when a bad tensor arrives
-(``runtime/guards.py``): from then on every tensor this worker sends is stamped tainted, and at
+(``runtime/stage/guards.py``): from then on every tensor this worker sends is stamped tainted, and at
 ``STEP`` no worker applies the update. ``StepFailure`` names the action a step failed at, for the
 coordinator's action grid.
 """
@@ -44,6 +44,6 @@ class StepState:
     poisoned: bool = False  # a bad tensor was received (or made here): the update is skipped everywhere
     bad: list[BadTensor] = field(default_factory=list)
     received_excess: dict[str, dict[int, float]] = field(default_factory=dict)  # per kind, per sender: the largest norm/estimate accepted
-    sent_excess: dict[str, float] = field(default_factory=dict)  # per kind: the largest norm/estimate this worker sent (runtime/guards.py)
+    sent_excess: dict[str, float] = field(default_factory=dict)  # per kind: the largest norm/estimate this worker sent (runtime/stage/guards.py)
     skipped: bool = False
     rerun: bool = False  # the step runs again (the numeric guards' retry)
