@@ -17,8 +17,6 @@ PKG = SRC / "fusionllm"
 
 # Circles the code still has, each with its reason; empty is the goal (the list only shrinks).
 KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"fusionllm.models.task", "fusionllm.models.vision_task"}):
-        "the task registry builds the vision task on demand (an import inside load_task)",
 }
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fusionllm.data.vision import VisionBatcher, load_vision
 from fusionllm.models.resnet import VISION_MODELS, resnet
-from fusionllm.models.task import Task
+from fusionllm.models.task_record import Task
 
 MAX_VAL_BATCHES = 1 << 30  # every whole validation batch there is
 SMALL_INPUT = 64  # images at most this large get the CIFAR stem
