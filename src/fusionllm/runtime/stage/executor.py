@@ -250,7 +250,11 @@ class StageExecutor:
             roots.append(value)
             root_grads.append(grad.to(self.device, value.dtype))
         if roots:
-            torch.autograd.backward(roots, root_grads, retain_graph=True)
+            # A recomputed random op draws its masks again in this backward, from the process-wide
+            # generator its checkpoint restores: the same lock as the forward's draws (stages in threads).
+            replays = self.recompute and self.training and self.random_key is not None and bool(self._random & self._recomputable)
+            with _RNG_LOCK if replays else contextlib.nullcontext():
+                torch.autograd.backward(roots, root_grads, retain_graph=True)
         ready: dict[str, torch.Tensor | None] = {}
         for edge_id in self._grad_entering:
             if edge_id in mb.grads_sent or not self._waits_on[edge_id] <= mb.grads_done:
