@@ -2,7 +2,14 @@
 
 Stages are contiguous segments of the graph's topological order, so every edge runs from a lower
 stage to a higher one (skip edges may jump several). A stage with several workers is replicated
-(data parallel): micro-batch ``m`` of stage ``s`` runs on ``workers[m % len(workers)]``.
+(data parallel): micro-batch ``m`` of stage ``s`` runs on ``workers[m % len(workers)]``, or, when
+the stage lists ``shares`` (micro-batches per worker, in proportion to each replica's speed), on the
+worker ``share_order`` gives it: the shares spread over the step by smooth weighted round robin, so
+replicated pipelines whose stages list the same shares send each micro-batch down one lane.
+
+``Plan.reduce`` says how replicas' gradients are summed across slow links (``ReducePlan``): within
+each site (workers joined by fast links) to the site's first worker, between those leaders encoded
+with an error-fed codec, and back; ``None``: the default reducers (``runtime/dist/reducers.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,39 @@ class StagePlan:
     index: int
     nodes: list[str]
     workers: list[int]
+    shares: list[int] | None = None  # micro-batches per step of each of ``workers`` (same order); None: round robin
+
+
+def share_order(shares: list[int]) -> list[int]:
+    """For each micro-batch of a step, the index of the worker that runs it: smooth weighted round
+    robin over ``shares`` (each index appears shares[i] times, spread over the step; ties to the lower index)."""
+    total, current, order = sum(shares), [0] * len(shares), []
+    for _ in range(total):
+        current = [c + s for c, s in zip(current, shares, strict=True)]
+        pick = max(range(len(shares)), key=lambda i: (current[i], -i))
+        current[pick] -= total
+        order.append(pick)
+    return order
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """How the replicas' gradients are summed every step: through the fastest paths, compressed where slow.
+
+    ``sites``: the plan's workers grouped by fast links; each site sums to its first worker (its
+    leader) raw, the leaders exchange their sums encoded with ``codec`` (error-fed: what the codec
+    dropped is added to the next step's sum), each decodes every leader's payload, its own included,
+    so all hold the same bits, and sends the total back into its site."""
+
+    sites: tuple[tuple[int, ...], ...]
+    codec: str = "none"
+
+    def to_obj(self) -> dict:
+        return {"sites": [list(s) for s in self.sites], "codec": self.codec}
+
+    @staticmethod
+    def from_obj(obj: dict) -> ReducePlan:
+        return ReducePlan(tuple(tuple(int(w) for w in s) for s in obj["sites"]), str(obj.get("codec", "none")))
 
 
 @dataclass
@@ -48,6 +88,7 @@ class Plan:
     schedule: str = "1f1b"
     micro_batches: int = 4
     meta: dict = field(default_factory=dict)
+    reduce: ReducePlan | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -61,6 +102,15 @@ class Plan:
             if seen & set(s.workers):
                 raise ConfigError(f"a worker runs more than one stage: {sorted(seen & set(s.workers))}")
             seen.update(s.workers)
+            if s.shares is not None:
+                if len(s.shares) != len(s.workers) or any(n < 1 for n in s.shares) or sum(s.shares) != self.micro_batches:
+                    raise ConfigError(f"stage {s.index}: shares {s.shares} must give each of its {len(s.workers)} workers at least one of "
+                                      f"the {self.micro_batches} micro-batches, and add up to them")
+        if self.reduce is not None:
+            listed = [w for site in self.reduce.sites for w in site]
+            if sorted(listed) != sorted(seen) or any(not site for site in self.reduce.sites):
+                raise ConfigError(f"the reduce's sites {[list(x) for x in self.reduce.sites]} must list each of the plan's workers "
+                                  f"{sorted(seen)} once")
 
     @property
     def workers(self) -> list[int]:
@@ -73,8 +123,10 @@ class Plan:
         raise ConfigError(f"worker {worker} has no stage in the plan")
 
     def worker_for(self, stage: int, mb: int) -> int:
-        ws = self.stages[stage].workers
-        return ws[mb % len(ws)]
+        s = self.stages[stage]
+        if s.shares is None:
+            return s.workers[mb % len(s.workers)]
+        return s.workers[share_order(s.shares)[mb % self.micro_batches]]
 
     def mbs_of(self, worker: int) -> list[int]:
         s = self.stage_of_worker(worker)
@@ -87,15 +139,19 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps({
-            "stages": [{"index": s.index, "nodes": s.nodes, "workers": s.workers} for s in self.stages],
+            "stages": [{"index": s.index, "nodes": s.nodes, "workers": s.workers, **({"shares": s.shares} if s.shares else {})}
+                       for s in self.stages],
             "schedule": self.schedule, "micro_batches": self.micro_batches, "meta": self.meta,
+            **({"reduce": self.reduce.to_obj()} if self.reduce else {}),
         })
 
     @staticmethod
     def from_json(text: str) -> Plan:
         obj = json.loads(text)
-        stages = [StagePlan(int(s["index"]), [str(n) for n in s["nodes"]], [int(w) for w in s["workers"]]) for s in obj["stages"]]
-        return Plan(stages, str(obj["schedule"]), int(obj["micro_batches"]), dict(obj.get("meta", {})))
+        stages = [StagePlan(int(s["index"]), [str(n) for n in s["nodes"]], [int(w) for w in s["workers"]],
+                            [int(n) for n in s["shares"]] if s.get("shares") else None) for s in obj["stages"]]
+        reduce = ReducePlan.from_obj(obj["reduce"]) if obj.get("reduce") else None
+        return Plan(stages, str(obj["schedule"]), int(obj["micro_batches"]), dict(obj.get("meta", {})), reduce)
 
 
 @dataclass(frozen=True)
