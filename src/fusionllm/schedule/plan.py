@@ -102,10 +102,9 @@ class Plan:
             if seen & set(s.workers):
                 raise ConfigError(f"a worker runs more than one stage: {sorted(seen & set(s.workers))}")
             seen.update(s.workers)
-            if s.shares is not None:
-                if len(s.shares) != len(s.workers) or any(n < 1 for n in s.shares) or sum(s.shares) != self.micro_batches:
-                    raise ConfigError(f"stage {s.index}: shares {s.shares} must give each of its {len(s.workers)} workers at least one of "
-                                      f"the {self.micro_batches} micro-batches, and add up to them")
+            if s.shares is not None and (len(s.shares) != len(s.workers) or min(s.shares) < 1 or sum(s.shares) != self.micro_batches):
+                raise ConfigError(f"stage {s.index}: shares {s.shares} must give each of its {len(s.workers)} workers at least one of "
+                                  f"the {self.micro_batches} micro-batches, and add up to them")
         if self.reduce is not None:
             listed = [w for site in self.reduce.sites for w in site]
             if sorted(listed) != sorted(seen) or any(not site for site in self.reduce.sites):
