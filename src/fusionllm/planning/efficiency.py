@@ -32,11 +32,18 @@ What the model leaves out, and how it errs: the sweep's runs are short (491,520 
 lose the most; groups lose less after a warm start (the sweep's warm-start rows), which the planner
 does not plan yet; the delay of applying averages (the sweep syncs blocking). The model is therefore
 pessimistic: it prefers one synchronous group unless several are clearly faster.
+
+**Outer codecs.** The model above is for pseudo-gradients exchanged at 4 bits or better. A sparser
+outer codec (top-k with error feedback, ``runtime/stage/outer.py``) multiplies the efficiency by its
+measured factor ``OUTER_CODEC_EFFICIENCY`` (``codec_efficiency``): what groups learn per token with
+it over what the same groups learn with q4 at the same H. The planner chooses the codec and H
+together (``planning/inner_steps.py``, ``planning/hierarchy.py``): among the codecs whose bytes hide
+behind the round, the one with the best factor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # fitted to gpt-micro's sweep, per-token efficiency read off the synchronous run's curve
 # (benchmarks/results/hier_efficiency/gpt-micro: 22 runs, rms error of log(1/e) 0.10)
@@ -46,6 +53,18 @@ H_EXPONENT = 0.94
 BATCH_EXPONENT = 1.04  # M=4, H=8: 16 rows a group against 4
 FIT_PARAMS = 842_496  # gpt-micro's parameters (byte vocabulary): the size the constants above were fitted at
 SIZE_EXPONENT = -0.5  # the penalty against the model's size: from published runs, not measured here (module docstring)
+
+# Per-token efficiency of groups with an outer codec over the same groups with q4 (1: as good), with
+# error feedback, measured on gpt-micro at M = 2 and 4 groups and H = 1, 2, 4, three seeds
+# (benchmarks/results/outer_compress/gpt-micro/hier_efficiency.json; docs/compression.md). q4 and
+# better are taken as exact (Streaming DiLoCo's 4 bits lose nothing measurable). A codec missing here
+# is not chosen by the planner (``outer_codec_candidates``) until a run of that sweep measures it: the
+# seam for the 2- and 4-bit top-k codecs (``topkq*``).
+OUTER_CODEC_EFFICIENCY: dict[str, float] = {
+    "none": 1.0, "fp16": 1.0, "q8": 1.0, "q4": 1.0,
+    "topk:0.1": 1.0, "topk:0.03": 1.0, "topk:0.01": 1.0,
+}
+UNMEASURED_CODEC_EFFICIENCY = 0.5  # a codec set by hand (``--outer-codec``) that the sweep never measured
 
 
 def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] | None = None) -> float:
@@ -66,3 +85,16 @@ def group_efficiency(groups: int, inner_steps: float, *, batch_factor: float = 1
     size = (max(params, 1) / FIT_PARAMS) ** SIZE_EXPONENT if params else 1.0
     multiplier = 1.0 if groups == 1 else 1.0 + size * GROUP_PENALTY * (groups - 1) ** GROUPS_EXPONENT * inner_steps**H_EXPONENT
     return 1.0 / (multiplier * max(1.0, batch_factor) ** BATCH_EXPONENT)
+
+
+def codec_efficiency(codec: str) -> float:
+    """The per-token efficiency factor (0, 1] of ``codec`` on the pseudo-gradients (module docstring):
+    its measured ``OUTER_CODEC_EFFICIENCY``, else ``UNMEASURED_CODEC_EFFICIENCY``."""
+    return OUTER_CODEC_EFFICIENCY.get(codec, UNMEASURED_CODEC_EFFICIENCY)
+
+
+def outer_codec_candidates(byte_ratio: Callable[[str], float]) -> tuple[str, ...]:
+    """The outer codecs the planner chooses among, the one it prefers first: the best measured
+    efficiency, then (equal efficiency) the least lossy, the most bytes (``byte_ratio``: encoded over
+    float32 bytes)."""
+    return tuple(sorted(OUTER_CODEC_EFFICIENCY, key=lambda c: (-OUTER_CODEC_EFFICIENCY[c], -byte_ratio(c))))
