@@ -358,21 +358,21 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
 
     steps = [g.step for g in groups]
     params = sum(p.meta.numel for p in graph.params.values() if p.trainable)
-    candidates = None if codec else outer_codec_candidates(codec_ratio)
     tried: list[dict[str, Any]] = []  # per H: the codec chosen and what it gives (the plan's meta["outer_codec_choice"])
 
     def at(base: int, count: int) -> tuple[HierPlan, RoundResult, bool, float]:
         # the codec of the best measured efficiency that the traffic fits behind (else the fewest bytes, and the groups wait)
         f, traffic = fragments(count)
+        candidates = None if codec else outer_codec_candidates(codec_ratio, base)
         choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=base, codec=codec, candidates=candidates)
         hier = _hier(graph, groups, choice, f, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
         result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
         if len(groups) == 1:
             result = _alone(result, steps[0], cost, req)
         per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
-        codec_eff = 1.0 if len(groups) == 1 else min(codec_efficiency(c) for c in {hier.codec, *hier.link_codecs.values()})
-        eff = codec_eff * group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor,
-                                           params=params)
+        mean_h = mean_inner_steps(result.inner_steps, per_group)
+        codec_eff = 1.0 if len(groups) == 1 else min(codec_efficiency(c, base) for c in {hier.codec, *hier.link_codecs.values()})
+        eff = codec_eff * group_efficiency(len(groups), mean_h, batch_factor=batch_factor, params=params)
         return hier, result, choice.hidden, eff
 
     best: tuple[HierPlan, RoundResult, bool, float] | None = None
