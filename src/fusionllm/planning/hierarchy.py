@@ -6,10 +6,9 @@ groups keeps the run's global batch: each group trains ``group_rows(batch, M)`` 
 that batch (``choose_plan`` on ``hw.subset``); for each H of ``GOODPUT_H`` the codecs are, among
 those whose traffic between groups hides behind the round, the one of the best measured per-token
 efficiency (``planning.efficiency.outer_codec_candidates``: q4 and better first, then top-k with error
-feedback, sparser and sparser; none hides: the fewest bytes, and the groups wait), the round
-simulator (``sim/rounds.py``) predicts tokens/s, and ``planning.efficiency`` the per-token efficiency
-of M groups at that H with that codec. Codec and H are chosen together: over a slow link a top-k
-codec lets the groups sync every 1-4 steps, where q4 would need many more. The planner keeps the grouping and H with the most *goodput* (tokens/s times
+feedback; none hides: the fewest bytes, and the groups wait), the round simulator (``sim/rounds.py``)
+predicts tokens/s, and ``planning.efficiency`` the per-token efficiency of M groups at that H with
+that codec (over a slow link top-k lets groups sync every 1-4 steps, where q4 needs many more). The planner keeps the grouping and H with the most *goodput* (tokens/s times
 efficiency: the first to reach a target loss; ties within 1% to fewer groups). Everything it
 predicts goes into ``HierPlan.meta``, every candidate's predicted time to a target against the
 chosen one's included; docs/scheduler.md, "Hierarchical mode" and "Time to target", explains the rules.
@@ -62,6 +61,7 @@ from fusionllm.planning.inner_steps import (
     MIN_INNER_STEPS,
     PREFERRED_CODEC,
     _Choice,
+    alone_rounds,
     choose_inner_steps,
 )
 from fusionllm.planning.schedulers import device_speed
@@ -83,7 +83,6 @@ from fusionllm.sim.rounds import (
     round_traffic,
     simulate_rounds,
 )
-from fusionllm.sim.utilization import device_busy, utilization
 
 MAX_GROUPS = 64  # groups per plan: the exchange is all-to-all between groups
 MAX_PLANNINGS = 24  # synchronous plannings of distinct device sets per grouping search (cache misses)
@@ -368,7 +367,7 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
         hier = _hier(graph, groups, choice, f, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
         result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
         if len(groups) == 1:
-            result = _alone(result, steps[0], cost, req)
+            result = alone_rounds(result, steps[0], cost, req)
         per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
         mean_h = mean_inner_steps(result.inner_steps, per_group)
         codec_eff = 1.0 if len(groups) == 1 else min(codec_efficiency(c, base) for c in {hier.codec, *hier.link_codecs.values()})
@@ -396,16 +395,6 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
                 break
     assert best is not None
     return best
-
-
-def _alone(result: RoundResult, step: GroupStep, cost: CostModel, req: Request) -> RoundResult:
-    """One group's rounds without an outer step: a round of a single group is its steps, and it pays
-    for no boundary it does not have (the round simulator syncs every group it is given)."""
-    h = result.inner_steps[0]
-    round_s = h * step.step_s
-    frac = device_busy({w: h * b for w, b in step.busy_s.items()}, round_s, len(cost.hw.devices))
-    return replace(result, round_s=round_s, waits_s=[0.0], bytes_per_round={}, link_busy=0.0, tokens_per_s=h * req.tokens / round_s,
-                   utilization=utilization(frac, cost), device_busy=frac, codec_cpu_s=[0.0])
 
 
 def _regroup(planner: _Planner, sets: list[list[int]]) -> list[_Group]:

@@ -4,19 +4,22 @@
 steps as fit in the same wall time) and every pair of groups the least lossy codec whose traffic
 hides behind the round (the hierarchical planner: the codec of the best measured per-token
 efficiency that hides, ``planning.efficiency.outer_codec_candidates``); the hierarchical planner (``planning/hierarchy.py``) calls it for each H of
-its goodput search. docs/scheduler.md, "Hierarchical mode", explains the rules.
+its goodput search; ``alone_rounds`` is what one group's rounds cost (no outer step).
+docs/scheduler.md, "Hierarchical mode", explains the rules.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from fusionllm.cost.model import HEADER_BYTES, CostModel
-from fusionllm.sim.rounds import Traffic, codec_ratio
+from fusionllm.schedule.plan import Request
+from fusionllm.sim.rounds import GroupStep, RoundResult, Traffic, codec_ratio
+from fusionllm.sim.utilization import device_busy, utilization
 
 CODEC_LADDER = ("none", "q8", "q4", "q2", "topk:0.03", "topk:0.01")  # least lossy first
 PREFERRED_CODEC = "q4"  # the lossiest the planner takes before it raises H (Streaming DiLoCo's 4 bits lose nothing measurable)
@@ -129,3 +132,13 @@ def choose_inner_steps(step_s: list[float], traffic: Traffic, cost: CostModel, *
             if (chosen := fits(base, level)) is not None:
                 return _Choice(scale(base), chosen, True)
     return _Choice(scale(bases[-1]), dict.fromkeys(pairs, fallback), False)
+
+
+def alone_rounds(result: RoundResult, step: GroupStep, cost: CostModel, req: Request) -> RoundResult:
+    """One group's rounds without an outer step: a round of a single group is its steps, and it pays
+    for no boundary it does not have (the round simulator syncs every group it is given)."""
+    h = result.inner_steps[0]
+    round_s = h * step.step_s
+    frac = device_busy({w: h * b for w, b in step.busy_s.items()}, round_s, len(cost.hw.devices))
+    return replace(result, round_s=round_s, waits_s=[0.0], bytes_per_round={}, link_busy=0.0, tokens_per_s=h * req.tokens / round_s,
+                   utilization=utilization(frac, cost), device_busy=frac, codec_cpu_s=[0.0])
