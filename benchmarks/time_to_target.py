@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time to a target loss: every system side by side, on one emulated cluster, one after the other.
+"""Time to a target loss against a plain loop on the fastest device: every system side by side, on one emulated cluster.
 
 For each cluster (a file of examples/clusters, or one nobody tuned on: ``random:SEED``,
 ``random-latency:SEED`` (four CPU devices in three sites, links drawn log-uniformly, latencies with the

@@ -109,3 +109,17 @@ def test_random_clusters_of_two_sites_have_latency_on_the_link_between_them() ->
     with pytest.raises(ValueError, match="seed"):
         named_cluster_toml("random2:x")
     assert math.isclose(sum(ttt.device_cpus(named_cluster_toml("random2:5") or "")), 2.0, abs_tol=0.05)
+
+
+def test_the_dp_row_runs_with_whatever_option_declares_the_data_parallel_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typing import Literal
+
+    from fusionllm.core import options
+
+    declared = options.leaves()
+    assert ttt.dp_flags() is None or "dp" in ttt.FUSION  # the row is in the table exactly when an option declares the plan
+    fake = ttt.Fusion(("x",))  # any Leaf-like: a name's flag and a type
+    leaf = type("Leaf", (), {"kind": Literal["auto", "pipeline", "data-parallel"] | None, "flag": "--plan"})()
+    monkeypatch.setattr(options, "leaves", lambda: {**declared, "plan": leaf})
+    assert ttt.dp_flags() == ("--plan", "data-parallel")
+    assert fake.planned and fake.tuned and ttt.FUSION["auto"].flags == ("--sync", "auto") and not ttt.FUSION["auto"].tuned
