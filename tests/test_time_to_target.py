@@ -123,3 +123,14 @@ def test_the_dp_row_runs_with_whatever_option_declares_the_data_parallel_plan(mo
     monkeypatch.setattr(options, "leaves", lambda: {**declared, "plan": leaf})
     assert ttt.dp_flags() == ("--plan", "data-parallel")
     assert fake.planned and fake.tuned and ttt.FUSION["auto"].flags == ("--sync", "auto") and not ttt.FUSION["auto"].tuned
+
+
+def test_a_grouping_of_several_inner_steps_trains_the_runs_token_budget() -> None:
+    """Why it can fail: rounds counted by the largest H alone give the slower groups fewer inner steps,
+    so the grouping trains fewer tokens (and runs its schedule faster in tokens) than one group."""
+    from fusionllm.control.rounds import budget_rounds
+
+    assert budget_rounds(40, [2, 2]) == 20 and budget_rounds(41, [4, 4]) == 11  # one H: ceil(steps / H), as before
+    rounds = budget_rounds(40, [4, 1])
+    assert rounds * (4 + 1) >= 40 * 2 > (rounds - 1) * (4 + 1)  # two groups of half the batch: 40 global batches
+    assert budget_rounds(1, [8, 3]) == 1
