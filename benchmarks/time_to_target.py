@@ -17,8 +17,9 @@ length, learning-rate schedule, token budget and seed:
    device (``benchmarks/peer_pipelining.py``);
 4. ``opfence`` and ``opfence+adatopk``: fusionllm, synchronous, OP-Fence's plan, without and with AdaTopK;
 5. ``hierarchical``: fusionllm ``--sync hierarchical``, the planner's groups, H and group batch;
-6. ``auto``: what a user runs: ``fusionllm train --cluster FILE`` with no other flag (the planner on
-   the file's rates, ``--sync auto``, the default schedule, micro-batches and codec);
+6. ``auto``: what a user runs: ``fusionllm train --cluster FILE`` with the training flags and no
+   other (no ``--sync``, schedule, micro-batches or codec: the defaults; it brings up the testbed
+   itself, so this row counts no link bytes);
 7. ``dp``: fusionllm's data-parallel plan, where the options declare one (``dp_flags``; the row is
    left out while none does). ``FUSION`` lists the fusionllm systems: a new one is one entry.
 
@@ -87,13 +88,12 @@ from fusionllm.testbed.testbed import Slot, Testbed  # noqa: E402
 
 @dataclass(frozen=True)
 class Fusion:
-    """A fusionllm system: its coordinator flags; ``planned``: with the planner on the cluster file
-    (``--scheduler opfence --hardware FILE``, as ``train --cluster FILE`` resolves it); ``tuned``: with
-    the run's ``--micro-batches`` (the default system takes the option's default, as a user does)."""
+    """A fusionllm system: its coordinator flags, with the planner on the cluster file (``--scheduler
+    opfence --hardware FILE``, as ``train --cluster FILE`` resolves it) and the run's ``--micro-batches``;
+    ``user``: ``fusionllm train --cluster FILE`` itself, with these flags only (none: what a user runs)."""
 
     flags: tuple[str, ...]
-    planned: bool = True
-    tuned: bool = True
+    user: bool = False
 
 
 def dp_flags() -> tuple[str, ...] | None:
@@ -115,7 +115,7 @@ FUSION: dict[str, Fusion] = {
     "opfence": Fusion(("--schedule", "1f1b", "--compress", "none", "--sync", "synchronous")),
     "opfence+adatopk": Fusion(("--schedule", "1f1b", "--compress", "adatopk", "--sync", "synchronous")),
     "hierarchical": Fusion(("--schedule", "1f1b", "--compress", "none", "--sync", "hierarchical")),
-    "auto": Fusion(("--sync", "auto"), tuned=False),  # train --cluster FILE's defaults (launch/config.default_sync); the coordinator's own is synchronous
+    "auto": Fusion((), user=True),  # train --cluster FILE: its defaults are --sync auto and the planner on the file (launch/config.default_sync)
     # a diagnostic: the planner's groups synced as the efficiency sweep's one-process groups are (each average applied at
     # once, uncompressed, one fragment): what streaming, its delay and the 4-bit codec cost per token
     "hierarchical-exact": Fusion(("--schedule", "1f1b", "--compress", "none", "--sync", "hierarchical", "--blocking-sync", "--outer-codec",
@@ -266,18 +266,41 @@ def run_peer(tb: Testbed, args: argparse.Namespace, seed: int, metrics: Path, lo
         raise RuntimeError(f"the peer failed (exit codes {codes}); its log: {log}\n{log.read_text()[-2000:]}")
 
 
-def run_fusion(tb: Testbed, path: Path, system: str, args: argparse.Namespace, seed: int, metrics: Path, run_dir: Path, watch: Watch) -> None:
-    spec = FUSION[system]
-    # --probe: the coordinator measures devices and links at the start, instead of the file's rates
-    planner = ["--scheduler", "opfence", *([] if args.probe else ["--hardware", str(path)])] if spec.planned else []
-    coord = [*common_args(args, seed, micro_batches=spec.tuned), *planner, *spec.flags, "--metrics", str(metrics)]
+def interrupter(run_dir: Path) -> Callable[[], None]:
+    """Stops a local cluster at the target: the coordinator (its PID from the run directory) stops
+    after the step in flight; the launcher then stops the workers."""
 
-    def interrupt() -> None:  # the coordinator stops after the step in flight; the launcher then stops the workers
+    def interrupt() -> None:
         pids = read_pids(run_dir)
         if pids is not None and pids.coordinator is not None:
             os.kill(pids.coordinator, signal.SIGINT)
 
-    watch.stop_run = interrupt
+    return interrupt
+
+
+def run_user(path: Path, system: str, args: argparse.Namespace, seed: int, metrics: Path, run_dir: Path, log: Path, watch: Watch) -> None:
+    """``fusionllm train --cluster FILE`` as a user runs it (it brings up and takes down the testbed)."""
+    cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", str(path), *common_args(args, seed, micro_batches=False),
+           *(["--probe-links"] if args.probe else []), *FUSION[system].flags, "--metrics", str(metrics), "--run-dir", str(run_dir)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        watch.stop_run = interrupter(run_dir)
+        watch.start()
+        try:
+            code = proc.wait(timeout=args.timeout)
+        finally:
+            watch.done.set()
+            stop([proc], grace=30)
+    if code != 0 and watch.record is None:
+        raise RuntimeError(f"fusionllm train ({system}) failed (exit {code}); its log: {log}\n{log.read_text()[-2000:]}")
+
+
+def run_fusion(tb: Testbed, path: Path, system: str, args: argparse.Namespace, seed: int, metrics: Path, run_dir: Path, watch: Watch) -> None:
+    spec = FUSION[system]
+    # --probe: the coordinator measures devices and links at the start, instead of the file's rates
+    planner = ["--scheduler", "opfence", *([] if args.probe else ["--hardware", str(path)])]
+    coord = [*common_args(args, seed), *planner, *spec.flags, "--metrics", str(metrics)]
+    watch.stop_run = interrupter(run_dir)
     watch.start()
     worker_args, prefixes = tb.worker_launch()
     try:
@@ -442,7 +465,7 @@ def row_of(system: str, cluster: str, seed: int, lines: list[dict], watch: Watch
         "lr_off": lr_off_schedule(steps, tokens_per_step=tokens_per_step, lr=args.lr, steps=args.steps, warmup=args.lr_warmup),
         "step_at_target": None if hit is None else hit.get("step"), "steps_run": len(steps),
         "tokens_per_s": tps[-1] if tps else None, "val_curve": watch.curve,
-        "device_busy": device_busy(steps, spec), "link_mb": round(sum(link_bytes.values()) / 1e6, 2),
+        "device_busy": device_busy(steps, spec), "link_mb": round(sum(link_bytes.values()) / 1e6, 2) if link_bytes else None,
         "plan": plan_summary(lines), "replans": sum(1 for r in lines if r.get("event") == "replan"),
         "predicted_efficiency": next((r.get("predicted", {}).get("efficiency") for r in lines if r.get("event") == "plan" and r.get("sync") == "hierarchical"), None),
         "noise_scale": next((r["noise_scale"] for r in reversed(steps) if r.get("noise_scale") is not None), None),
@@ -465,57 +488,61 @@ def bench_cluster(name: str, args: argparse.Namespace, tmp: Path, *, full: bool 
     cpus = [d.cpus for d in spec.devices()]
     quota = {"quota": "full" if full else f"<= {args.quota_share:.0%}", "quota_scale": round(scale, 4), "quota_sum": round(sum(cpus), 3),
              "cores": os.cpu_count(), "physical_limit": round(physical_limit(cpus), 3)}
+    one = one_device_cluster(max(cpus), tmp)
+    static = {"plain": predicted_step(args, one, "opfence", "1f1b", micro_batches=1), "single": predicted_step(args, one, "opfence", "1f1b"),
+              "peer": predicted_step(args, path, "uniform", "gpipe")}
     rows: list[dict] = []
-    with Testbed(spec) as tb:
-        if not tb.emulated:
-            raise SystemExit(f"time_to_target needs the emulated testbed ({tb.why_not}): run it as root on Linux")
-        fastest = max(tb.slots, key=lambda s: s.cpus or 0.0)
-        one = one_device_cluster(fastest.cpus or 1.0, tmp)
-        static = {"plain": predicted_step(args, one, "opfence", "1f1b", micro_batches=1), "single": predicted_step(args, one, "opfence", "1f1b"),
-                  "peer": predicted_step(args, path, "uniform", "gpipe")}
-        for seed in args.seeds:
-            if args.warm_start:
-                args.warm_dir[seed] = warm_checkpoint(args, seed, tmp)
-            target_step = max(args.eval_every, round(args.target_at * args.steps / args.eval_every) * args.eval_every)
-            target: float | None = None
-            for system in args.systems:
-                tag = f"{name}{'-full' if full else ''}-{seed}-{system}"
-                metrics = tmp / f"{tag}.jsonl"
-                metrics.unlink(missing_ok=True)
-                if system == "plain":
-                    watch = Watch(metrics, at_budget(target_step), lambda: None)
-                elif target is None:
-                    raise SystemExit("the plain loop runs first: it sets the target (put 'plain' first in --systems)")
-                else:
-                    watch = Watch(metrics, reached(target), lambda: None)
-                speed = machine_speed()
-                print(f"[{name} seed {seed}, quota {quota['quota']}] {system} (machine: {speed} GFLOP/s on one core) ...", flush=True)
-                before, launched = tb.link_bytes(), time.monotonic()
-                log = tmp / f"{tag}.log"
-                if system in ("plain", "single"):
-                    run_one_device(system, fastest, args, seed, metrics, log, watch)
-                elif system == "peer":
-                    run_peer(tb, args, seed, metrics, log, watch)
-                else:
-                    run_fusion(tb, path, system, args, seed, metrics, tmp / tag, watch)
-                after = tb.link_bytes()
-                lines = read_metrics(metrics).records
-                row = {**row_of(system, name, seed, lines, watch, launched, spec, {k: after.get(k, 0) - before.get(k, 0) for k in after}, args),
-                       **quota}
-                if system == "plain":
-                    if watch.record is None:
-                        raise RuntimeError(f"the plain loop did not reach step {target_step}; its log: {log}")
-                    target = watch.record["smoothed_val_loss"]
-                    row["fastest_slot"] = {"index": fastest.index, "cpus": fastest.cpus}
-                row["target_val_loss"] = target
-                row["warm_start"] = args.warm_start
-                row["machine_gflops"] = speed
-                row["target_tokens"] = target_step * args.batch_size * args.seq_len
-                row["predicted_s"] = predicted_time(system, lines, target_step, row["target_tokens"], static)
-                rows.append(row)
-                got = "did not reach it" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f} s ({row['tokens_to_target']:,} tokens)"
-                pred = "-" if row["predicted_s"] is None else f"{row['predicted_s']:.1f} s"
-                print(f"[{name} seed {seed}] {system}: target {target:.4f}: {got}, predicted {pred}; lr off {row['lr_off']}; {row['plan']}", flush=True)
+    for seed in args.seeds:
+        if args.warm_start:
+            args.warm_dir[seed] = warm_checkpoint(args, seed, tmp)
+        target_step = max(args.eval_every, round(args.target_at * args.steps / args.eval_every) * args.eval_every)
+        target: float | None = None
+        for system in args.systems:
+            tag = f"{name}{'-full' if full else ''}-{seed}-{system}"
+            metrics, log = tmp / f"{tag}.jsonl", tmp / f"{tag}.log"
+            metrics.unlink(missing_ok=True)
+            if system == "plain":
+                watch = Watch(metrics, at_budget(target_step), lambda: None)
+            elif target is None:
+                raise SystemExit("the plain loop runs first: it sets the target (put 'plain' first in --systems)")
+            else:
+                watch = Watch(metrics, reached(target), lambda: None)
+            speed = machine_speed()
+            print(f"[{name} seed {seed}, quota {quota['quota']}] {system} (machine: {speed} GFLOP/s on one core) ...", flush=True)
+            fastest = None
+            if system in FUSION and FUSION[system].user:  # train --cluster FILE brings up the testbed itself
+                launched, link = time.monotonic(), {}
+                run_user(path, system, args, seed, metrics, tmp / tag, log, watch)
+            else:
+                with Testbed(spec) as tb:
+                    if not tb.emulated:
+                        raise SystemExit(f"time_to_target needs the emulated testbed ({tb.why_not}): run it as root on Linux")
+                    fastest = max(tb.slots, key=lambda s: s.cpus or 0.0)
+                    before, launched = tb.link_bytes(), time.monotonic()
+                    if system in ("plain", "single"):
+                        run_one_device(system, fastest, args, seed, metrics, log, watch)
+                    elif system == "peer":
+                        run_peer(tb, args, seed, metrics, log, watch)
+                    else:
+                        run_fusion(tb, path, system, args, seed, metrics, tmp / tag, watch)
+                    after = tb.link_bytes()
+                    link = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            lines = read_metrics(metrics).records
+            row = {**row_of(system, name, seed, lines, watch, launched, spec, link, args), **quota}
+            if system == "plain":
+                if watch.record is None:
+                    raise RuntimeError(f"the plain loop did not reach step {target_step}; its log: {log}")
+                target = watch.record["smoothed_val_loss"]
+                row["fastest_slot"] = {"index": fastest.index, "cpus": fastest.cpus} if fastest else None
+            row["target_val_loss"] = target
+            row["warm_start"] = args.warm_start
+            row["machine_gflops"] = speed
+            row["target_tokens"] = target_step * args.batch_size * args.seq_len
+            row["predicted_s"] = predicted_time(system, lines, target_step, row["target_tokens"], static)
+            rows.append(row)
+            got = "did not reach it" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f} s ({row['tokens_to_target']:,} tokens)"
+            pred = "-" if row["predicted_s"] is None else f"{row['predicted_s']:.1f} s"
+            print(f"[{name} seed {seed}] {system}: target {target:.4f}: {got}, predicted {pred}; lr off {row['lr_off']}; {row['plan']}", flush=True)
     return rows
 
 
@@ -575,7 +602,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [(f"Warm start: every system starts from {warm} steps of one worker (another data seed), its learning-rate warm-up and cosine "
               "schedule again. " if warm else "") + f"Model {args.model}, global batch {args.batch_size} x {args.seq_len}, {args.steps} steps for every "
              f"system (lr {args.lr}, {args.lr_warmup} warm-up, cosine, in tokens), validation every {args.eval_every} steps on {args.eval_batches} "
-             f"batches; the tuned systems with {args.micro_batches} micro-batches, `auto` with the defaults. Target: the plain loop's validation "
+             f"batches; the tuned systems with {args.micro_batches} micro-batches, `auto` is `fusionllm train --cluster FILE` with its defaults. Target: the plain loop's validation "
              f"loss at step {round(args.target_at * args.steps)}, per seed, as the mean of its last {SMOOTH} evaluations. Time: one clock for every "
              f"system, from its first step to the first evaluation where the mean of the last {SMOOTH} is at or below the target, evaluation "
              "included; wall: from launch. Quotas: scaled to add up to at most the share of this machine's cores shown (full: the file's). "

@@ -122,7 +122,7 @@ def test_the_dp_row_runs_with_whatever_option_declares_the_data_parallel_plan(mo
     leaf = type("Leaf", (), {"kind": Literal["auto", "pipeline", "data-parallel"] | None, "flag": "--plan"})()
     monkeypatch.setattr(options, "leaves", lambda: {**declared, "plan": leaf})
     assert ttt.dp_flags() == ("--plan", "data-parallel")
-    assert fake.planned and fake.tuned and ttt.FUSION["auto"].flags == ("--sync", "auto") and not ttt.FUSION["auto"].tuned
+    assert not fake.user and ttt.FUSION["auto"] == ttt.Fusion((), user=True)  # auto: train --cluster FILE with no flag of its own
 
 
 def test_a_grouping_of_several_inner_steps_trains_the_runs_token_budget() -> None:
