@@ -31,8 +31,9 @@ The protocol (issue 58):
 - *Tokens and schedule*: every system gets the same ``--steps`` of the same global batch; a grouping
   shares it among its groups. Each run's step records are checked against the schedule read at
   their token count (``core.config.lr_at_tokens``): ``lr off`` counts records whose learning rate
-  lies outside one global step of it. Each row records its tokens to the target, trained, and the
-  plan's budget.
+  lies outside one global step of it (a grouping's groups meet the schedule at every round's end,
+  ``control/rounds.budget_rounds``, and go at their own pace within a round). Each row records its
+  tokens to the target, trained, and the plan's budget.
 - *Time*: one clock for every system, read by this script as the run's metrics file grows
   (``Watch``): from the first step to the record that reached the target, evaluation INCLUDED
   (every system evaluates as often, on as many batches; a run's own ``elapsed_s`` leaves evaluation
@@ -126,7 +127,10 @@ if (_dp := dp_flags()) is not None:
 BASELINES = ("plain", "single", "peer")
 SYSTEMS = (*BASELINES, *FUSION)
 DEFAULT_SYSTEMS = ("plain", "peer", "opfence", "opfence+adatopk", "hierarchical", "auto", *(("dp",) if "dp" in FUSION else ()))
-TOLERANCE = 1e-4  # relative: a synchronous system's validation loss at the target's step equals the target up to float32 rounding
+# relative: the plain loop takes one batch a step, a pipeline micro-batches, and their sums round apart: on random:31 the
+# synchronous plan's validation loss at step 30 was 2.7820 against the plain loop's 2.7799 (identical at steps 10 and 20),
+# and at 1e-4 that cost it a whole evaluation interval; 1e-3 is a tenth of what 10 steps move the loss there
+TOLERANCE = 1e-3
 SMOOTH = 3  # validation losses averaged (``Smoothed``)
 POLL_S = 0.05  # the clock's resolution: every system is read as often
 QUOTA_SHARE = 0.8
@@ -607,7 +611,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
              f"system, from its first step to the first evaluation where the mean of the last {SMOOTH} is at or below the target, evaluation "
              "included; wall: from launch. Quotas: scaled to add up to at most the share of this machine's cores shown (full: the file's). "
              "Limit: the quotas' sum over the fastest device's; 'of limit': the speed-up over the plain loop over it. Medians over seeds, "
-             "(min-max) the spread. 'lr off': step records outside the schedule at their tokens (0: the same schedule in tokens).", "",
+             "(min-max) the spread. 'lr off': step records more than one global step off the schedule at their tokens (0: the same schedule in tokens; a grouping's "
+             "groups meet it at every round's end and go at their own pace within a round).", "",
              "| cluster | quota | limit | system | seeds | time to target (s) | wall (s) | vs plain | of limit | tokens to target | budget (tokens) | lr off | predicted (s) | calibrated error | plan (first seed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = per_system(rows)
