@@ -589,7 +589,8 @@ def _spread(vals: list[float], n: int, fmt: str) -> str:
     if not vals or len(vals) != n:
         return "-" if not vals else f"- ({len(vals)} of {n})"
     med = format(statistics.median(vals), fmt)
-    return med if len(vals) == 1 else f"{med} ({format(min(vals), fmt)}-{format(max(vals), fmt)})"
+    lo, hi = format(min(vals), fmt), format(max(vals), fmt)
+    return med if lo == hi else f"{med} ({lo}-{hi})"
 
 
 def cluster_speedups(rows: list[dict]) -> dict[str, dict[str, float | None]]:
@@ -621,20 +622,24 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         times = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
         walls = [r["wall_to_target_s"] for r in rs if r["wall_to_target_s"] is not None]
         ups = [u for u in (speedup(r, rows) for r in rs) if u is not None]
-        fracs = [f for f in (fraction_of_limit(speedup(r, rows), r["physical_limit"]) for r in rs) if f is not None]
+        fracs = [f for f in (fraction_of_limit(speedup(r, rows), r["physical_limit"]) for r in rs if r.get("physical_limit")) if f is not None]
         toks = [r["tokens_to_target"] for r in rs if r["tokens_to_target"] is not None]
         preds = [r["predicted_s"] for r in rs if r["predicted_s"] is not None]
         cal = [c for c in (calibrated_error(r, rows) for r in rs) if c is not None]
-        lines.append(f"| {rs[0]['cluster']} | {rs[0]['quota']} | {rs[0]['physical_limit']:.2f}x | {system} | {n} | {_spread(times, n, '.1f')} | "
+        first = rs[0]  # (rows measured before this protocol lack its fields)
+        limit = f"{first['physical_limit']:.2f}x" if first.get("physical_limit") else "-"
+        budget = f"{first['token_budget']:,}" if first.get("token_budget") else "-"
+        off = max((r["lr_off"] for r in rs if r.get("lr_off") is not None), default="-")
+        lines.append(f"| {first['cluster']} | {first.get('quota', '-')} | {limit} | {system} | {n} | {_spread(times, n, '.1f')} | "
                      f"{_spread(walls, n, '.0f')} | {_spread(ups, n, '.2f')} | {_spread(fracs, n, '.0%')} | {_spread(toks, n, ',.0f')} | "
-                     f"{rs[0]['token_budget']:,} | {max(r['lr_off'] for r in rs)} | {_t(statistics.median(preds)) if preds else '-'} | "
+                     f"{budget} | {off} | {_t(statistics.median(preds)) if preds else '-'} | "
                      f"{f'{statistics.median(cal):+.0%}' if cal and len(cal) == n else '-'} | {rs[0]['plan']}{_replans(rs)} |")
     lines += ["", "Over clusters (each cluster's median over seeds; a cluster where a seed missed the target counts as not reached):", "",
               "| system | clusters | reached | speed-up over plain: median over clusters (min-max) | of limit: median |", "|---|---|---|---|---|"]
-    limits = {place(r): r["physical_limit"] for r in rows}
+    limits = {place(r): r.get("physical_limit") for r in rows}
     for system, by in cluster_speedups(rows).items():
         got = {c: u for c, u in by.items() if u is not None}
-        fr = [u / limits[c] for c, u in got.items()]
+        fr = [u / lim for c, u in got.items() if (lim := limits[c])]
         lines.append(f"| {system} | {len(by)} | {len(got)} | {_spread(list(got.values()), len(by), '.2f')} | "
                      f"{f'{statistics.median(fr):.0%}' if fr and len(got) == len(by) else '-'} |")
     kept: dict[tuple[str, int, str, str], list[str]] = {}
@@ -702,8 +707,9 @@ def plots(rows: list[dict], out: Path) -> None:
             hi.append(max(ups) - m if ups else 0.0)
         ax.bar([k + i * width for k in range(len(clusters))], meds, width, yerr=[lo, hi], capsize=2, label=s)
     for k, c in enumerate(clusters):  # the physical limit of each cluster
-        lim = next(r["physical_limit"] for r in rows if place(r) == c)
-        ax.hlines(lim, k - width / 2, k + width * (len(systems) - 0.5), colors="0.3", linestyles="dotted")
+        lim = next((r.get("physical_limit") for r in rows if place(r) == c), None)
+        if lim:
+            ax.hlines(lim, k - width / 2, k + width * (len(systems) - 0.5), colors="0.3", linestyles="dotted")
     ax.axhline(1.0, color="0.5", lw=0.8)
     ax.set_xticks([k + width * (len(systems) - 1) / 2 for k in range(len(clusters))], clusters, fontsize=7)
     ax.set_ylabel("speed-up over the plain loop (median, min-max)")

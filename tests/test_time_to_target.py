@@ -134,3 +134,18 @@ def test_a_grouping_of_several_inner_steps_trains_the_runs_token_budget() -> Non
     rounds = budget_rounds(40, [4, 1])
     assert rounds * (4 + 1) >= 40 * 2 > (rounds - 1) * (4 + 1)  # two groups of half the batch: 40 global batches
     assert budget_rounds(1, [8, 3]) == 1
+
+
+def test_the_table_gives_medians_over_seeds_with_their_spread_and_the_median_over_clusters() -> None:
+    def row(cluster: str, seed: int, system: str, t: float | None) -> dict:
+        return {"cluster": cluster, "seed": seed, "system": system, "time_to_target_s": t, "wall_to_target_s": t, "tokens_to_target": 100,
+                "physical_limit": 2.0, "quota": "<= 80%", "token_budget": 1000, "lr_off": 0, "predicted_s": None, "plan": "", "replans": 0, "target_val_loss": 3.0}
+
+    rows = [row("a", s, "plain", 30.0) for s in (0, 1, 2)] + [row("a", 0, "auto", 10.0), row("a", 1, "auto", 15.0), row("a", 2, "auto", 30.0)]
+    rows += [row("b", 0, "plain", 20.0), row("b", 0, "auto", None)]
+    args = type("A", (), {"model": "m", "batch_size": 16, "seq_len": 128, "steps": 300, "lr": 3e-3, "lr_warmup": 20, "eval_every": 10,
+                          "eval_batches": 8, "micro_batches": 4, "target_at": 0.5})()
+    text = "\n".join(ttt.table(rows, args))
+    assert "| a | <= 80% | 2.00x | auto | 3 | 15.0 (10.0-30.0) | 15 (10-30) | 2.00 (1.00-3.00) | 100% (50%-150%) |" in text
+    assert "| auto | 2 | 1 | - (1 of 2) | - |" in text  # cluster b never reached: no median over clusters
+    assert ttt.cluster_speedups(rows)["auto"] == {"a": 2.0, "b": None}
