@@ -60,7 +60,7 @@ class GroupingRun:
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
     started: float = 0.0
-    paused: float = 0.0  # seconds spent evaluating (not counted as training time)
+    paused: float = 0.0  # seconds one group spent evaluating (left out of its clock; several groups never pause it: evaluate_outer)
     leaving: int = 0  # groups whose workers not to blame are being told to abort (spares once they answer): pauses wait
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     stopping: bool = False  # the run is over: the pauser ends
