@@ -282,9 +282,9 @@ class Groups:
         """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
         pipeline; recorded at the user's step they reach (``GroupingRun.step_at``)."""
         step = hr.step_at(rounds)
-        paused = time.perf_counter()
+        # the clock is not paused: the other groups go on training meanwhile, so leaving these seconds
+        # out would count their training as free (elapsed_s of several groups includes evaluation)
         val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))
-        hr.paused += time.perf_counter() - paused
         hr.result.val_losses.append((step, val))
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
         record = {"event": "eval", "step": step, "round": rounds, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
