@@ -58,6 +58,13 @@ class Phases:
         self.finalists = Finalists(ctx)  # --sync auto: the planner's finalists measured, the best committed to
 
     async def train(self) -> TrainResult:
+        try:
+            return await self.groupings()
+        finally:
+            await self.calibrator.close()
+
+    async def groupings(self) -> TrainResult:
+        """Every grouping of the run, in order; the finalists' trials and checks among them."""
         ctx, c = self.ctx, self.ctx.cluster
         plan = groupings(c.sync, c.groups, c.regroup, ctx.train.steps)
         result = TrainResult()

@@ -44,14 +44,15 @@ def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
 
 
 def calibrated_hardware(hw: Hardware, speed: Mapping[int, float]) -> Hardware:
-    """``hw`` with device ``i`` ``speed[i]`` times as fast: an accelerator's flop/s or a CPU device's
-    share of cores (one core where it has no quota) scaled; the simulator's rate of a CPU device,
-    its compute, messages and codecs, is proportional to that share. Factors are measured against the uncalibrated hardware, so they are applied to it, once."""
+    """``hw`` with device ``i`` ``speed[i]`` times as fast: an accelerator's flop/s, or a CPU device's
+    core speed (``Device.speed``: each action, its compute, messages and codecs, takes that much less
+    CPU, its quota unchanged). Factors are measured against the uncalibrated hardware, so they are
+    applied to it, once."""
     devices = list(hw.devices)
     for i, f in speed.items():
         if 0 <= i < len(devices) and f > 0 and math.isfinite(f):
             d = devices[i]
-            devices[i] = replace(d, flops=d.flops * f) if d.flops else replace(d, cpus=(d.cpus or 1.0) * f)
+            devices[i] = replace(d, flops=d.flops * f) if d.flops else replace(d, speed=d.speed * f)
     return replace(hw, devices=tuple(devices))
 
 
@@ -94,7 +95,7 @@ class CostModel:
     def op_vector(self, device: Device) -> np.ndarray:
         """Per compute op (topological order), forward + backward seconds of one micro-batch (at
         ``scale``) under sustained load (a CPU device's quota applied): what the partitioner balances."""
-        key = ("vec", device.flops, device.cpus, self.scale)  # devices of the same speed share it
+        key = ("vec", device.flops, device.cpus, device.speed, self.scale)  # devices of the same speed share it
         if key not in self.memo:
             full = [self.op_seconds(n.id, device, False) + self.op_seconds(n.id, device, True) for n in self.graph.compute_nodes]
             self.memo[key] = np.array(full) / self.cpu_rate(device)
@@ -152,13 +153,14 @@ class CostModel:
 
     @staticmethod
     def cpu_rate(device: Device) -> float:
-        """Average fraction of full speed a CPU device gets (its quota); 1 for accelerators."""
-        return min(1.0, device.cpus / device.threads) * device.threads if device.cpus else 1.0
+        """Average fraction of full speed a CPU device gets (its quota, times its calibrated core
+        speed); 1 for accelerators (their calibration scales their flop/s)."""
+        return min(1.0, device.cpus / device.threads) * device.threads * device.speed if device.cpus else device.speed
 
     def mean_compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:
         """Seconds under sustained load (quota applied): what the partitioner balances."""
         t = self.compute_seconds(nodes, device, backward)
-        return t / self.cpu_rate(device) if device.cpus else t
+        return t / self.cpu_rate(device)  # (1 for an accelerator)
 
     # ---- communication -----------------------------------------------------------------------------
     def is_carried(self, src: int, dst: int) -> bool:

@@ -116,7 +116,7 @@ class _Planner:
         if self.place is not None:  # capabilities differ per worker: no sharing
             return tuple(ids)
         hw = self.hw
-        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory) for i in ids),
+        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory, hw.devices[i].speed) for i in ids),
                 tuple(hw.bandwidth[i][j] for i in ids for j in ids), tuple(hw.latency[i][j] for i in ids for j in ids))
 
     def plan(self, ids: list[int]) -> _Group | None:
