@@ -22,9 +22,8 @@ from typing import Any
 
 from fusionllm.core.metrics import StepRecord
 from fusionllm.cost.model import CostModel
-from fusionllm.planning.calibrate import Calibration, Samples, fit
+from fusionllm.planning.calibrate import Calibration, Samples, fit, predicted
 from fusionllm.schedule.plan import Request
-from fusionllm.sim.simulator import simulate
 
 from .config import Run
 from .context import RunContext
@@ -87,7 +86,7 @@ class Calibrator:
         elif not t.carried and self.overhead is not None and self.setup.calibration:
             t.carried = True
             speed = {w: self.setup.calibration.get(w, 1.0) for w in run.plan.workers}
-            t.fitting = asyncio.create_task(asyncio.to_thread(lambda: simulate(run.plan, cost.calibrated(speed, self.overhead), req).step_time_s))
+            t.fitting = asyncio.create_task(asyncio.to_thread(predicted, run.plan, cost, req, speed, self.overhead))
 
     def apply(self, t: _Tracked, task: asyncio.Task, record: StepRecord) -> None:
         """A finished fit (a ``Calibration``) or carried prediction (seconds) into the plan and ``record``."""

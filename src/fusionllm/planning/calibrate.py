@@ -106,6 +106,11 @@ class Calibration:
                 "speed": {str(w): round(f, 4) for w, f in sorted(self.speed.items())}}
 
 
+def predicted(plan: Plan, cost: CostModel, req: Request, speed: Mapping[int, float], step_overhead_s: float) -> float:
+    """``plan``'s step predicted with fitted speeds and overhead (a plan made after a fit, before its own)."""
+    return simulate(plan, cost.calibrated(speed, step_overhead_s), req).step_time_s
+
+
 def _clamp(f: float) -> float:
     return min(max(f, SPEED_RANGE[0]), SPEED_RANGE[1])
 
