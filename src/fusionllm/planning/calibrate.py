@@ -14,7 +14,8 @@ measurement the cost model is fitted to (``fit``):
    simulator does not see): the rest of the measured step, as the cost model's ``step_overhead_s``.
 3. where that rest would be negative (the model too slow even without overhead), or no worker has
    CPU figures (an accelerator's host CPU says nothing of its kernels): every device's speed times
-   one factor, found by bisection, so that the simulated step is the measured one.
+   one factor, the least (found by bisection) whose simulated step is no longer than the measured
+   one; what is left (a quota's periods make the step jump with speed) goes into the overhead.
 
 The fitted model predicts the running plan's step to the median of its measured steps (a plan's
 own steps after warm-up vary by a few percent); every later plan is made with the fitted speeds.
@@ -33,7 +34,7 @@ from fusionllm.sim.simulator import simulate
 
 WARMUP_STEPS = 5  # a plan's first steps open connections and warm caches: not measured
 FIT_AFTER = 10  # measured steps before the first fit (the 15th step of a plan)
-REFIT_EVERY = 50  # and again every so many measured steps (speeds move)
+REFIT_EVERY = 20  # and again every so many measured steps, on the last so many (speeds move)
 SPEED_RANGE = (0.02, 50.0)  # a fitted speed factor stays within these (a stalled step is no speed)
 BISECTIONS = 24
 
@@ -140,20 +141,21 @@ def fit(plan: Plan, cost: CostModel, req: Request, samples: list[Sample]) -> Cal
         overhead = max(0.0, overhead + measured - step_at(1.0, overhead))
     if not speed or step_at(1.0, overhead) > measured * 1.001:
         factor = _bisect(lambda f: step_at(f, overhead) - measured)
-        if not speed:  # the same for every device: what is left is overhead
-            overhead = max(0.0, overhead + measured - step_at(factor, overhead))
+    # the rest as overhead: a quota's 100 ms periods make the step jump with speed, and a step bound by links does not move
+    overhead = max(0.0, overhead + measured - step_at(factor, overhead))
     final = {w: _clamp(speed.get(w, 1.0) * factor) for w in plan.workers}
     after = simulate(plan, cost.calibrated(final, overhead), req).step_time_s
     return Calibration(final, overhead, before.step_time_s, after, measured, len(samples))
 
 
 def _bisect(gap: Callable[[float], float]) -> float:
-    """The speed factor where ``gap`` (simulated minus measured, falling with speed) crosses 0, in
-    log space within ``SPEED_RANGE``; the range's end where it never does (a step bound by links)."""
+    """The least speed factor whose step is no longer than measured (``gap``: simulated minus
+    measured, falling with speed; it may jump where a quota's period no longer holds an action), in
+    log space within ``SPEED_RANGE``; the range's end where there is none (a step bound by links)."""
     lo, hi = math.log(SPEED_RANGE[0]), math.log(SPEED_RANGE[1])
     if gap(math.exp(hi)) > 0:
         return math.exp(hi)
-    if gap(math.exp(lo)) < 0:
+    if gap(math.exp(lo)) <= 0:
         return math.exp(lo)
     for _ in range(BISECTIONS):
         mid = (lo + hi) / 2
@@ -161,4 +163,4 @@ def _bisect(gap: Callable[[float], float]) -> float:
             lo = mid
         else:
             hi = mid
-    return math.exp((lo + hi) / 2)
+    return math.exp(hi)
