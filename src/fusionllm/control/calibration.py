@@ -40,6 +40,19 @@ class _Tracked:
     fitting: asyncio.Task | None = None
     carried: bool = False  # predicted again with an earlier plan's fit
     off: bool = False
+    shared: frozenset[str] = frozenset()  # workers whose process holds other workers too (in-process): their CPU is not their own
+
+
+def shared_processes(members: dict[int, Any]) -> frozenset[str]:
+    """Workers (as the records name them) that share their process with another member (an
+    in-process cluster): the process's CPU time is not theirs alone."""
+    where: dict[tuple[str, int], list[int]] = {}
+    for w, m in members.items():
+        info = getattr(m, "info", None)
+        pid = getattr(info, "pid", 0)
+        if pid:
+            where.setdefault((getattr(info, "hostname", ""), pid), []).append(w)
+    return frozenset(str(w) for ws in where.values() if len(ws) > 1 for w in ws)
 
 
 class Calibrator:
@@ -68,7 +81,9 @@ class Calibrator:
             t.off = any(w >= n for w in run.plan.workers) or set(self.ctx.membership.members) != set(range(n))  # ids are not hardware indices
             if not t.off:
                 t.cost = asyncio.create_task(self.base_cost(run))
-        t.samples.add(step_s=record.step_s, cpu_s=record.cpu_s, elapsed_s=record.elapsed_s if one else None)
+            t.shared = shared_processes(self.ctx.membership.members)
+        cpu = {w: v for w, v in record.cpu_s.items() if w not in t.shared}
+        t.samples.add(step_s=record.step_s, cpu_s=cpu, elapsed_s=record.elapsed_s if one else None)
         if t.off:
             return
         if t.fitting is not None and t.fitting.done():
