@@ -211,3 +211,24 @@ def test_the_run_commits_to_the_measured_best_and_measures_again_only_when_its_s
     fin.ended(held[0])
     again = fin.decided(held[1])
     assert again is not None and len(again) == 1 and again[0].groups == [] and not again[0].decide and events[-1]["measure_again"] is True
+
+
+def test_every_plan_after_a_fit_is_made_with_the_fitted_speeds(tmp_path: Path) -> None:
+    """Why it can fail: speeds fitted and then forgotten (a re-plan, a regroup or a finalist planned
+    with the probed speeds that mispredicted), or applied to the model they were fitted against."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fusionllm.control.setup import Setup
+    from fusionllm.planning.schedulers import device_speed
+
+    path = tmp_path / "two.toml"
+    path.write_text('name = "two"\n[sites.a]\ndevices = 2\ncpus = 1.0\nbandwidth = "1gbit"\n')
+    members = {w: SimpleNamespace(id=w, origin=w) for w in (0, 1)}
+    ctx = SimpleNamespace(train=None, cluster=SimpleNamespace(hardware=str(path), workers=2), task=None,
+                          membership=SimpleNamespace(members=members), say=lambda _: None)
+    setup = Setup(ctx, None, None, None)  # type: ignore[arg-type]
+    setup.calibration.update({0: 0.4})
+    fitted, base = asyncio.run(setup.hardware({})), asyncio.run(setup.hardware({}, calibrated=False))
+    assert [d.speed for d in fitted.devices] == [0.4, 1.0] and [d.speed for d in base.devices] == [1.0, 1.0]
+    assert device_speed(fitted.devices[1]) > device_speed(fitted.devices[0])  # the planner now puts the faster device first
