@@ -246,8 +246,9 @@ class GroupSetup:
         for g in hier.groups:
             runs[g.index].policy = await asyncio.to_thread(self.setup.adatopk, g.plan, cost, self.group_batch(), indent=f"  group {g.index} ")
 
-    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient], steps: int) -> HierPlan:
-        """The planner's groups for ``steps`` steps (no H beyond them)."""
+    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient], steps: int, keep: list[Any] | None = None) -> HierPlan:
+        """The planner's groups for ``steps`` steps (no H beyond them); ``keep``: every candidate's
+        plan and figures (``choose_hier_plan``)."""
         from fusionllm.planning.hierarchy import choose_hier_plan
 
         c = self.cluster
@@ -262,7 +263,7 @@ class GroupSetup:
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
-            overlap=not c.blocking_sync, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps),
+            overlap=not c.blocking_sync, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps), keep=keep,
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps

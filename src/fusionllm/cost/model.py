@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -41,6 +41,19 @@ def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     (x0, y0), (x1, y1) = points[k - 1], points[k]
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
     return max(y, min(p[1] for p in points) * min(1.0, x / xs[0]))
+
+
+def calibrated_hardware(hw: Hardware, speed: Mapping[int, float]) -> Hardware:
+    """``hw`` with device ``i`` ``speed[i]`` times as fast: an accelerator's flop/s, or a CPU device's
+    core speed (``Device.speed``: each action, its compute, messages and codecs, takes that much less
+    CPU, its quota unchanged). Factors are measured against the uncalibrated hardware, so they are
+    applied to it, once."""
+    devices = list(hw.devices)
+    for i, f in speed.items():
+        if 0 <= i < len(devices) and f > 0 and math.isfinite(f):
+            d = devices[i]
+            devices[i] = replace(d, flops=d.flops * f) if d.flops else replace(d, speed=d.speed * f)
+    return replace(hw, devices=tuple(devices))
 
 
 @dataclass
@@ -82,11 +95,18 @@ class CostModel:
     def op_vector(self, device: Device) -> np.ndarray:
         """Per compute op (topological order), forward + backward seconds of one micro-batch (at
         ``scale``) under sustained load (a CPU device's quota applied): what the partitioner balances."""
-        key = ("vec", device.flops, device.cpus, self.scale)  # devices of the same speed share it
+        key = ("vec", device.flops, device.cpus, device.speed, self.scale)  # devices of the same speed share it
         if key not in self.memo:
             full = [self.op_seconds(n.id, device, False) + self.op_seconds(n.id, device, True) for n in self.graph.compute_nodes]
             self.memo[key] = np.array(full) / self.cpu_rate(device)
         return self.memo[key]
+
+    def calibrated(self, speed: Mapping[int, float], step_overhead_s: float | None = None) -> CostModel:
+        """The same model with devices ``speed`` times as fast as modelled (``calibrated_hardware``)
+        and, where given, the per-step wall time beyond the actions (``step_overhead_s``): the
+        calibration hook that ``planning/calibrate.py`` fits to measured steps."""
+        overhead = self.step_overhead_s if step_overhead_s is None else step_overhead_s
+        return replace(self, hw=calibrated_hardware(self.hw, speed), step_overhead_s=overhead, memo={})
 
     def positions(self) -> dict[str, int]:
         if "pos" not in self.memo:
@@ -133,13 +153,14 @@ class CostModel:
 
     @staticmethod
     def cpu_rate(device: Device) -> float:
-        """Average fraction of full speed a CPU device gets (its quota); 1 for accelerators."""
-        return min(1.0, device.cpus / device.threads) * device.threads if device.cpus else 1.0
+        """Average fraction of full speed a CPU device gets (its quota, times its calibrated core
+        speed); 1 for accelerators (their calibration scales their flop/s)."""
+        return min(1.0, device.cpus / device.threads) * device.threads * device.speed if device.cpus else device.speed
 
     def mean_compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:
         """Seconds under sustained load (quota applied): what the partitioner balances."""
         t = self.compute_seconds(nodes, device, backward)
-        return t / self.cpu_rate(device) if device.cpus else t
+        return t / self.cpu_rate(device)  # (1 for an accelerator)
 
     # ---- communication -----------------------------------------------------------------------------
     def is_carried(self, src: int, dst: int) -> bool:

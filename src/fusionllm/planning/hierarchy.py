@@ -116,7 +116,7 @@ class _Planner:
         if self.place is not None:  # capabilities differ per worker: no sharing
             return tuple(ids)
         hw = self.hw
-        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory) for i in ids),
+        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory, hw.devices[i].speed) for i in ids),
                 tuple(hw.bandwidth[i][j] for i in ids for j in ids), tuple(hw.latency[i][j] for i in ids for j in ids))
 
     def plan(self, ids: list[int]) -> _Group | None:
@@ -210,7 +210,8 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
                      say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
                      inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
                      outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True, group_batch: int | None = None,
-                     several: bool = True, max_inner_steps: int = MAX_INNER_STEPS) -> tuple[HierPlan, CostModel]:
+                     several: bool = True, max_inner_steps: int = MAX_INNER_STEPS,
+                     keep: list[tuple[HierPlan, dict[str, Any]]] | None = None) -> tuple[HierPlan, CostModel]:
     """The plan with the most predicted goodput (tokens/s times per-token efficiency,
     ``planning.efficiency``) among the candidate groupings (module docstring): the one predicted to
     reach a target loss first. ``req`` is one step of the whole run (its batch: the global batch);
@@ -220,7 +221,8 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
     or more, unless none holds the model; without it (``--sync auto``) one synchronous group too.
     Returns the plan with the whole cluster's cost model (no compression). ``place`` takes a plan on
     global worker ids (``choose_plan``'s rule). ``max_inner_steps``: no H above it (the run's steps:
-    a longer round would never sync)."""
+    a longer round would never sync). ``keep``: every candidate's plan and figures are appended to it
+    (the run measures the best few: ``control/finalists.py``)."""
     started = time.perf_counter()
     if inner_steps is not None and inner_steps < 1:
         raise ConfigError(f"--inner-steps must be >= 1, got {inner_steps}")
@@ -281,7 +283,11 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
         considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
                            "tokens_per_s": result.tokens_per_s, "efficiency": eff, "goodput": goodput,
                            "utilization": result.utilization, "round_s": result.round_s,
-                           "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden})
+                           "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden,
+                           "workers": [list(g.workers) for g in groups]})
+        if keep is not None:
+            hier.group_batch = rows if len(groups) > 1 else None
+            keep.append((hier, considered[-1]))
         if several and len(groups) == 1:
             continue  # predicted for the record (meta["synchronous"]), not a choice
         better = best is None or goodput > best[3] * (1 + TIE) or (goodput >= best[3] * (1 - TIE) and len(groups) < len(best[0].groups))

@@ -185,7 +185,7 @@ def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, 
 
 def device_speed(d: Device) -> float:
     """A sort key for devices: accelerators by peak FLOP/s, CPU shares by their quota."""
-    return (d.flops or 0) + (d.cpus or 0) * 1e12
+    return (d.flops or 0) + (d.cpus or 0) * d.speed * 1e12
 
 
 def merge_pass_through(graph: OpGraph, stages: Layout) -> Layout:

@@ -62,7 +62,7 @@ class _Cpu:
 
     def __init__(self, device: Device) -> None:
         self.quota = min(1.0, device.cpus) * CFS_PERIOD if device.cpus else math.inf
-        self.speed = max(1.0, device.cpus) if device.cpus else 1.0
+        self.speed = (max(1.0, device.cpus) if device.cpus else 1.0) * device.speed  # (a core calibrated slower: more CPU per action)
         self.period = -1
         self.used = 0.0
         self.cpu = 0.0  # seconds of the quota used so far (at full speed)
