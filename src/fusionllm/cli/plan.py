@@ -74,7 +74,7 @@ def _print_candidates(candidates: list[dict]) -> None:
 def plan_cmd(
     cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
     model: ModelOpt = "gpt-micro",
-    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params, compute or dp.")] = "opfence",
     batch_size: BatchOpt = 16,
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,
@@ -127,7 +127,7 @@ def plan_cmd(
 def simulate(
     cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
     model: ModelOpt = "gpt-micro",
-    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params, compute or dp.")] = "opfence",
     batch_size: BatchOpt = 16,
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,
