@@ -126,17 +126,21 @@ def layouts(cost: CostModel, req: Request) -> list[Layout]:
     return out
 
 
-def sites_of(cost: CostModel, workers: list[int]) -> tuple[tuple[int, ...], ...]:
-    """The fences' devices among ``workers``, each site led by its fastest device (its first)."""
+def sites_of(cost: CostModel, workers: list[int], *, apart: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The fences' devices among ``workers``, each site led by its fastest device (its first);
+    ``apart``: every device a site of its own (where even a fence's links are too slow for raw
+    gradients, every device then exchanges its gradients encoded)."""
+    if apart:
+        return tuple((w,) for w in sorted(workers))
     ops = [n.id for n in cost.graph.compute_nodes]
     speed = {w: 1.0 / _stage_seconds(cost, ops, w) for w in workers}
     sites = [sorted((w for w in f if w in speed), key=lambda w: (-speed[w], w)) for f in find_fences(cost.hw)]
     return tuple(tuple(s) for s in sites if s)
 
 
-def dp_plan(cost: CostModel, req: Request, layout: Layout, micro_batches: int, scheduler: str = "dp") -> Plan | None:
+def dp_plan(cost: CostModel, req: Request, layout: Layout, micro_batches: int, scheduler: str = "dp", *, apart: bool = False) -> Plan | None:
     """The layout's plan at ``micro_batches`` (None: fewer than its lanes): shares by speed, the
-    reduce across sites and its codec."""
+    reduce across sites (``apart``: every device a site, ``sites_of``) and its codec."""
     scaled = cost.scaled(micro_batch_scale(cost.graph, req, micro_batches))
     shares = apportion(lane_rates(scaled, layout), micro_batches)
     if shares is None:
@@ -144,7 +148,7 @@ def dp_plan(cost: CostModel, req: Request, layout: Layout, micro_batches: int, s
     stages = [StagePlan(s, list(nodes), [lane[s] for lane in layout.lanes], list(shares) if len(layout.lanes) > 1 else None)
               for s, nodes in enumerate(layout.stages)]
     plan = Plan(stages, "1f1b", micro_batches, {"scheduler": scheduler, "kind": "data-parallel", "layout": layout.name})
-    sites = sites_of(cost, plan.workers)
+    sites = sites_of(cost, plan.workers, apart=apart)
     if len(sites) > 1:
         plan.reduce = ReducePlan(sites)
     return with_reduce_codec(plan, cost, req)
@@ -168,8 +172,10 @@ def estimate(plan: Plan, cost: CostModel, req: Request) -> float:
             if group in seen:
                 continue
             seen.add(group)
-            if plan.reduce is None:
-                exposed += 2 * (len(group) - 1) * cost.allreduce_round_seconds(nbytes, list(group))
+            if plan.reduce is None:  # the ring: each round's transfer, and its two message ends on the slowest CPU
+                slowest = min(cost.cpu_rate(cost.hw.devices[w]) for w in group)
+                exposed += 2 * (len(group) - 1) * (cost.allreduce_round_seconds(nbytes, list(group))
+                                                   + 2 * cost.message_cpu_seconds(nbytes / len(group)) / slowest)
                 continue
             seconds, codec = cost.site_reduce_seconds(nbytes, leader_groups(plan, group), ratio)
             last = max(scaled.mean_compute_seconds(plan.stage_of_worker(w).nodes, cost.hw.devices[w], True) for w in group)
@@ -189,10 +195,16 @@ def data_parallel(cost: CostModel, req: Request, *, evaluate: Evaluate | None = 
     ranked: list[tuple[float, int, int, Plan]] = []
     for order, layout in enumerate(layouts(cost, req)):
         lanes = len(layout.lanes)
+        split_sites = len(sites_of(cost, [w for lane in layout.lanes for w in lane])) < lanes  # a fence holds several replicas
         for m in (m for m in divisors if lanes <= m <= max(16, 4 * lanes, len(layout.stages))):
-            plan = dp_plan(cost, req, layout, m, scheduler)
-            if plan is not None:
-                ranked.append((estimate(plan, cost, req) / reduce_efficiency(plan.reduce.codec if plan.reduce else "none"), order, m, plan))
+            for apart in (False, True) if split_sites else (False,):
+                plan = dp_plan(cost, req, layout, m, scheduler, apart=apart)
+                if apart and plan is not None and (plan.reduce is None or plan.reduce.codec == "none"):
+                    continue  # raw sums inside a fence: the default reducers (a ring, a torch world) do it with fewer bytes
+                if plan is not None:
+                    if apart:
+                        plan.meta["layout"] += ", every device its own site"
+                    ranked.append((estimate(plan, cost, req) / reduce_efficiency(plan.reduce.codec if plan.reduce else "none"), order, m, plan))
     ranked.sort(key=lambda x: x[:3])
     best: tuple[float, Plan] | None = None
     judged, invalid = 0, 0
@@ -219,17 +231,20 @@ def data_parallel(cost: CostModel, req: Request, *, evaluate: Evaluate | None = 
     return best[1]
 
 
-def weigh(pipeline: Plan, cost: CostModel, req: Request, *, evaluate: Evaluate) -> Plan:
-    """OP-Fence's ``pipeline`` or the best data-parallel plan, whichever has the more predicted
-    goodput (a tie: the pipeline); both predictions go into the chosen plan's ``meta["weighed"]``."""
+def weigh(pipeline: Plan, cost: CostModel, req: Request, *, evaluate: Evaluate, candidates: int = DP_CANDIDATES) -> Plan:
+    """OP-Fence's ``pipeline`` or the best data-parallel plan (``candidates`` of them judged), whichever
+    has the more predicted goodput (a tie: the pipeline); both predictions go into the chosen plan's
+    ``meta["weighed"]``, and the search's counts into ``meta["candidates"]`` (the pipelines', with
+    the data-parallel ones under ``data_parallel``)."""
     try:
-        dp = data_parallel(cost, req, evaluate=evaluate, scheduler=str(pipeline.meta.get("scheduler", "opfence")))
+        dp = data_parallel(cost, req, evaluate=evaluate, candidates=candidates, scheduler=str(pipeline.meta.get("scheduler", "opfence")))
     except ConfigError:
         return pipeline
     t_pipe, t_dp, eff = evaluate(pipeline, cost, req), float(dp.meta["predicted_step_s"]), float(dp.meta["efficiency"])
     weighed = {"pipeline": {"tokens_per_s": req.tokens / t_pipe, "efficiency": 1.0, "layout": pipeline.meta.get("layout")},
                "data-parallel": {"tokens_per_s": req.tokens / t_dp, "efficiency": eff, "layout": dp.meta.get("layout"),
                                  "codec": dp.reduce.codec if dp.reduce else "none"}}
+    counts = {**pipeline.meta.get("candidates", {}), "data_parallel": dp.meta["candidates"]}
     chosen = dp if t_dp / eff < t_pipe else pipeline
-    chosen.meta["weighed"] = weighed
+    chosen.meta.update({"weighed": weighed, "candidates": counts})
     return chosen

@@ -25,7 +25,7 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.core.options import SCHEDULERS
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
-from fusionllm.planning.data_parallel import data_parallel, weigh
+from fusionllm.planning.data_parallel import DP_CANDIDATES, data_parallel, weigh
 from fusionllm.planning.fences import find_fences, order_fences
 from fusionllm.planning.predict import predict
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
@@ -334,9 +334,10 @@ def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluat
     if name not in SCHEDULER_FUNCS:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     if name == "opfence":  # OP-Fence's pipelines, and data parallelism across the fences beside them
-        return weigh(opfence(cost, req, evaluate=evaluate, candidates=candidates), cost, req, evaluate=evaluate or predict)
+        pipeline = opfence(cost, req, evaluate=evaluate, candidates=candidates)
+        return weigh(pipeline, cost, req, evaluate=evaluate or predict, candidates=min(candidates, DP_CANDIDATES))
     if name == "dp":
-        return data_parallel(cost, req, evaluate=evaluate)
+        return data_parallel(cost, req, evaluate=evaluate, candidates=min(candidates, DP_CANDIDATES))
     plan = SCHEDULER_FUNCS[name](cost, req)
     try:
         validate_plan(cost.graph, plan, cost, req)
