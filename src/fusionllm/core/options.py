@@ -142,7 +142,7 @@ class SyncOptions(Section):
                                          "devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo); auto: whichever "
                                          "of the two the planner predicts to reach a target loss first (docs/scheduler.md). Default for train: "
                                          "auto when a planner forms the plan (a cluster file, or --scheduler) and nothing is given by hand "
-                                         "(--groups, --replicas, --regroup, --resume), synchronous otherwise; for coordinator: synchronous.")
+                                         "(--groups, --replicas, --regroup, --resume, --scheduler dp), synchronous otherwise; for coordinator: synchronous.")
     groups: str | None = option(None, "--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")
     regroup: list[str] | None = option(None, "STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its "
                                              "live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains "
