@@ -129,6 +129,7 @@ def test_train_defaults_to_auto_when_a_planner_forms_the_plan() -> None:
     plain = {"groups": None, "replicas": None, "regroup": None, "resume": False}
     assert default_sync(None, scheduler="opfence", **plain) == "auto"
     assert default_sync(None, scheduler=None, **plain) == "synchronous"  # local:N split by hand
+    assert default_sync(None, scheduler="dp", **plain) == "synchronous"  # one data-parallel plan, asked for by hand
     assert default_sync("synchronous", scheduler="opfence", **plain) == "synchronous"
     for by_hand in ({"replicas": "2"}, {"regroup": ["3:0/1"]}, {"resume": True}, {"groups": "0/1"}):
         assert default_sync(None, scheduler="opfence", **(plain | by_hand)) == "synchronous", by_hand

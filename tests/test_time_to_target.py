@@ -120,7 +120,8 @@ def test_the_dp_row_runs_with_whatever_option_declares_the_data_parallel_plan(mo
     assert ttt.dp_flags() is None or "dp" in ttt.FUSION  # the row is in the table exactly when an option declares the plan
     fake = ttt.Fusion(("x",))  # any Leaf-like: a name's flag and a type
     leaf = type("Leaf", (), {"kind": Literal["auto", "pipeline", "data-parallel"] | None, "flag": "--plan"})()
-    monkeypatch.setattr(options, "leaves", lambda: {**declared, "plan": leaf})
+    assert ttt.dp_flags() == ("--scheduler", "dp")  # declared today by --scheduler (docs/scheduler.md)
+    monkeypatch.setattr(options, "leaves", lambda: {**{k: v for k, v in declared.items() if k != "scheduler"}, "plan": leaf})
     assert ttt.dp_flags() == ("--plan", "data-parallel")
     assert not fake.user and ttt.FUSION["auto"] == ttt.Fusion((), user=True)  # auto: train --cluster FILE with no flag of its own
 

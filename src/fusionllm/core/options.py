@@ -30,7 +30,7 @@ CollectivesMode = Literal["auto", "off"]
 OuterAggregate = Literal["mean", "clipped", "trimmed"]
 Precision = Literal["fp32", "bf16"]
 ScheduleName = Literal["gpipe", "1f1b"]
-SchedulerName = Literal["opfence", "uniform", "params", "compute"]
+SchedulerName = Literal["opfence", "uniform", "params", "compute", "dp"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 GUARD_MODES: tuple[str, ...] = get_args(GuardMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -118,8 +118,10 @@ class ClusterOptions(Section):
     schedule: ScheduleName = option("1f1b", "Pipeline schedule: gpipe or 1f1b.")
     micro_batches: int = option(4, "Micro-batches per step (divides --batch-size).")
     replicas: str | None = option(None, "Workers per stage, e.g. 1,2 (data parallel); default one stage per worker.")
-    scheduler: SchedulerName | None = option(None, "opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages "
-                                                   "balanced by parameters).")
+    scheduler: SchedulerName | None = option(None, "opfence, uniform, params, compute or dp (default: opfence on a cluster file, otherwise stages "
+                                                   "balanced by parameters). opfence weighs pipelines and data parallelism; dp forces "
+                                                   "data parallelism: replicas with shares of the batch by speed, gradients compressed "
+                                                   "between sites (docs/scheduler.md).")
     hardware: Path | None = option(None, "Plan with this cluster file's rates instead of probing the workers (with --cluster local:N and "
                                          "--scheduler: N devices).")
     probe_links: bool = option(False, "On a cluster file: plan with probed links and device speeds, not the file's.", commands=(TRAIN,))
@@ -140,7 +142,7 @@ class SyncOptions(Section):
                                          "devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo); auto: whichever "
                                          "of the two the planner predicts to reach a target loss first (docs/scheduler.md). Default for train: "
                                          "auto when a planner forms the plan (a cluster file, or --scheduler) and nothing is given by hand "
-                                         "(--groups, --replicas, --regroup, --resume), synchronous otherwise; for coordinator: synchronous.")
+                                         "(--groups, --replicas, --regroup, --resume, --scheduler dp), synchronous otherwise; for coordinator: synchronous.")
     groups: str | None = option(None, "--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")
     regroup: list[str] | None = option(None, "STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its "
                                              "live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -192,6 +192,42 @@ class CostModel:
         n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
         return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) + self.latency(b, a) for a, b in ring)
+
+    def site_reduce_seconds(self, nbytes: float, sites: Sequence[Sequence[int]], ratio: float) -> tuple[float, float]:
+        """Wall seconds to sum ``nbytes`` of gradients over ``sites`` (each a list of workers, its leader
+        first) as ``Plan.reduce`` does, and the part of them the leaders' codec takes after the last
+        gradient is in (what cannot overlap the backward). Within a site, the members send their
+        gradients to the leader raw (in parallel, each on its own link; the leader takes them in one
+        after the other); the leaders encode their sums at ``ratio`` of the bytes (1: raw), send them
+        to every other leader and decode every leader's payload, their own included; each leader sends
+        the total back into its site raw. A quota device spends its CPU at its quota's rate."""
+        def cpu(w: int, seconds: float) -> float:
+            return seconds / self.cpu_rate(self.hw.devices[w])
+
+        def into_site(a: int, b: int) -> float:  # a raw message inside a site (a world's cost where one carries the link)
+            return self.transfer_seconds(nbytes, a, b, raw=not self.is_carried(a, b)) + self.latency(a, b)
+
+        gather = broadcast = 0.0
+        for site in sites:
+            lead, members = site[0], list(site[1:])
+            if members:
+                gather = max(gather, max(into_site(m, lead) for m in members)
+                             + sum(cpu(lead, self.message_cpu_seconds(nbytes, m, lead)) for m in members))
+                broadcast = max(broadcast, sum(cpu(lead, self.message_cpu_seconds(nbytes, lead, m)) for m in members)
+                                + max(into_site(lead, m) + cpu(m, self.message_cpu_seconds(nbytes, lead, m)) for m in members))
+        leaders = [site[0] for site in sites]
+        codec = exchange = 0.0
+        if len(leaders) > 1:
+            wire = nbytes * ratio
+            # encode the sum once; decode each leader's payload (its encoded bytes) and add it to a dense total (gpt-micro's
+            # 3.4 MB gradient here, one thread, best of 7: topk:0.05 encodes in 9.7 ms and decodes in 0.4 ms; topk:0.01 in 2.6 and 0.2)
+            if ratio < 1.0:
+                codec = max(cpu(w, nbytes / self.encode_bytes_per_s + len(leaders) * (wire / self.decode_bytes_per_s + nbytes / self.cpu_bytes_per_s))
+                            for w in leaders)
+            sends = max(self.transfer_seconds(wire, a, b, raw=True) + self.latency(a, b) for a in leaders for b in leaders if a != b)
+            ends = max(cpu(w, 2 * (len(leaders) - 1) * self.message_cpu_seconds(wire)) for w in leaders)
+            exchange = sends + ends + codec
+        return gather + exchange + broadcast, codec
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         """What a worker's STEP action costs it: AdamW over its parameters and, on a CPU device, the

@@ -138,8 +138,7 @@ class _Planner:
         """``group``'s plan on other devices that look the same (``signature``), in the same order."""
         src = self.order(group.workers)
         to = dict(zip(src, self.order(ids), strict=True))
-        stages = [type(s)(s.index, list(s.nodes), [to[w] for w in s.workers]) for s in group.plan.stages]
-        plan = Plan(stages, group.plan.schedule, group.plan.micro_batches, dict(group.plan.meta))
+        plan = remap(group.plan, to)
         return _Group(plan, GroupStep(group.step.step_s, {to[w]: b for w, b in group.step.busy_s.items()}))
 
     def _plan_local(self, ids: list[int]) -> tuple[Plan, GroupStep] | None:
@@ -185,8 +184,7 @@ def _subset(hw: Hardware, ids: list[int]) -> Hardware:
 
 
 def _to_local(plan: Plan, back: dict[int, int]) -> Plan:
-    stages = [type(s)(s.index, list(s.nodes), [back[w] for w in s.workers]) for s in plan.stages]
-    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta))
+    return remap(plan, back)
 
 
 def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list[list[str]], *, outer_lr: float,
@@ -279,6 +277,7 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
         factor = len(groups) * rows / req.batch_size
         hier, result, hidden, eff = _evaluate(graph, cost, greq, groups, frags, inner_steps=inner_steps, codec=codec, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor, max_h=max_inner_steps)
+        eff *= min(float(g.plan.meta.get("efficiency", 1.0)) for g in groups)  # a data-parallel group's lossy reduce (planning/data_parallel.py)
         goodput = result.tokens_per_s * eff
         considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
                            "tokens_per_s": result.tokens_per_s, "efficiency": eff, "goodput": goodput,
