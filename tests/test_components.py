@@ -291,7 +291,7 @@ def test_the_planners_grouping_is_chosen_once_and_one_group_is_a_grouping() -> N
                                membership=SimpleNamespace(members={}, incarnation=0))
 
     def setup(groups: list[list[int]]) -> Any:
-        async def schedule(graph: str, clients: dict, steps: int) -> Any:
+        async def schedule(graph: str, clients: dict, steps: int, keep: list | None = None) -> Any:
             asked.append(steps)
             return SimpleNamespace(groups=[SimpleNamespace(workers=w) for w in groups], meta={"grouping": "g", "candidates": []})
 

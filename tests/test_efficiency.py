@@ -73,14 +73,15 @@ def test_groups_that_only_add_tokens_lose_to_one_group_and_auto_keeps_one(micro)
 
 @pytest.mark.parametrize(("penalty", "groups"), [(0.0, 2), (10.0, 1)])
 def test_auto_takes_the_candidate_with_the_most_goodput(micro, monkeypatch: pytest.MonkeyPatch, penalty: float, groups: int) -> None:
-    """Two devices behind a 100 Mbit/s link: one synchronous group keeps to one device, two groups
-    have about 1.5x its tokens/s. Free groups (no loss per token) win; costly ones lose."""
+    """Two devices behind a 100 Mbit/s link: one synchronous group (data parallel over both, its
+    gradients compressed) is predicted about 1.2x slower than two groups (which pay a sync every few
+    steps only). Free groups (no loss per token) win; costly ones lose."""
     monkeypatch.setattr(efficiency, "GROUP_PENALTY", penalty)
     graph, work = micro
     auto, _ = choose_hier_plan(graph, two_devices(1e8), "opfence", REQ, work=work, say=lambda _: None, several=False)
     assert len(auto.groups) == groups and auto.group_batch == (8 if groups == 2 else None)
     by = {c["groups"]: c for c in auto.meta["candidates"]}
-    assert penalty > 0 or by[2]["tokens_per_s"] > 1.3 * by[1]["tokens_per_s"]
+    assert penalty > 0 or by[2]["tokens_per_s"] > 1.15 * by[1]["tokens_per_s"]
     assert by[groups]["time_to_target"] == 1.0 and by[3 - groups]["time_to_target"] > 1.0
     assert by[2]["efficiency"] == pytest.approx(group_efficiency(2, max(by[2]["inner_steps"])))
 
@@ -130,6 +131,7 @@ def test_train_defaults_to_auto_when_a_planner_forms_the_plan() -> None:
     plain = {"groups": None, "replicas": None, "regroup": None, "resume": False}
     assert default_sync(None, scheduler="opfence", **plain) == "auto"
     assert default_sync(None, scheduler=None, **plain) == "synchronous"  # local:N split by hand
+    assert default_sync(None, scheduler="dp", **plain) == "synchronous"  # one data-parallel plan, asked for by hand
     assert default_sync("synchronous", scheduler="opfence", **plain) == "synchronous"
     for by_hand in ({"replicas": "2"}, {"regroup": ["3:0/1"]}, {"resume": True}, {"groups": "0/1"}):
         assert default_sync(None, scheduler="opfence", **(plain | by_hand)) == "synchronous", by_hand

@@ -70,11 +70,21 @@ def _print_candidates(candidates: list[dict]) -> None:
               f"{c.get('efficiency', 1.0):.2f} per-token efficiency, H {'/'.join(map(str, c['inner_steps']))}: {c.get('time_to_target', 1.0):.2f}x")
 
 
+def _print_reduce(info: dict) -> None:
+    """A data-parallel plan's reduce across sites (leaders first) and its codec, and what the planner weighed."""
+    if info.get("reduce"):
+        sites = " ".join("(" + ",".join(f"w{w}" for w in site) + ")" for site in info["reduce"]["sites"])
+        print(f"  reduce across sites {sites}, leaders first, their exchange {info['reduce']['codec']} "
+              f"(per-token efficiency {info.get('efficiency', 1.0):.2f})")
+    for kind, w in (info.get("weighed") or {}).items():
+        print(f"  weighed {kind}: {w['tokens_per_s']:.0f} tokens/s at {w['efficiency']:.2f} per-token efficiency ({w.get('layout')})")
+
+
 @user_errors
 def plan_cmd(
     cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
     model: ModelOpt = "gpt-micro",
-    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params, compute or dp.")] = "opfence",
     batch_size: BatchOpt = 16,
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,
@@ -111,8 +121,10 @@ def plan_cmd(
     pred = info["predicted"]
     print(f"scheduler={info['scheduler']} layout={info['layout']} fences={info['fences']} micro_batches={info['micro_batches']} schedule={info['schedule']}")
     for st in info["stages"]:
-        print(f"  stage {st['stage']} on {st['workers']}: {st['ops']} ops ({st['first_op']} .. {st['last_op']}), "
+        shares = f" (shares {st['shares']})" if st.get("shares") else ""
+        print(f"  stage {st['stage']} on {st['workers']}{shares}: {st['ops']} ops ({st['first_op']} .. {st['last_op']}), "
               f"{st['params']:,} params, {st['memory_bytes'] / 2**20:.1f} MiB, sends {st['sends_bytes_per_micro_batch'] / 2**10:.0f} KiB per micro-batch")
+    _print_reduce(info)
     if info["unused_devices"]:
         print(f"  unused devices: {info['unused_devices']}")
     for world in info["collectives"]:
@@ -127,7 +139,7 @@ def plan_cmd(
 def simulate(
     cluster: Annotated[Path, typer.Option(help="Cluster file (TOML).")],
     model: ModelOpt = "gpt-micro",
-    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params or compute.")] = "opfence",
+    scheduler: Annotated[str, typer.Option(help="opfence, uniform, params, compute or dp.")] = "opfence",
     batch_size: BatchOpt = 16,
     seq_len: SeqOpt = 128,
     micro_batches: MicroOpt = 4,

@@ -22,6 +22,7 @@ class Device:
     cpus: float | None = None  # a CPU share (cores of the reference machine)
     flops: float | None = None  # an accelerator's peak flop/s
     memory: int = DEFAULT_CPU_MEMORY
+    speed: float = 1.0  # a CPU device's core speed over the modelled one, fitted to measured steps (planning/calibrate.py)
 
     @property
     def threads(self) -> int:

@@ -28,6 +28,7 @@ class ClusterShape:
     spread: float = 10.0  # fastest / slowest device, largest / smallest memory
     total_cpus: float = 2.0  # "cpu" clusters: quotas add up to about this (the machine's cores)
     latency: bool = True  # draw link latencies (the testbed delays them with its forwarders, testbed/delay.py)
+    link_latency: float = 0.7  # with latency: the chance that a link between two sites has some (1: every one)
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -71,7 +72,7 @@ def random_cluster_toml(seed: int, shape: ClusterShape = ClusterShape()) -> str:
     for a in range(n_sites):
         for b in range(a + 1, n_sites):
             lines += ["[[links]]", f'sites = ["s{a}", "s{b}"]', f'bandwidth = "{_rate(rng)}"']
-            if shape.latency and rng.random() < 0.7:
+            if shape.latency and rng.random() < shape.link_latency:  # (drawn either way: a seed's other draws stay put)
                 lines.append(f'latency = "{rng.choice([1, 5, 10, 20, 50])}ms"')
             lines.append("")
     return "\n".join(lines)
@@ -79,3 +80,26 @@ def random_cluster_toml(seed: int, shape: ClusterShape = ClusterShape()) -> str:
 
 def random_cluster(seed: int, shape: ClusterShape = ClusterShape()) -> ClusterSpec:
     return parse_cluster(random_cluster_toml(seed, shape), source=f"<random cluster {seed}>")
+
+
+RANDOM_KINDS = {"random": (3, False), "random-latency": (3, True), "random2": (2, False), "random2-latency": (2, True)}  # name: (sites, latency)
+
+
+def named_shape(kind: str, *, devices: int = 4, total_cpus: float = 2.0) -> ClusterShape:
+    """The shape a benchmark's random cluster name (``RANDOM_KINDS``) is drawn from: ``devices`` CPU devices."""
+    if kind not in RANDOM_KINDS:
+        raise ValueError(f"unknown random cluster kind {kind!r}; known: {', '.join(RANDOM_KINDS)} (as KIND:SEED)")
+    sites, latency = RANDOM_KINDS[kind]
+    return ClusterShape(kind="cpu", sites=(sites, sites), devices=(devices, devices), total_cpus=total_cpus, latency=latency,
+                        link_latency=1.0 if latency and sites == 2 else 0.7)
+
+
+def named_cluster_toml(name: str, *, devices: int = 4, total_cpus: float = 2.0) -> str | None:
+    """The cluster file's text of ``KIND:SEED`` (``RANDOM_KINDS``), or None when ``name`` is no such name
+    (a cluster file's name)."""
+    kind, sep, seed = name.partition(":")
+    if not sep or kind not in RANDOM_KINDS:
+        return None
+    if not seed.isdigit():
+        raise ValueError(f"{name!r}: the seed after {kind}: must be a non-negative integer, e.g. {kind}:31")
+    return random_cluster_toml(int(seed), named_shape(kind, devices=devices, total_cpus=total_cpus))

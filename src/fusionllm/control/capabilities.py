@@ -62,7 +62,7 @@ def place(graph: OpGraph, plan: Plan, infos: Mapping[int, WorkerInfo], say: Call
     owner = _match(workers, slots, lambda w, slot: not lacks(w, slot[0]), prefer=lambda w, slot: w in slot[0].workers)
     if owner is None:
         raise FusionError(_refusal(graph, plan, infos, lacks, refuses))
-    stages = [StagePlan(s.index, s.nodes, [owner[i] for i, (t, _) in enumerate(slots) if t is s]) for s in plan.stages]
+    stages = [StagePlan(s.index, s.nodes, [owner[i] for i, (t, _) in enumerate(slots) if t is s], s.shares) for s in plan.stages]  # a slot keeps its share
     moved = ", ".join(f"stage {s.index} -> worker{'s' if len(s.workers) > 1 else ''} {','.join(map(str, s.workers))}" for s in stages)
     say(f"backends: moved stages to workers that can run their ops: {moved}")
     meta = {k: v for k, v in plan.meta.items() if not k.startswith("predicted")}  # the prediction was for the other assignment

@@ -82,6 +82,10 @@ class ClusterConfig:
     blocking_sync: bool = _S.blocking_sync
     group_batch: int | None = _S.group_batch
     overlap_steps: int | None = _S.overlap_steps
+    finalists: int = _S.finalists  # control/finalists.py
+    finalist_steps: int = _S.finalist_steps
+    recheck_steps: int = _S.recheck_steps
+    recheck_threshold: float = _S.recheck_threshold
     regroup: list[tuple[int, list[list[int]]]] | None = None  # --regroup parsed
     stop_timeout: float = _R.stop_timeout
     relay_port: int = _C.relay_port  # the coordinator's relay for workers behind NAT (control/reach.py)

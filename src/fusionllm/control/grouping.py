@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fusionllm.planning.finalists import Finalist, left_out
 from fusionllm.transport.control import WORKER_SERVICE
 from fusionllm.transport.rpc import RpcClient
 
@@ -33,6 +34,10 @@ class Grouping:
     groups: list[list[int]] | None
     replanned: bool = False  # the rest of a grouping a re-plan ended early (not a regroup)
     hier: Any = field(default=None, compare=False)  # schedule.hierarchy.HierPlan
+    candidates: list[Finalist] = field(default_factory=list, compare=False)  # the planner's, when it chose (--sync auto)
+    trial: Finalist | None = field(default=None, compare=False)  # a finalist measured for these steps (control/finalists.py)
+    decide: tuple[Finalist, ...] = field(default=(), compare=False)  # not chosen yet: the best of these measured finalists
+    committed: Finalist | None = field(default=None, compare=False)  # the finalist the run committed to
 
     @property
     def chosen(self) -> bool:
@@ -66,16 +71,33 @@ async def choose(ctx: RunContext, group_setup: GroupSetup, grouping: Grouping) -
     graph = await asyncio.to_thread(ctx.task.trace, group_setup.group_batch() // c.micro_batches)  # as the set-up traces it
     addresses = {m.id: m.address for m in ctx.membership.members.values()}
     clients = {w: RpcClient(a, WORKER_SERVICE, c.token, tls=c.tls, incarnation=ctx.membership.incarnation) for w, a in addresses.items()}
+    kept: list[tuple[Any, dict[str, Any]]] = []
     try:
-        hier = await group_setup.schedule(graph, clients, grouping.last - grouping.first)
+        hier = await group_setup.schedule(graph, clients, grouping.last - grouping.first, kept)
     finally:
         for client in clients.values():
             await client.close()
+    candidates = [f for h, cand in kept if (f := finalist(h, cand)) is not None] if c.sync == "auto" else []
     if c.sync == "auto":
         auto_event(ctx, hier, grouping.first)
     if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target loss first
-        return replace(grouping, groups=None)
-    return replace(grouping, groups=[list(g.workers) for g in hier.groups], hier=hier)
+        return replace(grouping, groups=None, candidates=candidates)
+    reasons = left_out(hier.meta.get("unused_devices", []), hier.meta.get("grouping", ""), hier.meta.get("candidates", []))
+    if reasons:  # no device is left out of every group without a reason (issue 58: one of the two fastest was, silently)
+        hier.meta["left_out"] = {str(d): why for d, why in reasons.items()}
+        ctx.event({"event": "left_out", "at_step": grouping.first, "devices": hier.meta["left_out"]})
+        for d, why in reasons.items():
+            ctx.say(f"worker {d} is in no group: {why}")
+    return replace(grouping, groups=[list(g.workers) for g in hier.groups], hier=hier, candidates=candidates)
+
+
+def finalist(hier: Any, candidate: dict[str, Any]) -> Finalist | None:
+    """A candidate of the planner (its plan and its figures) as a finalist the run can measure: the
+    synchronous plan, or groups with their ``HierPlan``; None for one group of some devices only."""
+    name, tokens, eff = candidate["grouping"], candidate["tokens_per_s"], candidate["efficiency"]
+    if candidate["groups"] == 1:
+        return Finalist(name, "synchronous", None, tokens, eff) if name == "synchronous" else None
+    return Finalist(name, "groups", [list(g.workers) for g in hier.groups], tokens, eff, max(g.inner_steps for g in hier.groups), hier)
 
 
 def auto_event(ctx: RunContext, hier: Any, at_step: int) -> None:

@@ -28,7 +28,14 @@ from .capabilities import backend_of, place
 from .config import Run
 from .context import RunContext
 from .restart import resume_event, resume_live, start_or_resume
-from .rounds import DataOffsets, PauseSchedule, RoundClock, checkpoint_rounds, resume_round
+from .rounds import (
+    DataOffsets,
+    PauseSchedule,
+    RoundClock,
+    budget_rounds,
+    checkpoint_rounds,
+    resume_round,
+)
 from .setup import Setup
 from .state import Checkpoints
 from .status import stage_rows
@@ -53,7 +60,7 @@ class GroupingRun:
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
     started: float = 0.0
-    paused: float = 0.0  # seconds spent evaluating (not counted as training time)
+    paused: float = 0.0  # seconds one group spent evaluating (left out of its clock; several groups never pause it: evaluate_outer)
     leaving: int = 0  # groups whose workers not to blame are being told to abort (spares once they answer): pauses wait
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     stopping: bool = False  # the run is over: the pauser ends
@@ -207,8 +214,7 @@ class GroupSetup:
         if batch != t.batch_size and any(run.fed for run in runs.values()):
             raise FusionError(f"the groups read batches of {batch} rows (--batch-size {t.batch_size} shared by {len(hier.groups)} groups), which "
                               f"needs workers that read their own data (some cannot: see above); pass --group-batch {t.batch_size}")
-        steps_per_round = max(g.inner_steps for g in hier.groups)
-        rounds = max(1, math.ceil((last - first) / steps_per_round))
+        rounds = budget_rounds(last - first, [g.inner_steps for g in hier.groups])  # the run's tokens, whatever each group's H
         record = {
             "event": "plan", "sync": "hierarchical", "epoch": self.ctx.clock.epoch, "rounds": rounds, "fragments": len(hier.fragments),
             "codec": hier.codec, "outer_lr": hier.outer_lr, "outer_momentum": hier.outer_momentum, "overlap": hier.overlap,
@@ -240,8 +246,9 @@ class GroupSetup:
         for g in hier.groups:
             runs[g.index].policy = await asyncio.to_thread(self.setup.adatopk, g.plan, cost, self.group_batch(), indent=f"  group {g.index} ")
 
-    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient], steps: int) -> HierPlan:
-        """The planner's groups for ``steps`` steps (no H beyond them)."""
+    async def schedule(self, graph: OpGraph, clients: dict[int, RpcClient], steps: int, keep: list[Any] | None = None) -> HierPlan:
+        """The planner's groups for ``steps`` steps (no H beyond them); ``keep``: every candidate's
+        plan and figures (``choose_hier_plan``)."""
         from fusionllm.planning.hierarchy import choose_hier_plan
 
         c = self.cluster
@@ -256,7 +263,7 @@ class GroupSetup:
         hier, _ = await asyncio.to_thread(
             choose_hier_plan, graph, hw, c.scheduler, req, work=work, say=self.say, compress=str(parse_codec(c.compress)), place=placed,
             inner_steps=c.inner_steps, fragments=c.fragments, codec=c.outer_codec, outer_lr=c.outer_lr, outer_momentum=c.outer_momentum,
-            overlap=not c.blocking_sync, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps),
+            overlap=not c.blocking_sync, group_batch=c.group_batch, several=c.sync != "auto", max_inner_steps=max(1, steps), keep=keep,
         )
         if c.overlap_steps is not None:
             hier.delay_steps = c.overlap_steps

@@ -50,13 +50,16 @@ class Groups:
 
     def __init__(self, ctx: RunContext, checkpoints: Checkpoints, live: Liveness, runner: StepRunner,
                  send_away: Callable[[Run, set[int]], Awaitable[dict[int, str]]], replans: Callable[[], int] = lambda: 0, *,
-                 group_setup: GroupSetup | None = None, stop_if_asked: Callable[[int], None] = lambda _: None) -> None:
+                 group_setup: GroupSetup | None = None, stop_if_asked: Callable[[int], None] = lambda _: None,
+                 observe: Callable[[Run, StepRecord, int, bool], Awaitable[None]] | None = None) -> None:
         """``send_away``: tells evicted workers to leave (``Recovery.send_away``); ``replans()``: the
         run's re-plans so far (``--max-replans``); ``group_setup``: several groups' set-up (their batch,
         and the joins of their pauses; None: one group, which reads the run's batch and never pauses);
-        ``stop_if_asked(step)``: raises between two steps of one group once a stop was asked (``restart.py``)."""
+        ``stop_if_asked(step)``: raises between two steps of one group once a stop was asked (``restart.py``);
+        ``observe(run, record, rows, one)``: sees every step record before it is written (the calibration
+        of predictions and the finalists' measurements, ``phases.py``)."""
         self.ctx, self.checkpoints, self.live, self.runner, self.send_away = ctx, checkpoints, live, runner, send_away
-        self.replans, self.stop_if_asked = replans, stop_if_asked
+        self.replans, self.stop_if_asked, self.observe = replans, stop_if_asked, observe
         self.group_batch = group_setup.group_batch() if group_setup is not None else ctx.train.batch_size
         self.outer_guard = OuterGuard(ctx, ctx.cluster.outer_aggregate)  # checked outer steps: strikes last the whole grouping
         self.outer = OuterRounds(ctx, live, self.outer_guard)
@@ -242,6 +245,8 @@ class Groups:
             else:
                 record.group, record.round, record.inner_step = g, k, hr.clock.first + i
                 record.steps_total = self.ctx.train.steps
+            if self.observe is not None:
+                await self.observe(run, record, self.group_batch, one)
             self.ctx.step(record)
         if one:  # a skipped step's checkpoint too
             every = self.ctx.cluster.checkpoint_every
@@ -282,9 +287,9 @@ class Groups:
         """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
         pipeline; recorded at the user's step they reach (``GroupingRun.step_at``)."""
         step = hr.step_at(rounds)
-        paused = time.perf_counter()
+        # the clock is not paused: the other groups go on training meanwhile, so leaving these seconds
+        # out would count their training as free (elapsed_s of several groups includes evaluation)
         val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))
-        hr.paused += time.perf_counter() - paused
         hr.result.val_losses.append((step, val))
         elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
         record = {"event": "eval", "step": step, "round": rounds, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}

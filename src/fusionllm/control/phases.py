@@ -27,10 +27,13 @@ import time
 from typing import Any
 
 from fusionllm.core.config import TrainResult
+from fusionllm.core.metrics import StepRecord
 from fusionllm.core.tensorboard import MetricsWriter
 
+from .calibration import Calibrator
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
+from .finalists import Finalists
 from .grouping import Grouping, choose, groupings
 from .hier_setup import GroupingRun, GroupSetup, one_group
 from .hierarchical import Groups
@@ -51,8 +54,17 @@ class Phases:
         self.ctx, self.setup, self.checkpoints, self.live, self.runner = ctx, setup, checkpoints, live, runner
         self.recovery, self.stopper, self.began = recovery, stopper, began
         self.run: Run | None = None
+        self.calibrator = Calibrator(ctx, setup)  # predictions fitted to the measured steps
+        self.finalists = Finalists(ctx)  # --sync auto: the planner's finalists measured, the best committed to
 
     async def train(self) -> TrainResult:
+        try:
+            return await self.groupings()
+        finally:
+            await self.calibrator.close()
+
+    async def groupings(self) -> TrainResult:
+        """Every grouping of the run, in order; the finalists' trials and checks among them."""
         ctx, c = self.ctx, self.ctx.cluster
         plan = groupings(c.sync, c.groups, c.regroup, ctx.train.steps)
         result = TrainResult()
@@ -62,13 +74,23 @@ class Phases:
             k = 0
             while k < len(plan):
                 group_setup = GroupSetup(ctx, self.setup, self.checkpoints)
+                decided = self.finalists.decided(plan[k])  # the best measured finalist, or a check of the one committed to
+                if decided is not None:
+                    plan[k:k + 1] = decided
                 plan[k] = grouping = await choose(ctx, group_setup, plan[k])  # decided once, here
+                trials = self.finalists.trials(grouping)  # the planner's finalists, each trained a few steps first
+                if trials is not None:
+                    plan[k:k + 1] = trials
+                    grouping = plan[k]
                 final = k + 1 == len(plan)
                 regroup = k > 0 and not grouping.replanned
                 if regroup:
                     began = time.perf_counter()
                     ctx.say(f"regrouping at step {grouping.first}: {plan[k - 1].describe()} -> {grouping.describe()}")
+                self.calibrator.reset()
+                self.finalists.begin()
                 part, states, data_from, again = await self.grouping(group_setup, grouping, states, data_from, final=final)
+                self.finalists.ended(grouping)
                 if again is not None:  # a re-plan: the rest of this grouping, planned again from the outer weights
                     plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
@@ -99,7 +121,8 @@ class Phases:
         try:
             while True:
                 groups = Groups(ctx, self.checkpoints, self.live, self.runner, self.recovery.send_away, lambda: self.recovery.replans,
-                                group_setup=None if one else group_setup, stop_if_asked=self.stopper.stop_if_asked if one else lambda _: None)
+                                group_setup=None if one else group_setup, stop_if_asked=self.stopper.stop_if_asked if one else lambda _: None,
+                                observe=self.observe)
                 try:
                     part = await groups.train(hr)
                     break
@@ -132,6 +155,11 @@ class Phases:
         elif not final:
             ctx.clock.new_epoch()
         return part, states, data_next, again
+
+    async def observe(self, run: Run, record: StepRecord, rows: int, one: bool) -> None:
+        """Every step record before it is written: the calibration, the finalists' measurement."""
+        await self.calibrator.observe(run, record, rows, one)
+        self.finalists.observe(record)
 
     def replanned(self, hr: GroupingRun, grouping: Grouping) -> Grouping | None:
         """The rest of a grouping of several groups that a re-plan ended early (every group at one

@@ -9,6 +9,7 @@ run starts at.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 
@@ -114,6 +115,16 @@ async def wait_notified(cond: asyncio.Condition, timeout: float) -> None:
         await cond.wait()
     finally:
         timer.cancel()
+
+
+def budget_rounds(steps: int, inner_steps: list[int]) -> int:
+    """Rounds of a grouping whose groups take ``inner_steps`` (H) each round, so that its inner steps add
+    up to the run's token budget: ``steps`` of the global batch, which the groups share (each inner step
+    is 1/len(groups) of it). Groups of one H: ``ceil(steps / H)``, each group ``steps`` inner steps;
+    groups of several H: the fast ones take more than ``steps`` and the slow ones fewer, and together
+    as many as the groups would at one H (counting rounds by the largest H alone left a grouping's
+    tokens, and so its learning-rate schedule in tokens, short of every other system's)."""
+    return max(1, math.ceil(steps * len(inner_steps) / max(1, sum(inner_steps))))
 
 
 def checkpoint_rounds(lengths: list[int], every: int) -> set[int]:

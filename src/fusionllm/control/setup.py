@@ -43,6 +43,7 @@ class Setup:
         self.plan_record: dict[str, Any] = {}  # the plan in force as a metrics record (a new plan writes it again)
         self._measured: dict[tuple[int, int], float] = {}
         self._probed: tuple[tuple[Any, ...], Any] | None = None  # the members last probed and what was measured
+        self.calibration: dict[int, float] = {}  # device speeds fitted to measured steps (control/calibration.py): every later plan uses them
 
     @property
     def measured(self) -> dict[tuple[int, int], float]:
@@ -203,8 +204,15 @@ class Setup:
                               [list(g) for g in world.reduce], [list(p) for p in world.carries])
                 for world in worlds for w in world.workers}
 
-    async def hardware(self, clients: dict[int, RpcClient]) -> Any:
-        """The members' devices and links: from --hardware's file, or probed."""
+    async def hardware(self, clients: dict[int, RpcClient], *, calibrated: bool = True) -> Any:
+        """The members' devices and links: from --hardware's file, or probed; with the device speeds
+        fitted to measured steps (``calibration``) unless ``calibrated`` is False."""
+        from fusionllm.cost.model import calibrated_hardware
+
+        hw = await self._hardware(clients)
+        return calibrated_hardware(hw, self.calibration) if calibrated and self.calibration else hw
+
+    async def _hardware(self, clients: dict[int, RpcClient]) -> Any:
         from fusionllm.control.probe import probe_hardware
         from fusionllm.planning.choose import hardware_from_file, with_measured_links
 

@@ -67,10 +67,24 @@ class TrainResult:
     model: Any = field(default=None, repr=False)  # a single-process run's trained module (for a caller that compares it)
 
 
-def lr_at(step: int, *, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup for `warmup` steps, then cosine decay to `min_ratio * lr` at `steps`."""
+def lr_at(step: float, *, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup for `warmup` steps, then cosine decay to `min_ratio * lr` at `steps`. ``step`` may be
+    fractional: ``lr_at_tokens`` reads the schedule at a token count that is no whole step."""
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
     span = max(1, steps - warmup)
     progress = min(1.0, (step - warmup) / span)
     return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def lr_at_tokens(tokens: float, *, tokens_per_step: int, lr: float, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """The schedule as a function of the tokens the run has trained on before a step (every group's, for
+    several groups): ``lr_at`` at ``tokens / tokens_per_step`` steps of the run's global batch.
+
+    Every trainer reads ``lr_at`` at its step (a group: at the user's step its inner step stands for,
+    ``control/rounds.py``), so runs that train the same global batch per step, however they split it,
+    follow the same schedule in tokens; ``benchmarks/time_to_target.py`` checks that on every run's
+    step records (``lr`` against this at their ``tokens``)."""
+    if tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
+    return lr_at(tokens / tokens_per_step, lr=lr, steps=steps, warmup=warmup, min_ratio=min_ratio)

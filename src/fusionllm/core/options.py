@@ -30,7 +30,7 @@ CollectivesMode = Literal["auto", "off"]
 OuterAggregate = Literal["mean", "clipped", "trimmed"]
 Precision = Literal["fp32", "bf16"]
 ScheduleName = Literal["gpipe", "1f1b"]
-SchedulerName = Literal["opfence", "uniform", "params", "compute"]
+SchedulerName = Literal["opfence", "uniform", "params", "compute", "dp"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 GUARD_MODES: tuple[str, ...] = get_args(GuardMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -118,8 +118,10 @@ class ClusterOptions(Section):
     schedule: ScheduleName = option("1f1b", "Pipeline schedule: gpipe or 1f1b.")
     micro_batches: int = option(4, "Micro-batches per step (divides --batch-size).")
     replicas: str | None = option(None, "Workers per stage, e.g. 1,2 (data parallel); default one stage per worker.")
-    scheduler: SchedulerName | None = option(None, "opfence, uniform, params or compute (default: opfence on a cluster file, otherwise stages "
-                                                   "balanced by parameters).")
+    scheduler: SchedulerName | None = option(None, "opfence, uniform, params, compute or dp (default: opfence on a cluster file, otherwise stages "
+                                                   "balanced by parameters). opfence weighs pipelines and data parallelism; dp forces "
+                                                   "data parallelism: replicas with shares of the batch by speed, gradients compressed "
+                                                   "between sites (docs/scheduler.md).")
     hardware: Path | None = option(None, "Plan with this cluster file's rates instead of probing the workers (with --cluster local:N and "
                                          "--scheduler: N devices).")
     probe_links: bool = option(False, "On a cluster file: plan with probed links and device speeds, not the file's.", commands=(TRAIN,))
@@ -140,7 +142,7 @@ class SyncOptions(Section):
                                          "devices) that exchange compressed pseudo-gradients every round of inner steps (DiLoCo); auto: whichever "
                                          "of the two the planner predicts to reach a target loss first (docs/scheduler.md). Default for train: "
                                          "auto when a planner forms the plan (a cluster file, or --scheduler) and nothing is given by hand "
-                                         "(--groups, --replicas, --regroup, --resume), synchronous otherwise; for coordinator: synchronous.")
+                                         "(--groups, --replicas, --regroup, --resume, --scheduler dp), synchronous otherwise; for coordinator: synchronous.")
     groups: str | None = option(None, "--sync hierarchical without --scheduler: the groups by hand, worker ids with '/' between groups, e.g. 0,1/2/3.")
     regroup: list[str] | None = option(None, "STEP:GROUPS, repeatable: at STEP the run becomes these groups (worker ids as in --groups), from its "
                                              "live weights; one group of every worker is a synchronous run. E.g. --regroup 200:0/1/2/3 trains "
@@ -159,6 +161,16 @@ class SyncOptions(Section):
     overlap_steps: int | None = option(None, "--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: "
                                              "the planner's choice.", min=0)
     blocking_sync: bool = option(False, "--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")
+    finalists: int = option(3, "--sync auto: the planner's best candidates by prediction (the synchronous plan, groups x H) that the run "
+                               "trains a few steps each, from live weights, measuring their tokens/s; it commits to the best measured "
+                               "goodput (docs/scheduler.md). 0 or 1: commit to the best prediction.", min=0)
+    finalist_steps: int = option(6, "--sync auto: steps each finalist trains (at least one round of its groups and two more: its first "
+                                    "two steps are not measured).", min=1)
+    recheck_steps: int = option(200, "--sync auto with finalists: every so many steps the run compares the committed plan's measured "
+                                     "tokens/s with its speed when chosen, at a pause, and measures the finalists again where it moved "
+                                     "by more than --recheck-threshold; 0: never.", min=0)
+    recheck_threshold: float = option(0.25, "--sync auto: how far (relative) the committed plan's measured speed may move before the "
+                                            "finalists are measured again.", min=0.0)
     group_batch: int | None = option(None, "--sync hierarchical: rows per inner step of every group (dividing --batch-size); default "
                                            "--batch-size / groups (rounded down to a divisor): the tokens of one step of all groups are those "
                                            "of one synchronous step, which the groups learn from far better per token than from --batch-size "

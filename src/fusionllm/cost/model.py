@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -41,6 +41,19 @@ def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     (x0, y0), (x1, y1) = points[k - 1], points[k]
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
     return max(y, min(p[1] for p in points) * min(1.0, x / xs[0]))
+
+
+def calibrated_hardware(hw: Hardware, speed: Mapping[int, float]) -> Hardware:
+    """``hw`` with device ``i`` ``speed[i]`` times as fast: an accelerator's flop/s, or a CPU device's
+    core speed (``Device.speed``: each action, its compute, messages and codecs, takes that much less
+    CPU, its quota unchanged). Factors are measured against the uncalibrated hardware, so they are
+    applied to it, once."""
+    devices = list(hw.devices)
+    for i, f in speed.items():
+        if 0 <= i < len(devices) and f > 0 and math.isfinite(f):
+            d = devices[i]
+            devices[i] = replace(d, flops=d.flops * f) if d.flops else replace(d, speed=d.speed * f)
+    return replace(hw, devices=tuple(devices))
 
 
 @dataclass
@@ -82,11 +95,18 @@ class CostModel:
     def op_vector(self, device: Device) -> np.ndarray:
         """Per compute op (topological order), forward + backward seconds of one micro-batch (at
         ``scale``) under sustained load (a CPU device's quota applied): what the partitioner balances."""
-        key = ("vec", device.flops, device.cpus, self.scale)  # devices of the same speed share it
+        key = ("vec", device.flops, device.cpus, device.speed, self.scale)  # devices of the same speed share it
         if key not in self.memo:
             full = [self.op_seconds(n.id, device, False) + self.op_seconds(n.id, device, True) for n in self.graph.compute_nodes]
             self.memo[key] = np.array(full) / self.cpu_rate(device)
         return self.memo[key]
+
+    def calibrated(self, speed: Mapping[int, float], step_overhead_s: float | None = None) -> CostModel:
+        """The same model with devices ``speed`` times as fast as modelled (``calibrated_hardware``)
+        and, where given, the per-step wall time beyond the actions (``step_overhead_s``): the
+        calibration hook that ``planning/calibrate.py`` fits to measured steps."""
+        overhead = self.step_overhead_s if step_overhead_s is None else step_overhead_s
+        return replace(self, hw=calibrated_hardware(self.hw, speed), step_overhead_s=overhead, memo={})
 
     def positions(self) -> dict[str, int]:
         if "pos" not in self.memo:
@@ -133,13 +153,14 @@ class CostModel:
 
     @staticmethod
     def cpu_rate(device: Device) -> float:
-        """Average fraction of full speed a CPU device gets (its quota); 1 for accelerators."""
-        return min(1.0, device.cpus / device.threads) * device.threads if device.cpus else 1.0
+        """Average fraction of full speed a CPU device gets (its quota, times its calibrated core
+        speed); 1 for accelerators (their calibration scales their flop/s)."""
+        return min(1.0, device.cpus / device.threads) * device.threads * device.speed if device.cpus else device.speed
 
     def mean_compute_seconds(self, nodes: Iterable[str], device: Device, backward: bool) -> float:
         """Seconds under sustained load (quota applied): what the partitioner balances."""
         t = self.compute_seconds(nodes, device, backward)
-        return t / self.cpu_rate(device) if device.cpus else t
+        return t / self.cpu_rate(device)  # (1 for an accelerator)
 
     # ---- communication -----------------------------------------------------------------------------
     def is_carried(self, src: int, dst: int) -> bool:
@@ -171,6 +192,42 @@ class CostModel:
         n = len(group)
         ring = [(group[i], group[(i + 1) % n]) for i in range(n)]
         return max(self.transfer_seconds(math.ceil(nbytes / n), a, b, raw=True) + self.latency(a, b) + self.latency(b, a) for a, b in ring)
+
+    def site_reduce_seconds(self, nbytes: float, sites: Sequence[Sequence[int]], ratio: float) -> tuple[float, float]:
+        """Wall seconds to sum ``nbytes`` of gradients over ``sites`` (each a list of workers, its leader
+        first) as ``Plan.reduce`` does, and the part of them the leaders' codec takes after the last
+        gradient is in (what cannot overlap the backward). Within a site, the members send their
+        gradients to the leader raw (in parallel, each on its own link; the leader takes them in one
+        after the other); the leaders encode their sums at ``ratio`` of the bytes (1: raw), send them
+        to every other leader and decode every leader's payload, their own included; each leader sends
+        the total back into its site raw. A quota device spends its CPU at its quota's rate."""
+        def cpu(w: int, seconds: float) -> float:
+            return seconds / self.cpu_rate(self.hw.devices[w])
+
+        def into_site(a: int, b: int) -> float:  # a raw message inside a site (a world's cost where one carries the link)
+            return self.transfer_seconds(nbytes, a, b, raw=not self.is_carried(a, b)) + self.latency(a, b)
+
+        gather = broadcast = 0.0
+        for site in sites:
+            lead, members = site[0], list(site[1:])
+            if members:
+                gather = max(gather, max(into_site(m, lead) for m in members)
+                             + sum(cpu(lead, self.message_cpu_seconds(nbytes, m, lead)) for m in members))
+                broadcast = max(broadcast, sum(cpu(lead, self.message_cpu_seconds(nbytes, lead, m)) for m in members)
+                                + max(into_site(lead, m) + cpu(m, self.message_cpu_seconds(nbytes, lead, m)) for m in members))
+        leaders = [site[0] for site in sites]
+        codec = exchange = 0.0
+        if len(leaders) > 1:
+            wire = nbytes * ratio
+            # encode the sum once; decode each leader's payload (its encoded bytes) and add it to a dense total (gpt-micro's
+            # 3.4 MB gradient here, one thread, best of 7: topk:0.05 encodes in 9.7 ms and decodes in 0.4 ms; topk:0.01 in 2.6 and 0.2)
+            if ratio < 1.0:
+                codec = max(cpu(w, nbytes / self.encode_bytes_per_s + len(leaders) * (wire / self.decode_bytes_per_s + nbytes / self.cpu_bytes_per_s))
+                            for w in leaders)
+            sends = max(self.transfer_seconds(wire, a, b, raw=True) + self.latency(a, b) for a in leaders for b in leaders if a != b)
+            ends = max(cpu(w, 2 * (len(leaders) - 1) * self.message_cpu_seconds(wire)) for w in leaders)
+            exchange = sends + ends + codec
+        return gather + exchange + broadcast, codec
 
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         """What a worker's STEP action costs it: AdamW over its parameters and, on a CPU device, the

@@ -80,10 +80,11 @@ def default_sync(sync: str | None, *, scheduler: str | None, groups: str | None,
                  regroup: list[str] | None, resume: bool) -> SyncMode:
     """``train --cluster``'s ``--sync`` when none is given: ``auto`` (the planner picks one group or several
     by predicted time to a target loss) when a planner forms the plan and nothing is given by hand;
-    ``synchronous`` otherwise (a resumed run keeps the mode it is given)."""
+    ``synchronous`` otherwise (a resumed run keeps the mode it is given; ``--scheduler dp`` asks for
+    one data-parallel plan)."""
     if sync is not None:
         return sync  # type: ignore[return-value]
-    return "auto" if scheduler and not (groups or replicas or regroup or resume) else "synchronous"
+    return "auto" if scheduler and scheduler != "dp" and not (groups or replicas or regroup or resume) else "synchronous"
 
 
 def cluster_config(options: Options, train: TrainConfig, *, listen: str, token: str, workers: int, **resolved: Any) -> ClusterConfig:

@@ -60,8 +60,18 @@ def choose_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request, *, w
     plan.meta.update({"predicted_step_s": predicted.step_time_s, "predicted_tokens_per_s": predicted.tokens_per_s})
     say(f"scheduler {scheduler}: {len(plan.stages)} stages on {len(plan.workers)} of {len(hw)} workers, "
         f"{plan.micro_batches} micro-batches, predicted {predicted.step_time_s:.3f} s/step "
-        f"({predicted.tokens_per_s:.0f} tokens/s) [{time.perf_counter() - started:.1f} s to plan]")
+        f"({predicted.tokens_per_s:.0f} tokens/s){_data_parallel(plan)} [{time.perf_counter() - started:.1f} s to plan]")
     return plan, cost
+
+
+def _data_parallel(plan: Plan) -> str:
+    """What a data-parallel plan adds to the planner's line: shares, sites (leaders first), codec."""
+    if plan.meta.get("kind") != "data-parallel":
+        return ""
+    shares = "; ".join(f"stage {s.index} {s.workers} shares {s.shares}" for s in plan.stages if s.shares)
+    reduce = (f", reduce across sites {' '.join('(' + ','.join(map(str, x)) + ')' for x in plan.reduce.sites)} with {plan.reduce.codec}"
+              if plan.reduce else "")
+    return f", data parallel: {shares or 'one replica'}{reduce} at {float(plan.meta.get('efficiency', 1.0)):.2f} per-token efficiency"
 
 
 def with_measured_links(hw: Hardware, measured: dict[tuple[int, int], float], *, below: float = 0.5) -> Hardware:

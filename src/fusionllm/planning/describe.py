@@ -1,4 +1,4 @@
-"""What `fusionllm plan --json` prints about a plan: stages, links, the prediction and its bottleneck,
+"""What `fusionllm plan --json` prints about a plan: stages (replicas' shares), the reduce across sites, links, the prediction and its bottleneck,
 groups, H and codecs of a hierarchical plan, and the utilization of every device."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
     for s in plan.stages:
         names = plan.stage_params(graph, s.index)
         stages.append({
-            "stage": s.index, "workers": s.workers, "ops": len(s.nodes),
+            "stage": s.index, "workers": s.workers, "shares": s.shares, "ops": len(s.nodes),
             "first_op": graph.node(s.nodes[0]).name, "last_op": graph.node(s.nodes[-1]).name,
             "params": sum(graph.params[p].meta.numel for p in names),
             "memory_bytes": max(memory[w] for w in s.workers),
@@ -42,6 +42,8 @@ def describe(plan: Plan, cost: CostModel, req: Request) -> dict[str, Any]:
     return {
         "scheduler": plan.meta.get("scheduler"), "layout": plan.meta.get("layout"),
         "fences": find_fences(cost.hw), "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+        "kind": plan.meta.get("kind", "pipeline"), "reduce": plan.reduce.to_obj() if plan.reduce else None,
+        "efficiency": plan.meta.get("efficiency", 1.0), "weighed": plan.meta.get("weighed"),
         "stages": stages,
         "links": {f"w{a}->w{b}": {"codec": "raw", "ratio": cost.ratio(a, b), "bandwidth_bps": cost.hw.bps(a, b)}
                   for a in plan.workers for b in plan.workers if a != b and f"w{a}->w{b}" in result.link_bytes},

@@ -122,7 +122,7 @@ class _Planner:
         if self.place is not None:  # capabilities differ per worker: no sharing
             return tuple(ids)
         hw = self.hw
-        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory) for i in ids),
+        return (tuple((hw.devices[i].cpus, hw.devices[i].flops, hw.devices[i].memory, hw.devices[i].speed) for i in ids),
                 tuple(hw.bandwidth[i][j] for i in ids for j in ids), tuple(hw.latency[i][j] for i in ids for j in ids))
 
     def plan(self, ids: list[int]) -> _Group | None:
@@ -144,8 +144,7 @@ class _Planner:
         """``group``'s plan on other devices that look the same (``signature``), in the same order."""
         src = self.order(group.workers)
         to = dict(zip(src, self.order(ids), strict=True))
-        stages = [type(s)(s.index, list(s.nodes), [to[w] for w in s.workers]) for s in group.plan.stages]
-        plan = Plan(stages, group.plan.schedule, group.plan.micro_batches, dict(group.plan.meta))
+        plan = remap(group.plan, to)
         return _Group(plan, GroupStep(group.step.step_s, {to[w]: b for w, b in group.step.busy_s.items()}))
 
     def _plan_local(self, ids: list[int]) -> tuple[Plan, GroupStep] | None:
@@ -191,8 +190,7 @@ def _subset(hw: Hardware, ids: list[int]) -> Hardware:
 
 
 def _to_local(plan: Plan, back: dict[int, int]) -> Plan:
-    stages = [type(s)(s.index, list(s.nodes), [back[w] for w in s.workers]) for s in plan.stages]
-    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta))
+    return remap(plan, back)
 
 
 def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list[list[str]], *, outer_lr: float,
@@ -218,7 +216,8 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
                      say: Callable[[str], None], compress: str = "none", place: Callable[[Plan], Plan] | None = None,
                      inner_steps: int | None = None, fragments: int | None = None, codec: str | None = None,
                      outer_lr: float = 1.0, outer_momentum: float = 0.0, overlap: bool = True, group_batch: int | None = None,
-                     several: bool = True, max_inner_steps: int = MAX_INNER_STEPS) -> tuple[HierPlan, CostModel]:
+                     several: bool = True, max_inner_steps: int = MAX_INNER_STEPS,
+                     keep: list[tuple[HierPlan, dict[str, Any]]] | None = None) -> tuple[HierPlan, CostModel]:
     """The plan with the most predicted goodput (tokens/s times per-token efficiency,
     ``planning.efficiency``) among the candidate groupings (module docstring): the one predicted to
     reach a target loss first. ``req`` is one step of the whole run (its batch: the global batch);
@@ -228,7 +227,8 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
     or more, unless none holds the model; without it (``--sync auto``) one synchronous group too.
     Returns the plan with the whole cluster's cost model (no compression). ``place`` takes a plan on
     global worker ids (``choose_plan``'s rule). ``max_inner_steps``: no H above it (the run's steps:
-    a longer round would never sync)."""
+    a longer round would never sync). ``keep``: every candidate's plan and figures are appended to it
+    (the run measures the best few: ``control/finalists.py``)."""
     started = time.perf_counter()
     if inner_steps is not None and inner_steps < 1:
         raise ConfigError(f"--inner-steps must be >= 1, got {inner_steps}")
@@ -286,11 +286,16 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
         hier, result, hidden, eff = _evaluate(graph, cost, greq, groups, frags, inner_steps=inner_steps, codec=codec, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor, max_h=max_inner_steps,
                                               fewer_fragments=fragments is None)
+        eff *= min(float(g.plan.meta.get("efficiency", 1.0)) for g in groups)  # a data-parallel group's lossy reduce (planning/data_parallel.py)
         goodput = result.tokens_per_s * eff
         considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
                            "tokens_per_s": result.tokens_per_s, "efficiency": eff, "goodput": goodput,
                            "utilization": result.utilization, "round_s": result.round_s,
-                           "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden})
+                           "inner_steps": result.inner_steps, "codec": hier.codec, "traffic_hidden": hidden,
+                           "workers": [list(g.workers) for g in groups]})
+        if keep is not None:
+            hier.group_batch = rows if len(groups) > 1 else None
+            keep.append((hier, considered[-1]))
         if several and len(groups) == 1:
             continue  # predicted for the record (meta["synchronous"]), not a choice
         better = best is None or goodput > best[3] * (1 + TIE) or (goodput >= best[3] * (1 - TIE) and len(groups) < len(best[0].groups))
@@ -341,11 +346,9 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
               overlap: bool, batch_factor: float = 1.0, max_h: int = MAX_INNER_STEPS,
               fewer_fragments: bool = False) -> tuple[HierPlan, RoundResult, bool, float]:
     """A grouping's plan at the H with the most goodput (``--inner-steps``: that H), its simulated
-    rounds, whether the traffic hides behind them, and its per-token efficiency (with its outer
-    codec's, ``planning.efficiency.codec_efficiency``). ``fewer_fragments`` (no ``--fragments``):
-    at each H, one fragment is tried too, and at an H below the fragments' count H fragments (each
-    fragment's sync pays the coordinator's round trips and its codec's fixed costs, and fragments
-    that sync at the same step spread nothing; a sparse codec's traffic needs no spreading)."""
+    rounds, whether the traffic hides behind them, and its per-token efficiency (its codec's too).
+    ``fewer_fragments`` (no ``--fragments``): at each H one fragment is tried too, and never more
+    than H (each fragment's sync pays its fixed costs; a sparse codec's traffic needs no spreading)."""
     traffics: dict[int, tuple[list[list[str]], Traffic]] = {}
 
     def fragments(count: int) -> tuple[list[list[str]], Traffic]:
@@ -358,7 +361,6 @@ def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group
     steps = [g.step for g in groups]
     params = sum(p.meta.numel for p in graph.params.values() if p.trainable)
     tried: list[dict[str, Any]] = []  # per H: the codec chosen and what it gives (the plan's meta["outer_codec_choice"])
-
     def at(base: int, count: int) -> tuple[HierPlan, RoundResult, bool, float]:
         # the codec of the best measured efficiency that the traffic fits behind (else the fewest bytes, and the groups wait)
         f, traffic = fragments(count)

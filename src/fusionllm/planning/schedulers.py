@@ -7,7 +7,10 @@
 - ``compute``: stage work proportional to device speed, devices in the given order, bandwidth-blind;
 - ``opfence``: fences of similar fast links, ordered so the crossing tensors take the best links,
   cuts where the crossing tensors are small, replicas inside a fence where they pay, the number of
-  micro-batches and the schedule chosen by simulating the candidates (docs/scheduler.md).
+  micro-batches and the schedule chosen by simulating the candidates (docs/scheduler.md); then
+  weighed against the best data-parallel plan by predicted goodput (``planning/data_parallel.py``);
+- ``dp``: that data-parallel plan alone: replicas (or replicated pipelines) with shares of the batch
+  in proportion to their speed, their gradients summed across sites compressed where links are slow.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from fusionllm.core.errors import ConfigError
 from fusionllm.core.options import SCHEDULERS
 from fusionllm.cost.model import CostModel
 from fusionllm.graph.ir import OpGraph
+from fusionllm.planning.data_parallel import DP_CANDIDATES, data_parallel, weigh
 from fusionllm.planning.fences import find_fences, order_fences
+from fusionllm.planning.predict import predict
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
 from fusionllm.schedule.plan import Plan, Request, StagePlan, balanced_partition, micro_batch_scale
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
@@ -185,7 +190,7 @@ def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, 
 
 def device_speed(d: Device) -> float:
     """A sort key for devices: accelerators by peak FLOP/s, CPU shares by their quota."""
-    return (d.flops or 0) + (d.cpus or 0) * 1e12
+    return (d.flops or 0) + (d.cpus or 0) * d.speed * 1e12
 
 
 def merge_pass_through(graph: OpGraph, stages: Layout) -> Layout:
@@ -319,7 +324,8 @@ def _knobs(cost: CostModel) -> dict:
     return {f.name: getattr(cost, f.name) for f in fields(cost) if f.name not in ("graph", "work", "hw", "ratios", "scale", "memo")}
 
 
-SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute}
+SCHEDULER_FUNCS: dict[str, Callable[[CostModel, Request], Plan]] = {"opfence": opfence, "uniform": uniform, "params": params, "compute": compute,
+                                                                    "dp": data_parallel}
 
 
 def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DEFAULT_CANDIDATES) -> Plan:
@@ -327,8 +333,11 @@ def make_schedule(name: str, cost: CostModel, req: Request, *, evaluate: Evaluat
     an error says why there is none (a baseline's layout that does not fit memory, say)."""
     if name not in SCHEDULER_FUNCS:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
-    if name == "opfence":
-        return opfence(cost, req, evaluate=evaluate, candidates=candidates)
+    if name == "opfence":  # OP-Fence's pipelines, and data parallelism across the fences beside them
+        pipeline = opfence(cost, req, evaluate=evaluate, candidates=candidates)
+        return weigh(pipeline, cost, req, evaluate=evaluate or predict, candidates=min(candidates, DP_CANDIDATES))
+    if name == "dp":
+        return data_parallel(cost, req, evaluate=evaluate, candidates=min(candidates, DP_CANDIDATES))
     plan = SCHEDULER_FUNCS[name](cost, req)
     try:
         validate_plan(cost.graph, plan, cost, req)

@@ -111,10 +111,12 @@ class HierPlan:
                         int(obj.get("delay_steps", 0)), None if obj.get("group_batch") is None else int(obj["group_batch"]))
 
 
-def remap(plan: Plan, ids: list[int]) -> Plan:
-    """A plan made over workers ``0..k-1`` put on the workers ``ids`` (local ``i`` becomes ``ids[i]``)."""
-    stages = [StagePlan(s.index, list(s.nodes), [ids[w] for w in s.workers]) for s in plan.stages]
-    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta))
+def remap(plan: Plan, ids: list[int] | dict[int, int]) -> Plan:
+    """A plan made over workers ``0..k-1`` put on the workers ``ids`` (local ``i`` becomes ``ids[i]``;
+    a dict: any worker ``w`` becomes ``ids[w]``), its replicas' shares and reduce sites with it."""
+    stages = [StagePlan(s.index, list(s.nodes), [ids[w] for w in s.workers], list(s.shares) if s.shares else None) for s in plan.stages]
+    reduce = replace(plan.reduce, sites=tuple(tuple(ids[w] for w in site) for site in plan.reduce.sites)) if plan.reduce else None
+    return Plan(stages, plan.schedule, plan.micro_batches, dict(plan.meta), reduce)
 
 
 def make_hier_plan(graph: OpGraph, groups: list[list[int]], *, inner_steps: list[int] | int = 4, fragments: int = 1,

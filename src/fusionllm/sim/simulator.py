@@ -10,7 +10,9 @@ and its ack is back one latency later; ``RECV_*`` wait for arrival; ``REDUCE`` i
 among the workers sharing gradients; ``STEP`` waits for the acks of the worker's tensors, then the
 gradient-norm all-gather (each worker's share reaches every other one latency later, its own shares'
 acks a round trip later), then AdamW and the step's own CPU on each worker
-(``CostModel.optimizer_seconds``), as ``StageRuntime._step`` does.
+(``CostModel.optimizer_seconds``), as ``StageRuntime._step`` does. Where the plan says how its
+replicas reduce across sites (``Plan.reduce``), ``REDUCE`` is that reduce instead of the ring: raw
+within each site, the leaders' exchange encoded, overlapping the group's last backward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fusionllm.cluster.hardware import Device
-from fusionllm.cost.model import CostModel
+from fusionllm.compress.codecs import byte_ratio, parse_codec
+from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.schedule.actions import Action
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, shared_groups
 from fusionllm.schedule.validate import validate_plan
@@ -62,7 +65,7 @@ class _Cpu:
 
     def __init__(self, device: Device) -> None:
         self.quota = min(1.0, device.cpus) * CFS_PERIOD if device.cpus else math.inf
-        self.speed = max(1.0, device.cpus) if device.cpus else 1.0
+        self.speed = (max(1.0, device.cpus) if device.cpus else 1.0) * device.speed  # (a core calibrated slower: more CPU per action)
         self.period = -1
         self.used = 0.0
         self.cpu = 0.0  # seconds of the quota used so far (at full speed)
@@ -171,6 +174,28 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         if keep_timeline:
             timeline.append((w, f"send->{dst}", start, start + dur))
 
+    last_backward: dict[int, float] = {}  # per worker: when its last backward began
+    reduce_ratio = byte_ratio(parse_codec(plan.reduce.codec)) if plan.reduce is not None else 1.0
+
+    def site_reduce(group: tuple[int, ...], nbytes: int, backward_done: float) -> float:
+        """When ``Plan.reduce``'s sum of ``group``'s gradients is back on every member: it starts as
+        the last backward of the group begins (buckets go out as their gradients are final) and ends
+        no sooner than the codec's CPU after the last backward (``CostModel.site_reduce_seconds``)."""
+        assert plan.reduce is not None
+        sites = [members for site in plan.reduce.sites if (members := [x for x in site if x in group])]
+        seconds, codec = cost.site_reduce_seconds(nbytes, sites, reduce_ratio)
+        start = max(last_backward.get(m, backward_done) for m in group)
+        for site in sites:
+            for m in site[1:]:
+                for x, y in ((m, site[0]), (site[0], m)):
+                    link_bytes[f"w{x}->w{y}"] += nbytes if cost.is_carried(x, y) else nbytes + HEADER_BYTES
+        for x in (site[0] for site in sites):
+            for y in (site[0] for site in sites):
+                if x != y:
+                    link_bytes[f"w{x}->w{y}"] += int(nbytes * reduce_ratio) + HEADER_BYTES
+                    link_busy[f"w{x}->w{y}"] += cost.transfer_seconds(nbytes * reduce_ratio, x, y, raw=True)
+        return max(backward_done + codec, start + seconds)
+
     def step_one(w: int, a: Action) -> bool:
         s = a.stage
         t0 = clock[w]
@@ -181,6 +206,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
             full = compute_s[key]
             clock[w] = cpu[w].run(t0, full)
             busy[w] += clock[w] - t0
+            if a.kind == "B":
+                last_backward[w] = t0
         elif a.kind in ("RECV_F", "RECV_B"):
             keys = [(a.kind[-1], a.mb, e, p.worker, w) for p in a.peers for e in p.edges]
             if any(k not in arrival for k in keys):
@@ -198,6 +225,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
                 if len(barrier[("reduce", group)]) < len(group):
                     return False
                 t0 = max(barrier[("reduce", group)].values())
+                if ("reduced", group) not in arrival and plan.reduce is not None:
+                    arrival[("reduced", group)] = site_reduce(group, nbytes, t0)
                 if ("reduced", group) not in arrival:  # the ring runs in lock step: the slowest member sets the pace
                     ends = []
                     for m in group:
