@@ -73,29 +73,31 @@ def test_groups_that_only_add_tokens_lose_to_one_group_and_auto_keeps_one(micro)
 
 @pytest.mark.parametrize(("penalty", "groups"), [(0.0, 2), (10.0, 1)])
 def test_auto_takes_the_candidate_with_the_most_goodput(micro, monkeypatch: pytest.MonkeyPatch, penalty: float, groups: int) -> None:
-    """Two devices behind a 100 Mbit/s link: one synchronous group keeps to one device, two groups
-    have about 1.5x its tokens/s. Free groups (no loss per token) win; costly ones lose."""
+    """Two devices behind a 100 Mbit/s link: one synchronous group (data parallel over both, its
+    gradients compressed) is predicted about 1.2x slower than two groups (which pay a sync every few
+    steps only). Free groups (no loss per token) win; costly ones lose."""
     monkeypatch.setattr(efficiency, "GROUP_PENALTY", penalty)
     graph, work = micro
     auto, _ = choose_hier_plan(graph, two_devices(1e8), "opfence", REQ, work=work, say=lambda _: None, several=False)
     assert len(auto.groups) == groups and auto.group_batch == (8 if groups == 2 else None)
     by = {c["groups"]: c for c in auto.meta["candidates"]}
-    assert penalty > 0 or by[2]["tokens_per_s"] > 1.3 * by[1]["tokens_per_s"]
+    assert penalty > 0 or by[2]["tokens_per_s"] > 1.15 * by[1]["tokens_per_s"]
     assert by[groups]["time_to_target"] == 1.0 and by[3 - groups]["time_to_target"] > 1.0
     assert by[2]["efficiency"] == pytest.approx(group_efficiency(2, max(by[2]["inner_steps"])))
 
 
 def test_the_goodput_search_trades_h_for_efficiency(micro, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Behind an 8 Mbit/s link more inner steps per round always add tokens/s (the link's time is
-    spread over more steps): with free groups the search takes a large H, with costly ones the
-    smallest H the link keeps up with."""
+    """Behind an 8 Mbit/s link more inner steps per round always add tokens/s (a sync's fixed costs
+    are spread over more steps): with free groups the search takes a large H, with costly ones a
+    small H, which the link keeps up with only with a sparse codec."""
     graph, work = micro
     chosen = {}
     for penalty in (0.0, 1.0):
         monkeypatch.setattr(efficiency, "GROUP_PENALTY", penalty)
         hier, _ = choose_hier_plan(graph, two_devices(8e6), "opfence", REQ, work=work, say=lambda _: None)
-        chosen[penalty] = (max(g.inner_steps for g in hier.groups), hier.meta["tokens_per_s"])
-    assert chosen[0.0][0] > chosen[1.0][0] >= 2 and chosen[0.0][1] > chosen[1.0][1]
+        chosen[penalty] = (max(g.inner_steps for g in hier.groups), hier.meta["tokens_per_s"], hier.codec)
+    assert chosen[0.0][0] > chosen[1.0][0] and chosen[0.0][1] > chosen[1.0][1]
+    assert chosen[1.0][0] <= 2 and chosen[1.0][2].startswith("topk")
 
 
 def test_cli_plan_auto_says_what_it_chose_and_why(tmp_path: Path) -> None:
@@ -163,19 +165,20 @@ def test_auto_that_chooses_one_group_trains_as_the_synchronous_run(tmp_path: Pat
 
 def test_auto_that_chooses_groups_runs_them_on_the_global_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups that cost nothing per token (the model made free) on two sites behind a slow link:
-    auto forms two groups, each reading half the batch."""
+    auto forms two groups, each reading half the batch. (gpt-micro: on gpt-nano's few rows a step is
+    mostly fixed costs, and two groups of half the batch are no faster than one device.)"""
     monkeypatch.setattr(efficiency, "GROUP_PENALTY", 0.0)
     hardware = _hardware(tmp_path, "2mbit")
     metrics = tmp_path / "auto.jsonl"
-    train = TrainConfig(model="gpt-nano", steps=8, batch_size=4, seq_len=16, eval_every=0, warmup=0, metrics=str(metrics))
+    train = TrainConfig(model="gpt-micro", steps=8, batch_size=8, seq_len=64, eval_every=0, warmup=0, metrics=str(metrics))
     result, workers = run_in_process(train, cluster_config(2, sync="auto", scheduler="opfence", hardware=str(hardware), micro_batches=2))
     m = read_metrics(metrics)
     (chose,) = m.of("auto")
     assert chose["groups"] == 2
     (plan,) = m.plans
     assert plan["sync"] == "hierarchical" and len(plan["groups"]) == 2
-    assert result.tokens == train.steps * train.batch_size * train.seq_len  # two groups of 2 rows per inner step
-    assert all(w.data_source is not None and w.data_source.spec.batch_size == 2 for w in workers)
+    assert result.tokens == train.steps * train.batch_size * train.seq_len  # two groups of 4 rows per inner step
+    assert all(w.data_source is not None and w.data_source.spec.batch_size == 4 for w in workers)
 
 
 def test_auto_that_chooses_one_group_probes_the_workers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

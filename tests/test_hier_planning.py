@@ -15,7 +15,7 @@ from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.models.spec import build_model
 from fusionllm.planning.choose import choose_plan
 from fusionllm.planning.describe import describe_hier, sync_report
-from fusionllm.planning.hierarchy import choose_hier_plan
+from fusionllm.planning.hierarchy import TIE, choose_hier_plan
 from fusionllm.planning.inner_steps import MIN_INNER_STEPS, choose_inner_steps
 from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.runtime.backends.profile import estimate
@@ -200,7 +200,8 @@ def test_random_clusters_plan_without_error(micro, seed: int) -> None:
     hw = Hardware.from_spec(parse_cluster(random_cluster_toml(seed, ClusterShape(sites=(2, 4), devices=(2, 12))), f"r{seed}"))
     hier, _ = choose_hier_plan(graph, hw, "opfence", REQ, work=work, say=lambda _: None)
     assert 0 < hier.meta["utilization"] <= 1
-    assert hier.meta["tokens_per_s"] >= hier.meta["synchronous"]["tokens_per_s"] * 0.999
+    several = [c["goodput"] for c in hier.meta["candidates"] if c["groups"] > 1]
+    assert several and hier.meta["goodput"] >= max(several) * (1 - TIE)  # the groups with the most goodput (ties: fewer groups)
     assert all(g.inner_steps >= 1 for g in hier.groups)
 
 

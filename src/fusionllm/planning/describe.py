@@ -78,6 +78,7 @@ def describe_hier(hier: HierPlan, cost: CostModel, req: Request) -> dict[str, An
         "utilization": result.utilization, "device_utilization": {str(k): v for k, v in result.device_busy.items()},
         "predicted": result.to_json(), "traffic_hidden": hier.meta.get("traffic_hidden"),
         "synchronous": hier.meta.get("synchronous"), "candidates": hier.meta.get("candidates"),
+        "outer_codec_choice": hier.meta.get("outer_codec_choice"),  # per H tried: the codec chosen, its efficiency and goodput
         "plan": json.loads(hier.to_json()),
     }
 

@@ -32,11 +32,18 @@ What the model leaves out, and how it errs: the sweep's runs are short (491,520 
 lose the most; groups lose less after a warm start (the sweep's warm-start rows), which the planner
 does not plan yet; the delay of applying averages (the sweep syncs blocking). The model is therefore
 pessimistic: it prefers one synchronous group unless several are clearly faster.
+
+**Outer codecs.** The model above is for pseudo-gradients exchanged at 4 bits or better. A sparser
+outer codec (top-k with error feedback, ``runtime/stage/outer.py``) multiplies the efficiency by its
+measured factor ``OUTER_CODEC_EFFICIENCY`` (``codec_efficiency``): what groups learn per token with
+it over what the same groups learn with q4 at the same H. The planner chooses the codec and H
+together (``planning/inner_steps.py``, ``planning/hierarchy.py``): among the codecs whose bytes hide
+behind the round, the one with the best factor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # fitted to gpt-micro's sweep, per-token efficiency read off the synchronous run's curve
 # (benchmarks/results/hier_efficiency/gpt-micro: 22 runs, rms error of log(1/e) 0.10)
@@ -46,6 +53,23 @@ H_EXPONENT = 0.94
 BATCH_EXPONENT = 1.04  # M=4, H=8: 16 rows a group against 4
 FIT_PARAMS = 842_496  # gpt-micro's parameters (byte vocabulary): the size the constants above were fitted at
 SIZE_EXPONENT = -0.5  # the penalty against the model's size: from published runs, not measured here (module docstring)
+
+# Per-token efficiency of groups with an outer codec over the same groups with q4 (1: as good), with
+# error feedback, by the slowest group's H (the entry of the largest H at most it), measured on
+# gpt-micro at M = 2 and 4 groups and H = 1, 2, 4, three seeds, 120 steps of 16 x 64 tokens
+# (benchmarks/results/outer_compress/gpt-micro/hier_efficiency.json; geometric mean over groups and
+# seeds of the sweep's "budgets" efficiency against q4's, each capped at 1). Measured: at H >= 2
+# error-fed top-k reached a 0-5% lower validation loss than q4 at the same tokens (also lower than
+# one synchronous group), at H = 1 up to 4% higher; the planner never counts a codec better than
+# exact. q4 and better are taken as exact (Streaming DiLoCo's 4 bits lose nothing measurable). A
+# codec missing here is not chosen by the planner (``outer_codec_candidates``) until a run of that
+# sweep measures it: the seam for topk:0.03 and the 2- and 4-bit top-k codecs (``topkq*``).
+OUTER_CODEC_EFFICIENCY: dict[str, dict[int, float]] = {
+    "none": {1: 1.0}, "fp16": {1: 1.0}, "q8": {1: 1.0}, "q4": {1: 1.0},
+    "topk:0.1": {1: 0.77, 2: 0.99, 4: 1.0},
+    "topk:0.01": {1: 0.81, 2: 1.0},
+}
+UNMEASURED_CODEC_EFFICIENCY = 0.5  # a codec set by hand (``--outer-codec``) that the sweep never measured
 
 
 def mean_inner_steps(inner_steps: Sequence[int], tokens_per_s: Sequence[float] | None = None) -> float:
@@ -66,3 +90,22 @@ def group_efficiency(groups: int, inner_steps: float, *, batch_factor: float = 1
     size = (max(params, 1) / FIT_PARAMS) ** SIZE_EXPONENT if params else 1.0
     multiplier = 1.0 if groups == 1 else 1.0 + size * GROUP_PENALTY * (groups - 1) ** GROUPS_EXPONENT * inner_steps**H_EXPONENT
     return 1.0 / (multiplier * max(1.0, batch_factor) ** BATCH_EXPONENT)
+
+
+def codec_efficiency(codec: str, inner_steps: float = 1.0) -> float:
+    """The per-token efficiency factor (0, 1] of ``codec`` on the pseudo-gradients of groups syncing
+    every ``inner_steps`` steps (module docstring): its measured ``OUTER_CODEC_EFFICIENCY`` at the
+    largest H measured at most ``inner_steps`` (the smallest H measured below it), else
+    ``UNMEASURED_CODEC_EFFICIENCY``."""
+    by_h = OUTER_CODEC_EFFICIENCY.get(codec)
+    if not by_h:
+        return UNMEASURED_CODEC_EFFICIENCY
+    below = [h for h in by_h if h <= inner_steps]
+    return by_h[max(below) if below else min(by_h)]
+
+
+def outer_codec_candidates(byte_ratio: Callable[[str], float], inner_steps: float = 1.0) -> tuple[str, ...]:
+    """The outer codecs the planner chooses among at ``inner_steps``, the one it prefers first: the
+    best measured efficiency, then (equal efficiency) the least lossy, the most bytes
+    (``byte_ratio``: encoded over float32 bytes)."""
+    return tuple(sorted(OUTER_CODEC_EFFICIENCY, key=lambda c: (-codec_efficiency(c, inner_steps), -byte_ratio(c))))

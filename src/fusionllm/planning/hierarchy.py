@@ -3,10 +3,12 @@
 The planner tries a few groupings of the devices (``candidate groupings`` below). A grouping of M
 groups keeps the run's global batch: each group trains ``group_rows(batch, M)`` rows an inner step
 (``--group-batch`` by hand). Every group gets the synchronous planner's plan for its own devices at
-that batch (``choose_plan`` on ``hw.subset``); for each H of ``GOODPUT_H`` the codecs are the least
-lossy up to q4 that the traffic between groups hides behind (else q4, and the groups wait), the round
-simulator (``sim/rounds.py``) predicts tokens/s, and ``planning.efficiency`` the per-token efficiency
-of M groups at that H. The planner keeps the grouping and H with the most *goodput* (tokens/s times
+that batch (``choose_plan`` on ``hw.subset``); for each H of ``GOODPUT_H`` the codecs are, among
+those whose traffic between groups hides behind the round, the one of the best measured per-token
+efficiency (``planning.efficiency.outer_codec_candidates``: q4 and better first, then top-k with error
+feedback; none hides: the fewest bytes, and the groups wait), the round simulator (``sim/rounds.py``)
+predicts tokens/s, and ``planning.efficiency`` the per-token efficiency of M groups at that H with
+that codec (over a slow link top-k lets groups sync every 1-4 steps, where q4 needs many more). The planner keeps the grouping and H with the most *goodput* (tokens/s times
 efficiency: the first to reach a target loss; ties within 1% to fewer groups). Everything it
 predicts goes into ``HierPlan.meta``, every candidate's predicted time to a target against the
 chosen one's included; docs/scheduler.md, "Hierarchical mode" and "Time to target", explains the rules.
@@ -47,17 +49,19 @@ from fusionllm.cost.work import OpWork
 from fusionllm.graph.ir import OpGraph
 from fusionllm.planning.choose import choose_plan
 from fusionllm.planning.efficiency import (
+    codec_efficiency,
     group_efficiency,
     mean_inner_steps,
+    outer_codec_candidates,
 )
 from fusionllm.planning.fences import fence_link, find_fences
 from fusionllm.planning.inner_steps import (
-    CODEC_LADDER,
     GOODPUT_H,
     MAX_INNER_STEPS,
     MIN_INNER_STEPS,
     PREFERRED_CODEC,
     _Choice,
+    alone_rounds,
     choose_inner_steps,
 )
 from fusionllm.planning.schedulers import device_speed
@@ -73,6 +77,8 @@ from fusionllm.schedule.plan import Plan, Request
 from fusionllm.sim.rounds import (
     GroupStep,
     RoundResult,
+    Traffic,
+    codec_ratio,
     group_step,
     round_traffic,
     simulate_rounds,
@@ -190,15 +196,17 @@ def _to_local(plan: Plan, back: dict[int, int]) -> Plan:
 def _hier(graph: OpGraph, groups: list[_Group], choice: _Choice, fragments: list[list[str]], *, outer_lr: float,
           outer_momentum: float, overlap: bool) -> HierPlan:
     # one codec per sending group (its delta is encoded once, every receiver averages the same values):
-    # the lossiest that any pair of the group needs
-    rank = {c: i for i, c in enumerate(CODEC_LADDER)}
+    # the one of the fewest bytes that any pair of the group needs
+    def rank(c: str) -> float:
+        return -codec_ratio(c)
+
     per_group: dict[int, str] = {}
     for (a, b), c in choice.codecs.items():
         for g in (a, b):
-            if g not in per_group or rank.get(c, 0) > rank.get(per_group[g], 0):
+            if g not in per_group or rank(c) > rank(per_group[g]):
                 per_group[g] = c
     counts = Counter(per_group.values())
-    main = max(counts, key=lambda c: (counts[c], rank.get(c, 0))) if counts else PREFERRED_CODEC
+    main = max(counts, key=lambda c: (counts[c], rank(c))) if counts else PREFERRED_CODEC
     link_codecs = {f"g{g}": c for g, c in sorted(per_group.items()) if c != main}
     plans = [GroupPlan(i, g.plan, h) for i, (g, h) in enumerate(zip(groups, choice.hs, strict=True))]
     return HierPlan(plans, fragments, main, link_codecs, outer_lr, outer_momentum, overlap)
@@ -276,7 +284,8 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
             groups = [g for g in again if g is not None]
         factor = len(groups) * rows / req.batch_size
         hier, result, hidden, eff = _evaluate(graph, cost, greq, groups, frags, inner_steps=inner_steps, codec=codec, outer_lr=outer_lr,
-                                              outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor, max_h=max_inner_steps)
+                                              outer_momentum=outer_momentum, overlap=overlap, batch_factor=factor, max_h=max_inner_steps,
+                                              fewer_fragments=fragments is None)
         eff *= min(float(g.plan.meta.get("efficiency", 1.0)) for g in groups)  # a data-parallel group's lossy reduce (planning/data_parallel.py)
         goodput = result.tokens_per_s * eff
         considered.append({"grouping": name, "groups": len(groups), "devices_used": len(hier.workers), "group_batch": rows,
@@ -334,27 +343,54 @@ def choose_hier_plan(graph: OpGraph, hw: Hardware, scheduler: str, req: Request,
 
 def _evaluate(graph: OpGraph, cost: CostModel, req: Request, groups: list[_Group], frags: list[list[str]], *,
               inner_steps: int | None, codec: str | None, outer_lr: float, outer_momentum: float,
-              overlap: bool, batch_factor: float = 1.0, max_h: int = MAX_INNER_STEPS) -> tuple[HierPlan, RoundResult, bool, float]:
+              overlap: bool, batch_factor: float = 1.0, max_h: int = MAX_INNER_STEPS,
+              fewer_fragments: bool = False) -> tuple[HierPlan, RoundResult, bool, float]:
     """A grouping's plan at the H with the most goodput (``--inner-steps``: that H), its simulated
-    rounds, whether the traffic hides behind them, and its per-token efficiency."""
-    provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], frags, codec or PREFERRED_CODEC)
-    traffic = round_traffic(graph, provisional)
+    rounds, whether the traffic hides behind them, and its per-token efficiency (its codec's too).
+    ``fewer_fragments`` (no ``--fragments``): at each H one fragment is tried too, and never more
+    than H (each fragment's sync pays its fixed costs; a sparse codec's traffic needs no spreading)."""
+    traffics: dict[int, tuple[list[list[str]], Traffic]] = {}
+
+    def fragments(count: int) -> tuple[list[list[str]], Traffic]:
+        if count not in traffics:
+            f = frags if count == len(frags) else param_fragments(graph, count)
+            provisional = HierPlan([GroupPlan(i, g.plan, 1) for i, g in enumerate(groups)], f, codec or PREFERRED_CODEC)
+            traffics[count] = (f, round_traffic(graph, provisional))
+        return traffics[count]
+
     steps = [g.step for g in groups]
+    params = sum(p.meta.numel for p in graph.params.values() if p.trainable)
+    tried: list[dict[str, Any]] = []  # per H: the codec chosen and what it gives (the plan's meta["outer_codec_choice"])
+    def at(base: int, count: int) -> tuple[HierPlan, RoundResult, bool, float]:
+        # the codec of the best measured efficiency that the traffic fits behind (else the fewest bytes, and the groups wait)
+        f, traffic = fragments(count)
+        candidates = None if codec else outer_codec_candidates(codec_ratio, base)
+        choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=base, codec=codec, candidates=candidates)
+        hier = _hier(graph, groups, choice, f, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
+        result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
+        if len(groups) == 1:
+            result = alone_rounds(result, steps[0], cost, req)
+        per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
+        mean_h = mean_inner_steps(result.inner_steps, per_group)
+        codec_eff = 1.0 if len(groups) == 1 else min(codec_efficiency(c, base) for c in {hier.codec, *hier.link_codecs.values()})
+        eff = codec_eff * group_efficiency(len(groups), mean_h, batch_factor=batch_factor, params=params)
+        return hier, result, choice.hidden, eff
+
     best: tuple[HierPlan, RoundResult, bool, float] | None = None
     worse = 0
     slow = max(s.step_s for s in steps)
     bases = [h for h in GOODPUT_H if h == 1 or max(round(h * slow / s.step_s) for s in steps) <= max_h] or [1]  # faster groups do more
     for base in [inner_steps] if inner_steps is not None or len(groups) == 1 else bases:
-        # the least lossy codec up to q4 that the traffic fits behind (else q4, and the groups wait for it)
-        choice = choose_inner_steps([s.step_s for s in steps], traffic, cost, inner_steps=base or MIN_INNER_STEPS, codec=codec,
-                                    max_codec=None if codec else PREFERRED_CODEC)
-        hier = _hier(graph, groups, choice, frags, outer_lr=outer_lr, outer_momentum=outer_momentum, overlap=overlap)
-        result = simulate_rounds(hier, cost, req, steps=steps, traffic=traffic)
-        per_group = [h / max(t, 1e-12) for h, t in zip(result.inner_steps, result.step_s, strict=True)]  # steps per second of each group
-        eff = group_efficiency(len(groups), mean_inner_steps(result.inner_steps, per_group), batch_factor=batch_factor,
-                               params=sum(p.meta.numel for p in graph.params.values() if p.trainable))
+        base = base or MIN_INNER_STEPS
+        counts = sorted({1, min(len(frags), base)}) if fewer_fragments else [len(frags)]
+        found = max((at(base, c) for c in counts), key=lambda x: x[1].tokens_per_s * x[3])
+        hier, result, hidden, eff = found
+        tried.append({"inner_steps": max(result.inner_steps), "fragments": len(hier.fragments), "codec": hier.codec,
+                      "efficiency": eff, "tokens_per_s": result.tokens_per_s, "goodput": result.tokens_per_s * eff,
+                      "traffic_hidden": hidden})
+        hier.meta["outer_codec_choice"] = tried
         if best is None or result.tokens_per_s * eff > best[1].tokens_per_s * best[3] * (1 + 1e-9):
-            best, worse = (hier, result, choice.hidden, eff), 0
+            best, worse = found, 0
         else:
             worse += 1
             if worse == 2:  # goodput rises with H while the link holds the groups back, then falls: past its peak
