@@ -32,7 +32,7 @@ from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
 from fusionllm.runtime.worker.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.worker.nat_link import NatLink
 from fusionllm.runtime.worker.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.worker.process_memory import current_rss, peak_rss, return_freed_memory
+from fusionllm.runtime.worker.process_memory import current_rss, keep_working_memory, peak_rss, return_freed_memory
 from fusionllm.runtime.worker.running import Running
 from fusionllm.runtime.worker.stage_state import outer_blob, read_stage_shards
 from fusionllm.runtime.worker.worker_config import Identity, WorkerConfig, advertise_host
@@ -196,6 +196,7 @@ class Worker:
             raise WireError("empty assignment")
         msg = Assign.from_wire(unpack(first))
         self._aborted = False
+        return_freed_memory()  # what the set-up frees goes back (keep_working_memory once the stage is built)
         self._rss_base = current_rss()
         if not 0 <= msg.nbytes <= MAX_WEIGHTS:
             raise WireError(f"assignment declares {msg.nbytes} bytes of weights")
@@ -251,6 +252,7 @@ class Worker:
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
         self._state_blob = None
+        keep_working_memory()
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
     async def _on_regroup(self, msg: dict[str, Any]) -> dict[str, Any]:
