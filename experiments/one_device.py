@@ -69,24 +69,36 @@ def plain(args: argparse.Namespace) -> dict:
 def run_plain(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--plain", "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_env(), timeout=args.timeout).stdout
+    # a session of its own, as a local cluster's worker has (the kernel's autogroups share the CPU between sessions)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_env(ROOT / "src"), timeout=args.timeout, start_new_session=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_plan(args: argparse.Namespace, tmp: Path, i: int) -> dict:
-    metrics = tmp / f"plan{i}.jsonl"
+def run_plan(args: argparse.Namespace, src: Path, tmp: Path) -> dict:
+    """``fusionllm train --cluster local:1`` of the source tree ``src``: its step records."""
+    metrics = tmp / "plan.jsonl"
+    metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "fusionllm", "train", "--cluster", "local:1", "--threads", "1", "--model", args.model,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--micro-batches", "1",
            "--seed", str(args.seed), "--eval-every", "0", "--metrics", str(metrics), *args.plan_args]
-    subprocess.run(cmd, capture_output=True, text=True, check=True, env=_env(), timeout=args.timeout, cwd=tmp)
+    subprocess.run(cmd, capture_output=True, text=True, check=True, env=_env(src), timeout=args.timeout, cwd=tmp, start_new_session=True)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "step" in r and "loss" in r and "event" not in r]
     return {"ends": [r["elapsed_s"] for r in steps], "losses": [r["loss"] for r in steps],
             "step_s": [r.get("step_s") for r in steps], "cpu": [r["cpu_s"]["0"] for r in steps]}
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+def _env(src: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+
+
+def summary(r: dict, skip: int, tokens: int) -> dict:
+    out = {"tokens_per_s": round(tokens_per_s(r["ends"], skip, tokens), 1), "median_step_s": round(median_step(r["ends"], skip), 4),
+           "final_loss": r["losses"][-1], "cpu_per_step_s": round((r["cpu"][-1] - r["cpu"][skip - 1]) / (len(r["cpu"]) - skip), 4)}
+    if "step_s" in r:  # the coordinator's round trip, the batch read and the record: time outside the worker's program
+        gaps = [b - a - s for a, b, s in zip(r["ends"][skip - 1 :], r["ends"][skip:], r["step_s"][skip:], strict=False)]
+        out["median_outside_step_s"] = round(statistics.median(gaps), 4)
+    return out
 
 
 def tokens_per_s(ends: list[float], skip: int, tokens: int) -> float:
@@ -109,6 +121,8 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (start-up)")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--before", action="append", default=[], metavar="NAME=SRC",
+                    help="also a plan of another source tree (a checkout's src/), in the same sitting")
     ap.add_argument("--label", default="", help="a variant directory under the results (e.g. before, after)")
     ap.add_argument("--plan-args", nargs=argparse.REMAINDER, default=[], help="more arguments of fusionllm train (last)")
     ap.add_argument("--out", type=Path, default=None)
@@ -118,28 +132,38 @@ def main() -> int:
         print(json.dumps(plain(args)))
         return 0
     tokens = args.batch_size * args.seq_len
+    sources = {"plan": ROOT / "src", **{f"plan@{name}": Path(src) for name, src in (b.split("=", 1) for b in args.before)}}
     rows = []
     with tempfile.TemporaryDirectory(prefix="one_device_") as tmp:
         for i in range(args.repeats):
-            order = ("plain", "plan") if i % 2 == 0 else ("plan", "plain")  # neither always runs first
-            got = {name: run_plain(args) if name == "plain" else run_plan(args, Path(tmp), i) for name in order}
-            row = {"repeat": i, "order": list(order)}
-            for name, r in got.items():
-                row[name] = {"tokens_per_s": round(tokens_per_s(r["ends"], args.skip, tokens), 1),
-                             "median_step_s": round(median_step(r["ends"], args.skip), 4), "final_loss": r["losses"][-1],
-                             "cpu_per_step_s": round((r["cpu"][-1] - r["cpu"][args.skip - 1]) / (len(r["cpu"]) - args.skip), 4)}
-            row["ratio"] = round(row["plan"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 4)
+            names = ["plain", *sources]
+            order = names[i % len(names):] + names[: i % len(names)]  # each system takes each place in turn
+            row: dict = {"repeat": i, "order": order}
+            for name in order:
+                r = run_plain(args) if name == "plain" else run_plan(args, sources[name], Path(tmp))
+                row[name] = summary(r, args.skip, tokens)
+            for name in sources:
+                row[name]["ratio"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 4)
+                row[name]["cpu_ratio"] = round(row["plain"]["cpu_per_step_s"] / row[name]["cpu_per_step_s"], 4)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    ratios = [r["ratio"] for r in rows]
-    table = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, one thread; tokens/s over steps "
-             f"{args.skip}-{args.steps - 1}; plan: `fusionllm train --cluster local:1 --micro-batches 1` {' '.join(args.plan_args)}", "",
-             "| repeat | plain tokens/s | plan tokens/s | plain median step | plan median step | plan / plain |", "|---|---|---|---|---|---|"]
-    table += [f"| {r['repeat']} | {r['plain']['tokens_per_s']:.0f} | {r['plan']['tokens_per_s']:.0f} | {r['plain']['median_step_s'] * 1e3:.1f} ms "
-              f"| {r['plan']['median_step_s'] * 1e3:.1f} ms | {r['ratio']:.3f} |" for r in rows]
-    table += ["", f"Ratio: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} pairs."]
+    table = [f"Model {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, one thread; over steps {args.skip}-{args.steps - 1}. "
+             f"plan: `fusionllm train --cluster local:1 --threads 1 --micro-batches 1 --eval-every 0 {' '.join(args.plan_args)}` "
+             f"({', '.join(f'{k}: {v}' for k, v in sources.items())}). tokens/s ratio = plan / plain; CPU ratio = plain's CPU per step / the worker's.",
+             "", "| repeat | system | tokens/s | median step | CPU per step | outside the worker's step | tokens/s ratio | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name in ["plain", *sources]:
+            x = r[name]
+            outside = f"{x['median_outside_step_s'] * 1e3:.1f} ms" if "median_outside_step_s" in x else ""
+            table.append(f"| {r['repeat']} | {name} | {x['tokens_per_s']:.0f} | {x['median_step_s'] * 1e3:.1f} ms | {x['cpu_per_step_s'] * 1e3:.1f} ms | {outside} "
+                         f"| {x.get('ratio', 1.0):.3f} | {x.get('cpu_ratio', 1.0):.3f} |")
+    medians = {name: {"ratio": statistics.median(r[name]["ratio"] for r in rows), "cpu_ratio": statistics.median(r[name]["cpu_ratio"] for r in rows)}
+               for name in sources}
+    table += [""] + [f"{name}: tokens/s ratio median {m['ratio']:.3f} (range {min(r[name]['ratio'] for r in rows):.3f}-"
+                     f"{max(r[name]['ratio'] for r in rows):.3f}), CPU ratio median {m['cpu_ratio']:.3f}, over {len(rows)} repeats." for name, m in medians.items()]
     out = args.out or results_dir("one_device", *([args.label] if args.label else []))
-    write(out, "one_device", rows, table, {"ratio_median": statistics.median(ratios)})
+    write(out, "one_device", rows, table, {"medians": medians})
     return 0
 
 

@@ -40,11 +40,12 @@ RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alpha
 
 def may_be_random(node: Node, module: nn.Module | None) -> bool:
     """Whether an op may draw random numbers in training mode: a random function or method by name,
-    a torch.nn module that holds a dropout (or RReLU), and any module of the user's own (its forward
-    may call one)."""
+    a torch.nn module that holds a dropout with a probability above 0 (or RReLU), and any module of the
+    user's own (its forward may call one). A dropout at 0 draws nothing: seeding it per op and
+    micro-batch would only cost time."""
     if module is not None:
         if node.kind.startswith("module:torch.nn."):
-            return any(isinstance(m, RANDOM_MODULES) for m in module.modules())
+            return any(isinstance(m, RANDOM_MODULES) and getattr(m, "p", 1.0) != 0 for m in module.modules())
         return True
     return bool(RANDOM_NAME.search(node.name) or RANDOM_NAME.search(str(node.config.get("target", ""))))
 

@@ -28,11 +28,12 @@ from fusionllm.core.errors import FusionError, WireError
 from fusionllm.runtime.backends.backend import Backend, load_backend
 from fusionllm.runtime.stage.outer import Average, OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.stage.stage_runtime import StageRuntime, StepFailure
+from fusionllm.runtime.worker import process_memory
 from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
 from fusionllm.runtime.worker.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.worker.nat_link import NatLink
 from fusionllm.runtime.worker.peers import WORKER_SERVICE, Inbox, PeerNet
-from fusionllm.runtime.worker.process_memory import current_rss, keep_working_memory, peak_rss, return_freed_memory
+from fusionllm.runtime.worker.process_memory import current_rss, peak_rss, return_freed_memory
 from fusionllm.runtime.worker.running import Running
 from fusionllm.runtime.worker.stage_state import outer_blob, read_stage_shards
 from fusionllm.runtime.worker.worker_config import Identity, WorkerConfig, advertise_host
@@ -252,7 +253,7 @@ class Worker:
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
         self._state_blob = None
-        keep_working_memory()
+        process_memory.keep_working_memory()
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
     async def _on_regroup(self, msg: dict[str, Any]) -> dict[str, Any]:
