@@ -11,7 +11,8 @@ step's allocations and connections left out): the plain loop times them itself, 
 step records' ``elapsed_s`` (the coordinator's clock, as a user reads it). The machine is shared, so
 the two alternate, ``--repeats`` times, and the ratio is taken within each pair.
 
-    python experiments/one_device.py [--model gpt-micro] [--steps 60] [--repeats 4] [--out DIR]
+    python experiments/one_device.py [--model gpt-micro] [--steps 60] [--repeats 4] [--before NAME=SRC] [--out DIR]
+    python experiments/one_device.py --extras [--repeats 8]   # the CPU of each per-step extra, in one process
 """
 
 from __future__ import annotations
@@ -64,6 +65,70 @@ def plain(args: argparse.Namespace) -> dict:
         ends.append(time.perf_counter() - started)
         cpu.append(time.process_time())
     return {"ends": ends, "losses": losses, "cpu": cpu}
+
+
+def extras(args: argparse.Namespace) -> int:
+    """What each per-step extra of the runtime costs, in this process: the CPU time (this thread's, robust
+    on a shared machine) of one stage's step run by the executor and its backend as a worker runs it,
+    with one extra switched at a time."""
+    import copy
+    import math
+
+    import torch
+
+    from fusionllm.runtime.backends.model_graph import trace_lm
+    from fusionllm.runtime.backends.torch_backend import BACKEND
+    from fusionllm.runtime.stage.global_norm import total_sq
+
+    torch.set_num_threads(1)
+    from fusionllm.data import Batcher
+    from fusionllm.data.lm_tokens import load_lm_tokens
+    from fusionllm.models.spec import build_lm
+
+    tokens = load_lm_tokens(None, None, 0.1)
+    batches = Batcher(tokens.train, args.batch_size, args.seq_len, args.seed)
+    model = build_lm(args.model, tokens.vocab_size, seed=args.seed)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    stages = {}
+    for m in (1, 4):
+        graph = trace_lm(copy.deepcopy(model), args.batch_size // m, args.seq_len, vocab_size=tokens.vocab_size, spec=args.model)
+        stages[m] = (graph, BACKEND.stage(graph, [n.id for n in graph.compute_nodes], state, lr=args.lr, weight_decay=0.1, device="cpu", name="s"))
+
+    def step(s: int, m: int = 1, keyed: bool = True, float64: bool = True, noise: bool = False) -> None:
+        graph, stage = stages[m]
+        ex = stage.executor
+        fed = [n.outputs[0].id for n in graph.input_nodes]
+        x, y = batches.arrays(s)
+        size = args.batch_size // m
+        for mb in range(m):
+            ex.random_key = (args.seed, s) if keyed else None  # random ops seeded per op and micro-batch
+            ex.forward(mb, {fed[0]: torch.from_numpy(x[mb * size : (mb + 1) * size]), fed[1]: torch.from_numpy(y[mb * size : (mb + 1) * size])})
+            ex.backward(mb, {graph.loss: torch.tensor(1.0 / m), **{e: None for e in ex.leaving if e != graph.loss and ex.edge_meta[e].requires_grad}})
+            if noise:  # the noise scale's norm after each micro-batch
+                stage.grad_sq(set(ex.trainable()))
+        params = list(ex.trainable().values())
+        norm = math.sqrt(total_sq(stage.grad_squares(set(ex.trainable())))) if float64 else float(torch.nn.utils.clip_grad_norm_(params, 1e9))
+        stage.step(min(1.0, 1.0 / (norm + 1e-6)), args.lr)
+
+    variants = {"one micro-batch (the plan)": {}, "random ops not seeded": {"keyed": False}, "float32 norm (torch's clip)": {"float64": False},
+                "4 micro-batches": {"m": 4}, "4 micro-batches + noise-scale norms": {"m": 4, "noise": True}}
+    seconds: dict[str, list[float]] = {k: [] for k in variants}
+    for v in variants.values():
+        step(0, **v)  # first-step allocations
+    names = list(variants)
+    for s in range(1, args.repeats + 1):
+        for k in names[s % len(names) :] + names[: s % len(names)]:  # each variant after each other in turn (caches)
+            t = time.thread_time()
+            step(s, **variants[k])
+            seconds[k].append(time.thread_time() - t)
+    base = statistics.median(seconds["one micro-batch (the plan)"])
+    rows = [{"variant": k, "cpu_s": round(statistics.median(v), 5), "vs_plan": round(statistics.median(v) / base - 1, 4)} for k, v in seconds.items()]
+    table = [f"CPU time of one step of {args.model} ({args.batch_size} x {args.seq_len}, one thread), median of {args.repeats}, one extra at a time.", "",
+             "| variant | CPU per step | against the plan |", "|---|---|---|"]
+    table += [f"| {r['variant']} | {r['cpu_s'] * 1e3:.1f} ms | {r['vs_plan']:+.1%} |" for r in rows]
+    out = args.out or results_dir("one_device", "extras")
+    write(out, "one_device_extras", rows, table)
+    return 0
 
 
 def run_plain(args: argparse.Namespace) -> dict:
@@ -126,11 +191,14 @@ def main() -> int:
     ap.add_argument("--label", default="", help="a variant directory under the results (e.g. before, after)")
     ap.add_argument("--plan-args", nargs=argparse.REMAINDER, default=[], help="more arguments of fusionllm train (last)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--extras", action="store_true", help="instead: the CPU per step of each runtime extra, in this process")
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the plain loop's own process
     args = ap.parse_args()
     if args.plain:
         print(json.dumps(plain(args)))
         return 0
+    if args.extras:
+        return extras(args)
     tokens = args.batch_size * args.seq_len
     sources = {"plan": ROOT / "src", **{f"plan@{name}": Path(src) for name, src in (b.split("=", 1) for b in args.before)}}
     rows = []
