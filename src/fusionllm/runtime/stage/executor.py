@@ -265,8 +265,9 @@ class StageExecutor:
             # A recomputed random op draws its masks again in this backward, from the process-wide
             # generator its checkpoint restores: the same lock as the forward's draws (stages in threads).
             replays = self.recompute and self.training and self.random_key is not None and bool(self._random & self._recomputable)
+            last = mb.grads_done >= self._grad_leaving  # no later call walks this graph: autograd frees it as it goes
             with _RNG_LOCK if replays else contextlib.nullcontext():
-                torch.autograd.backward(roots, root_grads, retain_graph=True)
+                torch.autograd.backward(roots, root_grads, retain_graph=not last)
         ready: dict[str, torch.Tensor | None] = {}
         for edge_id in self._grad_entering:
             if edge_id in mb.grads_sent or not self._waits_on[edge_id] <= mb.grads_done:
