@@ -292,3 +292,14 @@ def test_fastest_device_behind_a_slow_link_gets_work_or_nothing() -> None:
         for s in plan.stages:
             if 0 in s.workers:
                 assert any(graph.node(n).params for n in s.nodes), plan.to_json()
+
+
+def test_a_one_device_plan_takes_one_micro_batch_whatever_the_request() -> None:
+    """On one device micro-batches fill no pipeline and share no step: each is overhead (issue 58)."""
+    from fusionllm.planning.predict import predict
+
+    graph = trace_lm(build_model("gpt-micro", device="meta"), 4, 128)
+    cost = CostModel(graph, estimate(graph), hw([[0]], [1.0]))
+    for m in (1, 4, 8):
+        plan = make_schedule("opfence", cost, Request(16, 128, m), evaluate=predict)
+        assert [s.workers for s in plan.stages] == [[0]] and plan.micro_batches == 1, plan.to_json()

@@ -144,6 +144,8 @@ def opfence(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, 
 
     def m_choices(stages: Layout) -> list[int]:
         depth, widest = len(stages), max(len(w) for w, _ in stages)
+        if depth == widest == 1:  # one device: nothing to fill or share, a micro-batch more is only overhead (issue 58)
+            return [1]
         return sorted({m for m in divisors if widest <= m <= 4 * max(depth, widest)} | ({req.micro_batches} & set(divisors)))
 
     # rank every (layout, micro-batches) by a closed-form estimate, then validate and simulate the best

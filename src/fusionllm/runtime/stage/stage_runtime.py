@@ -2,7 +2,7 @@
 
 The loop runs the worker's action list (the program the coordinator validated and shipped with the
 assignment) for each step and makes no decisions of its own: each action kind has one handler
-(``_HANDLERS``). ``F``/``B`` run the executor (in a thread, so tensors keep arriving meanwhile),
+(``_HANDLERS``). ``F``/``B`` run the executor (in the stage's compute thread, so tensors keep arriving meanwhile),
 ``SEND_*`` hand the edges each peer of the action names to the link sender
 (``runtime/stage/link_sender.py``: encoding, error feedback, taint, faults), ``RECV_*`` wait for the
 edges each of its peers sends, checked by the link receiver (``runtime/stage/link_receiver.py``),
@@ -22,6 +22,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -118,6 +119,9 @@ class StageRuntime:
         # replicas accumulate other rows, and one micro-batch gives no fit: nothing measured (and no extra pass over the gradients)
         self._measure_noise = len(self.stage.workers) == 1 and plan.micro_batches > 1
         self._reduce_overlap = reduce_overlap
+        # one thread runs every forward and backward: one glibc arena holds a step's tensors, freed and reused
+        # step after step (a forward in one pool thread and its backward in another kept a working set in each)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"w{worker}-compute")
         self.world: Any = None
         self.reducer: InOrder = choose_reducer(self._groups, self._ring)
 
@@ -230,7 +234,7 @@ class StageRuntime:
     # ---- the handlers ------------------------------------------------------------------------------
     async def _forward(self, a: Action, st: StepState) -> None:
         feeds = {**st.inputs.get(a.mb, {}), **st.received.pop(a.mb, {})}
-        out = await asyncio.to_thread(self.executor.forward, a.mb, feeds)
+        out = await asyncio.get_running_loop().run_in_executor(self._compute, self.executor.forward, a.mb, feeds)
         if self.graph.loss in out:
             st.losses[a.mb] = self.backend.scalar(out[self.graph.loss])
         st.outputs[a.mb] = {e: out[e] for e in self._sent.get(a.mb, ()) if e in out}
@@ -244,7 +248,7 @@ class StageRuntime:
                 grads[e] = None  # a graph output nobody differentiates (the logits)
         if a is self._last_backward:
             self.reducer.arm(st)
-        st.entering_grads[a.mb] = await asyncio.to_thread(self.executor.backward, a.mb, grads)
+        st.entering_grads[a.mb] = await asyncio.get_running_loop().run_in_executor(self._compute, self.executor.backward, a.mb, grads)
         if self._measure_noise:  # (0 where every weight here is shared: the others measure the rest)
             st.accum_sq.append(float(self.backend.grad_sq(self._noise_names)))
 

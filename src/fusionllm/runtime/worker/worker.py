@@ -28,6 +28,7 @@ from fusionllm.core.errors import FusionError, WireError
 from fusionllm.runtime.backends.backend import Backend, load_backend
 from fusionllm.runtime.stage.outer import Average, OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.stage.stage_runtime import StageRuntime, StepFailure
+from fusionllm.runtime.worker import process_memory
 from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
 from fusionllm.runtime.worker.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.worker.nat_link import NatLink
@@ -196,6 +197,7 @@ class Worker:
             raise WireError("empty assignment")
         msg = Assign.from_wire(unpack(first))
         self._aborted = False
+        return_freed_memory()  # what the set-up frees goes back (keep_working_memory once the stage is built)
         self._rss_base = current_rss()
         if not 0 <= msg.nbytes <= MAX_WEIGHTS:
             raise WireError(f"assignment declares {msg.nbytes} bytes of weights")
@@ -251,6 +253,7 @@ class Worker:
         if self.data_source is None:
             self.log.warning("reading no data of my own (%s): the coordinator sends my batches", why)
         self._state_blob = None
+        process_memory.keep_working_memory()
         return Assigned([str(a) for a in self.runtime.actions], "torch" in sys.modules, why).to_wire()
 
     async def _on_regroup(self, msg: dict[str, Any]) -> dict[str, Any]:
