@@ -27,7 +27,13 @@ compressor (``experiments/dp_compress.py``) runs them in one process, exactly as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Sequence
+import functools
+import math
+import threading
+import time
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +41,9 @@ from fusionllm.compress.base import CodecSpec
 from fusionllm.compress.codecs import decode, encode, parse_codec
 from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.runtime.backends.backend import StageBackend
+from fusionllm.core.logging import get_logger
 from fusionllm.runtime.dist.reduce import row_width
+from fusionllm.runtime.dist.reducers import InOrder
 from fusionllm.runtime.stage.link_receiver import LinkReceiver
 from fusionllm.runtime.stage.link_sender import LinkSender
 from fusionllm.runtime.stage.step import StepState
@@ -43,6 +51,21 @@ from fusionllm.schedule.plan import ReducePlan
 
 Group = tuple[int, ...]
 Payload = tuple[str, bytes]
+BUCKET_BYTES = 1 << 20  # small enough that the first buckets leave during the backward, few enough messages a step
+log = get_logger("runtime", "stage")
+
+
+def buckets_of(sizes: Sequence[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Names in order, cut into consecutive buckets of at most ``limit`` bytes (a larger weight alone)."""
+    out: list[list[str]] = []
+    used = 0
+    for name, nbytes in sizes:
+        if not out or used + nbytes > limit:
+            out.append([])
+            used = 0
+        out[-1].append(name)
+        used += nbytes
+    return out
 
 
 def as_rows(flat: np.ndarray, row: int) -> np.ndarray:
@@ -96,7 +119,9 @@ class SiteReduce:
     """One reduce group's sum through its sites: raw within a site, the leaders' exchange encoded and error-fed."""
 
     def __init__(self, group: Group, names: list[str], worker: int, backend: StageBackend, sender: LinkSender,
-                 receiver: LinkReceiver, plan: ReducePlan) -> None:
+                 receiver: LinkReceiver, plan: ReducePlan, order: Mapping[str, int] | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """``order``: the backward's order of the weights (the same on every member), in which they
+        are cut into buckets of about ``bucket_bytes``; each bucket is summed on its own."""
         self.group, self.names, self.worker = group, names, worker
         self.backend, self.sender, self.receiver = backend, sender, receiver
         self.sites = sites_of(group, plan)
@@ -105,12 +130,20 @@ class SiteReduce:
         self.spec = parse_codec(plan.codec)
         self.gid = "s" + "-".join(map(str, group))  # the same on every member
         params = backend.executor.trainable()
-        self.row = row_width([tuple(params[n].shape) for n in names])
+        ordered = sorted(names, key=order.__getitem__) if order is not None else list(names)
+        self.buckets = buckets_of([(n, 4 * math.prod(params[n].shape)) for n in ordered], bucket_bytes)
+        self.rows = [row_width([tuple(params[n].shape) for n in b]) for b in self.buckets]
         self.residuals = Residuals(sender.feedback)
 
     async def __call__(self, st: StepState) -> None:
-        flat = self.backend.flat_grads(self.names)
-        self.backend.set_flat_grads(self.names, await self.reduce_flat(st, flat, 0))
+        await asyncio.gather(*(self.reduce_bucket(st, b) for b in range(len(self.buckets))))
+
+    async def reduce_bucket(self, st: StepState, bucket: int, total: Awaitable[np.ndarray] | None = None) -> None:
+        """Bucket ``bucket``'s sum written into its gradients (``total``: its sum, already under way)."""
+        names = self.buckets[bucket]
+        if total is None:
+            total = self.reduce_flat(st, self.backend.flat_grads(names), bucket)
+        self.backend.set_flat_grads(names, await total)
 
     async def reduce_flat(self, st: StepState, flat: np.ndarray, bucket: int) -> np.ndarray:
         """The group's sum of ``flat`` (this member's part; ``bucket``: which of the group's flat parts)."""
@@ -136,8 +169,9 @@ class SiteReduce:
         else:
             key = ("site", self.gid, bucket)
             self.residuals.start(key, st.step)
-            encoded = await asyncio.to_thread(leader_encode, site_sum, self.spec, self.sender.feedback, key, self.row)
-            mine = decode(*encoded, (-(-site_sum.size // self.row), self.row))
+            row = self.rows[bucket]
+            encoded = await asyncio.to_thread(leader_encode, site_sum, self.spec, self.sender.feedback, key, row)
+            mine = decode(*encoded, (-(-site_sum.size // row), row))
         sends = [self._push(st, w, {**tag, "edge": edge}, mine, encoded) for w in others]
         await asyncio.gather(*sends)
         decoded = []
@@ -156,3 +190,77 @@ class SiteReduce:
         if got is None:
             raise ValueError(f"worker {header['src']} sent no gradient for {header['edge']}")
         return got
+
+
+class SiteOverlap(InOrder):
+    """Every group's buckets started during the step's last backward, each once its gradients are final
+    (``register_post_accumulate_grad_hook``, as ``runtime/stage/overlap.py`` does for a world); the rest at
+    ``REDUCE``. On the data plane every bucket has its own messages, so members may start them in any
+    order. Not armed on a poisoned step or a step run again, nor where the backend's weights have no
+    such hook (NumPy): those reduce at ``REDUCE``."""
+
+    parts: list[SiteReduce]  # type: ignore[assignment]
+
+    def __init__(self, parts: Sequence[SiteReduce]) -> None:
+        super().__init__(list(parts))
+        self._hooks: list[Any] = []
+        self._started: dict[tuple[int, int], Future] = {}  # (part, bucket) -> its sum under way
+        self._lock = threading.Lock()
+        self.in_backward = 0  # buckets started before REDUCE, this assignment
+        self.lead_s = 0.0  # seconds between the first bucket's start and REDUCE, this assignment
+        self._first = 0.0
+        self._told = False
+
+    def arm(self, st: StepState) -> None:
+        if st.poisoned or st.rerun:
+            return
+        loop = asyncio.get_running_loop()
+        for i, part in enumerate(self.parts):
+            params = part.backend.executor.trainable()
+            for b, names in enumerate(part.buckets):
+                tensors = [params[n] for n in names]
+                if not all(hasattr(t, "register_post_accumulate_grad_hook") for t in tensors):
+                    self._unhook()
+                    return
+                missing = set(range(len(tensors)))
+                final = functools.partial(self._final, loop, st, i, b, missing)
+                self._hooks += [t.register_post_accumulate_grad_hook(functools.partial(final, j)) for j, t in enumerate(tensors)]
+
+    def _final(self, loop: asyncio.AbstractEventLoop, st: StepState, i: int, b: int, missing: set[int], j: int, _param: Any) -> None:
+        """In autograd's thread: the bucket's last gradient is final, start its sum on the loop."""
+        with self._lock:
+            missing.discard(j)
+            if missing or (i, b) in self._started:
+                return
+            part = self.parts[i]
+            flat = part.backend.flat_grads(part.buckets[b])  # a copy: the sum starts from the values as they are now
+            self._started[(i, b)] = asyncio.run_coroutine_threadsafe(part.reduce_flat(st, flat, b), loop)
+            if not self._first:
+                self._first = time.perf_counter()
+            self.in_backward += 1
+
+    async def reduce(self, st: StepState) -> None:
+        self._unhook()
+        with self._lock:
+            started, self._started = self._started, {}
+        if self._first:
+            self.lead_s += time.perf_counter() - self._first
+            self._first = 0.0
+        await asyncio.gather(*(part.reduce_bucket(st, b, asyncio.wrap_future(started[(i, b)]) if (i, b) in started else None)
+                               for i, part in enumerate(self.parts) for b in range(len(part.buckets))))
+        if started and not self._told:
+            self._told = True
+            log.info("w%d: sums through sites overlapped with the backward: %d of %d buckets started before REDUCE", self.parts[0].worker,
+                     len(started), sum(len(p.buckets) for p in self.parts))
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def disarm(self) -> None:
+        self._unhook()
+        with self._lock:
+            started, self._started, self._first = self._started, {}, 0.0
+        for fut in started.values():  # a failed step: nothing of it may run into the next
+            fut.cancel()
