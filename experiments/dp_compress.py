@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Per-token efficiency of the error-fed compressor of data-parallel gradients (issue 58), in one process.
 
-``R`` replicas share every step's batch (``batch / R`` sequences each); each replica is a site of its
-own, so each is a leader: its gradient (flat, every trainable weight in name order, as
-``schedule.plan.shared_groups`` lists a group's) plus its residual is encoded with the codec
-(``runtime/dist/site_reduce.leader_encode``, in rows of ``row_width``) and the decoded payloads are
-added in site order (``leaders_total``): exactly the arithmetic ``SiteReduce`` runs between leaders.
-Then the global-norm clip and AdamW, as the stage does. ``none`` sums the replicas' gradients raw.
+``R`` replicas share every step's batch (``batch / R`` sequences each), in ``S`` sites (``--sites``;
+default: each replica a site of its own). Each site's leader takes the raw sum of its replicas'
+gradients (flat, every trainable weight in name order, as ``schedule.plan.shared_groups`` lists a
+group's), adds its residual and encodes it with the codec (``runtime/dist/site_reduce.leader_encode``,
+in rows of ``row_width``); the decoded payloads are added in site order (``leaders_total``): exactly
+the arithmetic ``SiteReduce`` runs between leaders. Then the global-norm clip and AdamW, as the stage does. ``none`` sums the replicas' gradients raw.
 
 A variant is ``CODEC`` or ``CODEC@raw=N`` (the first N steps raw, error feedback starting empty at
 step N). Per-token efficiency of a variant against ``none`` with the same seed (same weights at
@@ -50,7 +50,7 @@ def parse_variant(text: str) -> tuple[str, int]:
     return codec, raw
 
 
-def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, seed: int, eval_every: int, eval_batches: int,
+def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, sites: int, seed: int, eval_every: int, eval_batches: int,
           variant: str) -> dict:
     import torch
 
@@ -88,17 +88,21 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, seed
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = batches.get(step)
-        decoded = []
-        for r, rows in enumerate(shares):  # each replica's gradient of its share (the step's mean loss, its part)
+        sums: list[np.ndarray] = [np.zeros(0, np.float32)] * sites
+        for r, rows in enumerate(shares):  # each replica's gradient of its share (the step's mean loss, its part), summed in its site raw
             model.zero_grad(set_to_none=True)
             (lm_loss(model(x[rows]).float(), y[rows]) * (len(rows) / batch)).backward()
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]).numpy().copy()
+            site = r * sites // replicas
+            sums[site] = flat if not sums[site].size else sums[site] + flat
+        decoded = []
+        for site, flat in enumerate(sums):  # each site's leader: its sum, error-fed, encoded
             raw_bytes += flat.nbytes
             if spec.lossless or step < raw_steps:
                 decoded.append(flat)
                 sent_bytes += flat.nbytes
             else:
-                payload = leader_encode(flat, spec, feedback, r, row)
+                payload = leader_encode(flat, spec, feedback, site, row)
                 sent_bytes += len(payload[1])
                 decoded.append(decode(*payload, (-(-flat.size // row), row)))
         total = torch.from_numpy(leaders_total(decoded, decoded[0].size if spec.lossless else sum(p.numel() for p in params)))
@@ -138,18 +142,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--sites", type=int, default=0, help="sites the replicas are grouped in (default: each replica a site)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=["none", "topkq2:0.02"])
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out-suffix", default="", help="appended to the result files' name (another setting of the same model)")
     a = ap.parse_args()
     variants = ["none", *[v for v in a.variants if v != "none"]]
-    jobs = [(a.model, a.steps, a.batch, a.seq, a.replicas, s, a.eval_every, a.eval_batches, v) for v in variants for s in a.seeds]
+    a.sites = a.sites or a.replicas
+    jobs = [(a.model, a.steps, a.batch, a.seq, a.replicas, a.sites, s, a.eval_every, a.eval_batches, v) for v in variants for s in a.seeds]
     with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(train, *zip(*jobs, strict=True)))
     by = {(r["variant"], r["seed"]): r for r in runs}
-    table = [f"{a.model}, batch {a.batch} x {a.seq}, {a.steps} steps, {a.replicas} replicas (each a site), seeds {a.seeds}; "
+    table = [f"{a.model}, batch {a.batch} x {a.seq}, {a.steps} steps, {a.replicas} replicas in {a.sites} sites, seeds {a.seeds}; "
              "validation loss at the end; efficiency: tokens `none` needs for that loss / tokens used (paired by seed).", "",
              "| variant | fewer bytes | final loss (per seed) | mean | efficiency (per seed) | min efficiency |", "|---|---|---|---|---|---|"]
     summary = []
@@ -160,7 +167,7 @@ def main() -> None:
         summary.append({"variant": v, "fewer_bytes": fewer, "final_losses": finals, "efficiency": effs})
         table.append(f"| {v} | {fewer:.1f}x | {', '.join(f'{x:.4f}' for x in finals)} | {statistics.mean(finals):.4f} | "
                      f"{', '.join(f'{e:.3f}' for e in effs)} | {min(effs):.3f} |")
-    write(results_dir("dp_compress"), f"dp_compress-{a.model}", {"summary": summary, "runs": runs}, table,
+    write(results_dir("dp_compress"), f"dp_compress-{a.model}{a.out_suffix}", {"summary": summary, "runs": runs}, table,
           {"args": vars(a), "argv": shlex.join(sys.argv)})
 
 
