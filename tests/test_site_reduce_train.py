@@ -24,7 +24,7 @@ import torch
 import fusionllm.control.setup as setup
 from fusionllm.core.config import TrainConfig
 from fusionllm.launch.inprocess import cluster_config, run_in_process
-from fusionllm.runtime.dist.site_reduce import SiteReduce
+from fusionllm.runtime.dist.site_reduce import SiteOverlap, SiteReduce
 from fusionllm.runtime.reference.single import train_single
 from fusionllm.schedule.plan import Plan, ReducePlan
 
@@ -50,7 +50,10 @@ def test_replicas_with_unequal_shares_summed_through_two_sites_train_as_one_proc
     _dp_plan(monkeypatch, "none")
     result, workers = run_in_process(TRAIN, cluster_config(3, micro_batches=4))
     assert [w.runtime.stage.shares for w in workers] == [[2, 1, 1]] * 3
+    assert all(isinstance(w.runtime.reducer, SiteOverlap) for w in workers)
     assert all(isinstance(p, SiteReduce) for w in workers for p in w.runtime.reducer.parts)
+    started = [w.runtime.reducer.in_backward for w in workers]  # buckets started from the last backward's hooks, over the steps
+    assert all(n >= TRAIN.steps for n in started), started
     ref = train_single(TRAIN, micro_batches=4)
     assert len(result.losses) == TRAIN.steps
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)

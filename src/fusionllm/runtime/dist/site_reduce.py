@@ -208,6 +208,7 @@ class SiteOverlap(InOrder):
         self._lock = threading.Lock()
         self.in_backward = 0  # buckets started before REDUCE, this assignment
         self.lead_s = 0.0  # seconds between the first bucket's start and REDUCE, this assignment
+        self.wait_s = 0.0  # seconds REDUCE waited for the sums, this assignment (what the backward did not hide)
         self._first = 0.0
         self._told = False
 
@@ -243,11 +244,13 @@ class SiteOverlap(InOrder):
         self._unhook()
         with self._lock:
             started, self._started = self._started, {}
+        now = time.perf_counter()
         if self._first:
-            self.lead_s += time.perf_counter() - self._first
+            self.lead_s += now - self._first
             self._first = 0.0
         await asyncio.gather(*(part.reduce_bucket(st, b, asyncio.wrap_future(started[(i, b)]) if (i, b) in started else None)
                                for i, part in enumerate(self.parts) for b in range(len(part.buckets))))
+        self.wait_s += time.perf_counter() - now
         if started and not self._told:
             self._told = True
             log.info("w%d: sums through sites overlapped with the backward: %d of %d buckets started before REDUCE", self.parts[0].worker,
