@@ -25,11 +25,12 @@ Writes benchmarks/results/dp_compress/dp_compress-MODEL.json/.md.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -153,8 +154,15 @@ def main() -> None:
     variants = ["none", *[v for v in a.variants if v != "none"]]
     a.sites = a.sites or a.replicas
     jobs = [(a.model, a.steps, a.batch, a.seq, a.replicas, a.sites, s, a.eval_every, a.eval_batches, v) for v in variants for s in a.seeds]
-    with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
-        runs = list(pool.map(train, *zip(*jobs, strict=True)))
+    cache = results_dir("dp_compress", "runs")  # each run as it ends: a longer study resumes where it stopped
+    cache.mkdir(parents=True, exist_ok=True)
+    name = lambda j: "-".join(str(x) for x in (*j[:7], j[9])).replace(":", "_") + ".json"  # noqa: E731  (no eval settings)
+    todo = [j for j in jobs if not (cache / name(j)).exists()]
+    with ProcessPoolExecutor(max(1, a.jobs), mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(train, *j): j for j in todo}
+        for done in as_completed(futures):
+            (cache / name(futures[done])).write_text(json.dumps(done.result()))
+    runs = [json.loads((cache / name(j)).read_text()) for j in jobs]
     by = {(r["variant"], r["seed"]): r for r in runs}
     table = [f"{a.model}, batch {a.batch} x {a.seq}, {a.steps} steps, {a.replicas} replicas in {a.sites} sites, seeds {a.seeds}; "
              "validation loss at the end; efficiency: tokens `none` needs for that loss / tokens used (paired by seed).", "",
