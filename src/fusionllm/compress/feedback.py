@@ -23,6 +23,13 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         return self._residual.get(key)
 
+    def put(self, key: Hashable, residual: np.ndarray | None) -> None:
+        """Set ``key``'s residual as it was (``None``: none), e.g. before a step that runs again."""
+        if residual is None:
+            self._residual.pop(key, None)
+        else:
+            self._residual[key] = residual
+
     def discard(self, key: Hashable) -> None:
         """Forget ``key``'s residual (its sender stopped feeding it back)."""
         self._residual.pop(key, None)

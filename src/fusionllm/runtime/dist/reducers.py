@@ -177,11 +177,24 @@ def choose_reducer(
     groups: Mapping[Group, list[str]], ring: Callable[[Group, list[str]], RingReduce], *,
     world: Any = None, overlap: bool = True, recompute: bool = False,
     order: Mapping[str, int] | None = None, record: Callable[[Group, list[str], float], None] | None = None,
+    site: Callable[[Group, list[str]], GroupReduce] | None = None,
 ) -> InOrder:
     """The stage's reducer: each group over the ring, or in ``world`` where it reduces that group;
     overlapped with the backward where that is shown safe: gloo (NCCL launches from autograd's device
     threads in an order that differs between members of two groups), no recompute, and no parameter
-    in two of the world's groups (``overlap``: False for measurements of the plain path)."""
+    in two of the world's groups (``overlap``: False for measurements of the plain path).
+
+    ``site``: the plan sums through its sites (``Plan.reduce``): every group, replicas and tied
+    weights alike, through ``SiteReduce`` (``runtime/dist/site_reduce.py``) on the data plane, never the
+    world (every member of a group sees the same plan, so all take this path); its buckets start
+    during the last backward where the backend can watch gradients become final (``SiteOverlap``)."""
+    if site is not None:
+        parts = [site(g, names) for g, names in groups.items()]
+        if overlap and not recompute and parts:
+            from fusionllm.runtime.dist.site_reduce import SiteOverlap
+
+            return SiteOverlap(parts)  # type: ignore[arg-type]
+        return InOrder(parts)
     rings = [ring(g, names) for g, names in groups.items()]
     if world is None or not world.alive:
         return InOrder(list(rings))

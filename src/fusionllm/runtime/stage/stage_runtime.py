@@ -123,17 +123,29 @@ class StageRuntime:
         # step after step (a forward in one pool thread and its backward in another kept a working set in each)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"w{worker}-compute")
         self.world: Any = None
-        self.reducer: InOrder = choose_reducer(self._groups, self._ring)
+        self.reducer: InOrder = choose_reducer(self._groups, self._ring, **self._site_options())
 
     def _ring(self, group: Group, names: list[str]) -> RingReduce:
         return RingReduce(group, names, self.worker, self.backend, self.sender, self.receiver)
+
+    def _site_options(self) -> dict[str, Any]:
+        """With ``Plan.reduce``: every group through its sites (``runtime/dist/site_reduce.py``)."""
+        if self.plan.reduce is None:
+            return {}
+        from fusionllm.runtime.dist.site_reduce import SiteReduce
+
+        reduce = self.plan.reduce
+        return {"site": lambda g, names: SiteReduce(g, names, self.worker, self.backend, self.sender, self.receiver, reduce,
+                                                               self._grad_order),
+                "overlap": self._reduce_overlap, "recompute": self.hyper.recompute, "order": self._grad_order}
 
     def use_world(self, world: Any) -> None:
         """The worker's ``torch.distributed`` world (``runtime/dist/collective.py``), formed for this
         assignment: the links and reduce groups it carries go through it from now on."""
         self.world = self.sender.world = self.receiver.world = world
-        self.reducer = choose_reducer(self._groups, self._ring, world=world, overlap=self._reduce_overlap, recompute=self.hyper.recompute,
-                                      order=self._grad_order, record=self._record_reduce)
+        if self.plan.reduce is None:  # a plan that sums through its sites keeps that reducer (the data plane's)
+            self.reducer = choose_reducer(self._groups, self._ring, world=world, overlap=self._reduce_overlap, recompute=self.hyper.recompute,
+                                          order=self._grad_order, record=self._record_reduce)
 
     def _record_reduce(self, group: Group, names: list[str], started: float) -> None:
         """A world's all-reduce, measured as the ring it stands for: 2 (k - 1) / k of the gradients to the
