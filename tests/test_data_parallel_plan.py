@@ -11,9 +11,15 @@ from fusionllm.cluster.hardware import Device, Hardware
 from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.cost.model import HEADER_BYTES, CostModel
 from fusionllm.models import build_model
-from fusionllm.planning.data_parallel import Layout, apportion, data_parallel, dp_plan, layouts
+from fusionllm.planning.data_parallel import (
+    REDUCE_EFFICIENCY,
+    Layout,
+    apportion,
+    data_parallel,
+    dp_plan,
+    layouts,
+)
 from fusionllm.planning.predict import predict
-from fusionllm.planning.reduce_codec import MIN_REDUCE_RATIO
 from fusionllm.planning.schedulers import make_schedule
 from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.runtime.backends.profile import estimate
@@ -74,10 +80,10 @@ def test_sites_come_from_the_fences_each_led_by_its_fastest_device(micro: tuple)
     plan = dp_plan(cost, REQ, everyone(cost), 8)
     assert plan is not None and plan.reduce is not None
     assert plan.reduce.sites == ((1, 0), (2, 3))
-    assert parse_codec(plan.reduce.codec).ratio < 1  # 3.4 MB of gradients do not cross 10 Mbit/s under a backward raw
+    assert not parse_codec(plan.reduce.codec).lossless  # 3.4 MB of gradients do not cross 10 Mbit/s under a backward raw
 
 
-def test_the_leaders_codec_gets_tighter_as_the_links_between_sites_get_slower(micro: tuple) -> None:
+def test_the_leaders_codec_gets_tighter_as_the_links_between_sites_get_slower_and_is_one_that_was_measured(micro: tuple) -> None:
     graph, work = micro
     codecs = []
     for across in (10 * G, 1 * G, 400 * M, 150 * M, 50 * M, 10 * M, 1 * M):
@@ -86,8 +92,9 @@ def test_the_leaders_codec_gets_tighter_as_the_links_between_sites_get_slower(mi
         assert plan is not None and plan.reduce is not None
         codecs.append(plan.reduce.codec)
     ratios = [byte_ratio(parse_codec(c)) for c in codecs]
-    assert codecs[0] == "none" and codecs[-1] == f"topk:{MIN_REDUCE_RATIO:g}", codecs
-    assert ratios == sorted(ratios, reverse=True) and len(set(ratios)) >= 4, codecs
+    assert codecs[0] == "none" and not parse_codec(codecs[-1]).lossless, codecs
+    assert ratios == sorted(ratios, reverse=True) and len(set(ratios)) >= 2, codecs
+    assert set(codecs) <= {"none", *REDUCE_EFFICIENCY}, codecs  # never a codec whose per-token efficiency nobody measured
 
 
 def test_the_simulator_sends_the_leaders_encoded_sums_and_hides_them_behind_the_backward(micro: tuple) -> None:
@@ -110,8 +117,8 @@ def test_the_planner_picks_data_parallel_on_equal_devices_over_slow_links(micro:
     slow = [[0 if i == j else 20 * M for j in range(4)] for i in range(4)]
     cost = CostModel(graph, work, hw(slow, [1.0] * 4))
     plan = make_schedule("opfence", cost, REQ, evaluate=predict)
-    assert plan.meta["kind"] == "data-parallel" and len(plan.workers) == 4, plan.to_json()
-    assert plan.reduce is not None and len(plan.reduce.sites) == 4 and plan.reduce.codec != "none"
+    assert plan.meta["kind"] == "data-parallel" and len(plan.workers) >= 2, plan.to_json()
+    assert plan.reduce is not None and len(plan.reduce.sites) == len(plan.workers) and plan.reduce.codec in REDUCE_EFFICIENCY
     weighed = plan.meta["weighed"]
     assert weighed["data-parallel"]["tokens_per_s"] * weighed["data-parallel"]["efficiency"] > weighed["pipeline"]["tokens_per_s"]
     forced = make_schedule("dp", cost, REQ, evaluate=predict)

@@ -146,8 +146,9 @@ def test_slow_links_get_more_inner_steps_or_a_lossier_codec(micro) -> None:
 
 
 def test_one_device_of_two_synchronous_uses_at_most_half_and_hierarchical_more(micro) -> None:
-    """Two equal devices behind an 8 Mbit/s link: OP-Fence's pipeline keeps to one of them (the
-    synchronous choice is data parallel across the link, its gradients compressed)."""
+    """Two equal devices behind an 8 Mbit/s link: OP-Fence's pipeline keeps to one of them, and so does
+    the synchronous choice: gpt-micro's gradients through the best codec measured at full per-token
+    efficiency (lowrank:16, 12.8x) take 0.27 s over the link, and the 51x one keeps 0.42 of a token."""
     from fusionllm.planning.predict import predict
     from fusionllm.planning.schedulers import opfence
     from fusionllm.sim.simulator import simulate
@@ -155,7 +156,7 @@ def test_one_device_of_two_synchronous_uses_at_most_half_and_hierarchical_more(m
     graph, work = micro
     hw = two_devices(8e6)
     chosen, cost = choose_plan(graph, hw, "opfence", REQ, work=work, say=lambda _: None)
-    assert chosen.meta["kind"] == "data-parallel" and chosen.workers == [0, 1] and chosen.reduce is not None
+    assert len(chosen.workers) == 1 and chosen.reduce is None, chosen.to_json()
     plan = opfence(cost, REQ, evaluate=predict)
     assert len(plan.workers) == 1
 

@@ -3,10 +3,10 @@
 A data-parallel plan sums its replicas' gradients every step (``Plan.reduce``): raw within each site
 of fast links, encoded between the sites' leaders. The exchange overlaps the last backward of the
 step (buckets go out as their gradients become final), so the budget is that backward's time: the
-codec is the least lossy one whose exchange over the slowest leader link fits in it. ``none`` where
-the raw sum fits (fast links); else error-fed top-k at the largest ratio that fits, never below
-``MIN_REDUCE_RATIO``: a plan that needs more than that pays the rest in its step time, and the
-planner weighs it as such (``planning/data_parallel.py``).
+codec is ``none`` where the raw sum fits (fast links); else the measured codec
+(``data_parallel.REDUCE_EFFICIENCY``) with the most per-token efficiency per second of step it adds
+beyond the budget: efficiency x budget / max(budget, its exchange). The planner weighs the plan with
+that efficiency and the exchange that is not hidden (``planning/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ from dataclasses import replace
 from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.cost.model import CostModel
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, shared_groups
-
-# top-k ratios the reduce may use, least lossy first (topk: fp16 values and compact positions, about
-# 1/R fewer bytes); the last is the floor: past about 100x the error-fed gradient loses more per
-# token than the field reports keeping (DGC, PowerSGD: on par with SGD at 100x and beyond)
-REDUCE_RATIOS = (0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
-MIN_REDUCE_RATIO = REDUCE_RATIOS[-1]
 
 
 def leader_groups(plan: Plan, group: tuple[int, ...]) -> list[list[int]]:
@@ -51,14 +45,23 @@ def reduce_budgets(plan: Plan, cost: CostModel, req: Request) -> list[tuple[floa
 
 
 def reduce_codec(plan: Plan, cost: CostModel, req: Request) -> str:
-    """The codec of the leaders' exchange (module docstring): ``none``, or ``topk:R``."""
+    """The codec of the leaders' exchange (module docstring): ``none``, or a measured lossy codec."""
+    from fusionllm.planning.data_parallel import (
+        REDUCE_EFFICIENCY,  # (data_parallel imports this module)
+    )
+
     if plan.reduce is None:
         return "none"
     need = min((budget / raw for raw, budget in reduce_budgets(plan, cost, req) if raw > 0), default=1.0)
     if need >= 1.0:
         return "none"
-    fits = [r for r in REDUCE_RATIOS if byte_ratio(parse_codec(f"topk:{r}")) <= need]
-    return f"topk:{fits[0] if fits else MIN_REDUCE_RATIO:g}"
+
+    def worth(item: tuple[str, float]) -> float:  # efficiency per unit of step, the exchange's excess over the budget counted
+        codec, eff = item
+        return eff * need / max(need, byte_ratio(parse_codec(codec)))
+
+    candidates = [("none", 1.0), *REDUCE_EFFICIENCY.items()]
+    return max(candidates, key=worth)[0]
 
 
 def with_reduce_codec(plan: Plan, cost: CostModel, req: Request) -> Plan:
