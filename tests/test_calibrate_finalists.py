@@ -232,3 +232,20 @@ def test_every_plan_after_a_fit_is_made_with_the_fitted_speeds(tmp_path: Path) -
     fitted, base = asyncio.run(setup.hardware({})), asyncio.run(setup.hardware({}, calibrated=False))
     assert [d.speed for d in fitted.devices] == [0.4, 1.0] and [d.speed for d in base.devices] == [1.0, 1.0]
     assert device_speed(fitted.devices[1]) > device_speed(fitted.devices[0])  # the planner now puts the faster device first
+
+
+def test_a_window_with_a_change_in_it_is_not_fitted_until_it_settles() -> None:
+    """A link choked mid-window must reach the re-plan rule against the old prediction, not be absorbed."""
+    from fusionllm.planning.calibrate import FIT_AFTER, REFIT_EVERY, Samples
+
+    samples = Samples(warmup=0)
+    for i in range(FIT_AFTER):
+        samples.add(step_s=0.5 if i < FIT_AFTER // 2 else 1.5, cpu_s={})
+    assert not samples.due()
+    for _ in range(REFIT_EVERY):
+        samples.add(step_s=1.5, cpu_s={})
+    assert samples.due()  # settled: the whole window is at the new speed
+    steady = Samples(warmup=0)
+    for _ in range(FIT_AFTER):
+        steady.add(step_s=0.5, cpu_s={})
+    assert steady.due()

@@ -35,6 +35,7 @@ from fusionllm.sim.simulator import simulate
 WARMUP_STEPS = 5  # a plan's first steps open connections and warm caches: not measured
 FIT_AFTER = 10  # measured steps before the first fit (the 15th step of a plan)
 REFIT_EVERY = 20  # and again every so many measured steps, on the last so many (speeds move)
+STEADY = 1.5  # a window whose halves' median steps differ by more than this factor is not fitted (``Samples.due``)
 SPEED_RANGE = (0.02, 50.0)  # a fitted speed factor stays within these (a stalled step is no speed)
 BISECTIONS = 24
 
@@ -71,9 +72,17 @@ class Samples:
         self.last_cpu, self.last_elapsed = cpu, elapsed_s
 
     def due(self) -> bool:
-        """Whether to fit now: ``FIT_AFTER`` measured steps, then every ``REFIT_EVERY``."""
+        """Whether to fit now: ``FIT_AFTER`` measured steps, then every ``REFIT_EVERY``, on a steady
+        window only: a window whose later half's median step is ``STEADY`` times its earlier half's
+        (or less than 1/``STEADY``) holds a change (a choked link, a lost core) that the re-plan rule
+        must see against the prediction, not a fit that absorbs it; the fit waits until it settles."""
         n = len(self.items)
-        return n >= FIT_AFTER and (self.fitted_at == 0 or n - self.fitted_at >= REFIT_EVERY)
+        if n < FIT_AFTER or (self.fitted_at != 0 and n - self.fitted_at < REFIT_EVERY):
+            return False
+        window = [x.wall_s for x in self.items[-REFIT_EVERY:]]
+        half = len(window) // 2
+        early, late = statistics.median(window[:half]), statistics.median(window[half:])
+        return late <= STEADY * early and early <= STEADY * late
 
     def recent(self) -> list[Sample]:
         """The measured steps a fit reads: the last ``REFIT_EVERY``."""
