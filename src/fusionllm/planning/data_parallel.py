@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.core.errors import ConfigError
 from fusionllm.cost.model import CostModel
+from fusionllm.planning.efficiency import REDUCE_EFFICIENCY, UNMEASURED_REDUCE_EFFICIENCY
 from fusionllm.planning.fences import find_fences
 from fusionllm.planning.reduce_codec import leader_groups, with_reduce_codec
 from fusionllm.schedule.partition import Element, cut_bytes, split_chain
@@ -45,17 +46,6 @@ from fusionllm.schedule.plan import (
 )
 from fusionllm.schedule.validate import InvalidPlan, validate_plan
 
-# Per-token efficiency of the replicas' gradients through an error-fed codec between sites against raw
-# ones, as measured (benchmarks/results/dp_compress/README.md: gpt-micro, 4 replicas each its own site,
-# 300 steps, AdamW; the mean over the seeds run, capped at 1). A codec not listed is never chosen for
-# the leaders' exchange (planning/reduce_codec.py): its efficiency is unknown.
-REDUCE_EFFICIENCY = {
-    "lowrank:16": 1.0,  # 12.8x fewer bytes; 1.20 on seed 0 (one seed)
-    "lowrank:4": 0.42,  # 51x; 0.35, 0.38, 0.54 on seeds 0-2
-    "lowrank:3": 0.28,  # 68x; seed 0
-    "topkq2:0.03": 0.15,  # 60x; seed 0: AdamW takes the residual's bursts as full steps
-}
-UNMEASURED_EFFICIENCY = 0.1  # a lossy codec given by hand that was never measured
 DP_CANDIDATES = 6  # data-parallel plans simulated (after ranking every one by the closed form)
 MAX_LANES = 64
 
@@ -64,7 +54,7 @@ Evaluate = Callable[[Plan, CostModel, Request], float]
 
 def reduce_efficiency(codec: str) -> float:
     """Per-token efficiency of a plan whose replicas' gradients cross sites with ``codec`` (1: raw)."""
-    return 1.0 if parse_codec(codec).lossless else REDUCE_EFFICIENCY.get(str(parse_codec(codec)), UNMEASURED_EFFICIENCY)
+    return 1.0 if parse_codec(codec).lossless else REDUCE_EFFICIENCY.get(str(parse_codec(codec)), UNMEASURED_REDUCE_EFFICIENCY)
 
 
 def apportion(weights: list[float], total: int) -> list[int] | None:

@@ -109,3 +109,16 @@ def outer_codec_candidates(byte_ratio: Callable[[str], float], inner_steps: floa
     best measured efficiency, then (equal efficiency) the least lossy, the most bytes
     (``byte_ratio``: encoded over float32 bytes)."""
     return tuple(sorted(OUTER_CODEC_EFFICIENCY, key=lambda c: (-codec_efficiency(c, inner_steps), -byte_ratio(c))))
+
+
+# Per-token efficiency of the replicas' gradients through an error-fed codec between sites against raw
+# ones, as measured (benchmarks/results/dp_compress/README.md: gpt-micro, 4 replicas each its own site,
+# 300 steps, AdamW; the mean over the seeds run, capped at 1). A codec not listed is never chosen for
+# the leaders' exchange (``planning/reduce_codec.py``): its efficiency is unknown.
+REDUCE_EFFICIENCY = {
+    "lowrank:16": 1.0,  # 12.8x fewer bytes; 1.20 on seed 0 (one seed)
+    "lowrank:4": 0.42,  # 51x; 0.35, 0.38, 0.54 on seeds 0-2
+    "lowrank:3": 0.28,  # 68x; seed 0
+    "topkq2:0.03": 0.15,  # 60x; seed 0: AdamW takes the residual's bursts as full steps
+}
+UNMEASURED_REDUCE_EFFICIENCY = 0.1  # a lossy codec given by hand that was never measured

@@ -4,7 +4,7 @@ A data-parallel plan sums its replicas' gradients every step (``Plan.reduce``): 
 of fast links, encoded between the sites' leaders. The exchange overlaps the last backward of the
 step (buckets go out as their gradients become final), so the budget is that backward's time: the
 codec is ``none`` where the raw sum fits (fast links); else the measured codec
-(``data_parallel.REDUCE_EFFICIENCY``) with the most per-token efficiency per second of step it adds
+(``efficiency.REDUCE_EFFICIENCY``) with the most per-token efficiency per second of step it adds
 beyond the budget: efficiency x budget / max(budget, its exchange). The planner weighs the plan with
 that efficiency and the exchange that is not hidden (``planning/data_parallel.py``).
 """
@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from fusionllm.compress.codecs import byte_ratio, parse_codec
 from fusionllm.cost.model import CostModel
+from fusionllm.planning.efficiency import REDUCE_EFFICIENCY
 from fusionllm.schedule.plan import Plan, Request, micro_batch_scale, shared_groups
 
 
@@ -46,10 +47,6 @@ def reduce_budgets(plan: Plan, cost: CostModel, req: Request) -> list[tuple[floa
 
 def reduce_codec(plan: Plan, cost: CostModel, req: Request) -> str:
     """The codec of the leaders' exchange (module docstring): ``none``, or a measured lossy codec."""
-    from fusionllm.planning.data_parallel import (
-        REDUCE_EFFICIENCY,  # (data_parallel imports this module)
-    )
-
     if plan.reduce is None:
         return "none"
     need = min((budget / raw for raw, budget in reduce_budgets(plan, cost, req) if raw > 0), default=1.0)

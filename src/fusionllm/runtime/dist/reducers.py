@@ -30,32 +30,10 @@ from fusionllm.runtime.stage.link_receiver import LinkReceiver
 from fusionllm.runtime.stage.link_sender import LinkSender
 from fusionllm.runtime.dist.reduce import ring_allreduce, row_width
 from fusionllm.runtime.stage.step import StepState
+from fusionllm.runtime.dist.reducer import Group, GroupReduce, InOrder, Reducer  # noqa: F401  (re-exported: the names callers import here)
 from fusionllm.runtime.dist.threads import in_daemon_thread
 
 log = get_logger("runtime", "stage")
-
-Group = tuple[int, ...]  # the workers sharing the parameters, sorted
-
-
-class Reducer(Protocol):
-    """Sums a stage's shared gradients at ``REDUCE``."""
-
-    def arm(self, st: StepState) -> None:
-        """Called before the step's last backward micro-batch."""
-
-    async def reduce(self, st: StepState) -> None:
-        """The ``REDUCE`` action: every shared gradient summed over its group."""
-
-    def disarm(self) -> None:
-        """After the step, done or failed: nothing armed may fire in the next one."""
-
-
-class GroupReduce(Protocol):
-    group: Group
-    names: list[str]
-
-    async def __call__(self, st: StepState) -> None: ...
-
 
 class RingReduce:
     """One group's sum over the data plane."""
@@ -104,23 +82,6 @@ class WorldReduce:
         started = time.perf_counter()
         await self.world.reduce(self.group, [params[n] for n in self.names])
         self.record(self.group, self.names, started)
-
-
-class InOrder:
-    """Each group's sum in turn, in the order every member lists its groups (``schedule.plan.shared_groups``)."""
-
-    def __init__(self, parts: list[GroupReduce]) -> None:
-        self.parts = parts
-
-    def arm(self, st: StepState) -> None:
-        pass
-
-    async def reduce(self, st: StepState) -> None:
-        for part in self.parts:
-            await part(st)
-
-    def disarm(self) -> None:
-        pass
 
 
 class OverlapReduce(InOrder):

@@ -43,7 +43,7 @@ from fusionllm.compress.feedback import ErrorFeedback
 from fusionllm.runtime.backends.backend import StageBackend
 from fusionllm.core.logging import get_logger
 from fusionllm.runtime.dist.reduce import row_width
-from fusionllm.runtime.dist.reducers import InOrder
+from fusionllm.runtime.dist.reducer import InOrder
 from fusionllm.runtime.stage.link_receiver import LinkReceiver
 from fusionllm.runtime.stage.link_sender import LinkSender
 from fusionllm.runtime.stage.step import StepState

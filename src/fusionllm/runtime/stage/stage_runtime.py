@@ -139,6 +139,10 @@ class StageRuntime:
                                                                self._grad_order),
                 "overlap": self._reduce_overlap, "recompute": self.hyper.recompute, "order": self._grad_order}
 
+    def close(self) -> None:
+        """Stop the stage's compute thread once its last action has returned (the worker drops this stage)."""
+        self._compute.shutdown(wait=True, cancel_futures=True)
+
     def use_world(self, world: Any) -> None:
         """The worker's ``torch.distributed`` world (``runtime/dist/collective.py``), formed for this
         assignment: the links and reduce groups it carries go through it from now on."""

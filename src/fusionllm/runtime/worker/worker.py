@@ -1,15 +1,12 @@
 """`fusionllm worker`: join a coordinator, receive a stage, train it, exit when the run ends.
 
-The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tensor pushes from
-other workers) and calls ``fusionllm.Coordinator`` (register, heartbeats). It reads its own
-batches, evaluates in the pipeline and writes its stage's checkpoint shard. It exits when the
-coordinator says the run is over, when no coordinator answers for ``coordinator_timeout`` seconds,
-or on SIGINT/SIGTERM; a coordinator that restarts meanwhile finds it holding its stage
-(``coordinator_link.py``).
+The worker serves ``fusionllm.Worker`` (control calls from the coordinator, tensor pushes from other workers) and calls
+``fusionllm.Coordinator`` (register, heartbeats). It reads its own batches, evaluates in the pipeline and writes its
+stage's checkpoint shard. It exits when the coordinator says the run is over, when no coordinator answers for
+``coordinator_timeout`` seconds, or on SIGINT/SIGTERM; a restarted coordinator finds it holding its stage (``coordinator_link.py``).
 
-The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backends/backend.py``);
-this module imports no framework, so a NumPy worker never loads torch. When it joins it advertises
-its backend, software versions and the op kinds it runs, which the coordinator plans with.
+The worker runs its stage in torch or, with ``backend="numpy"``, in NumPy (``runtime/backends/backend.py``); this module
+imports no framework, so a NumPy worker never loads torch. It joins advertising its backend, software and op kinds.
 """
 
 from __future__ import annotations
@@ -151,8 +148,7 @@ class Worker:
             await self.running.abort()
             self.worlds.drop()
             await self.worlds.left(5.0)
-            if self.peers:
-                await self.peers.close()
+            await self._drop_stage()
             await self.nat.stop()
             await self.coordinator.close()
             await self.data.stop()
@@ -190,6 +186,13 @@ class Worker:
         self.inbox.reset(None)  # nothing of the aborted attempt is accepted any more
         self.log.warning("step aborted by the coordinator")
         return Aborted(aborted).to_wire()
+
+    async def _drop_stage(self) -> None:
+        """Close the peers' connections and the stage's compute thread (a new stage gets new ones)."""
+        if self.peers is not None:
+            await self.peers.close()
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.close)
 
     async def _on_assign(self, frames: AsyncIterator[bytes]) -> dict[str, Any]:
         first = await anext(frames, None)
@@ -229,8 +232,7 @@ class Worker:
         if self.outer is not None:
             self.outer.cancel()
             self.outer = None
-        if self.peers is not None:  # a re-assignment after a recovery: new peers, new ids, new epoch
-            await self.peers.close()
+        await self._drop_stage()  # a re-assignment after a recovery: new peers, new ids, new epoch, a new stage
         self.inbox.reset(msg.epoch)
         self._runs.clear()
         self.me.named(msg.worker)
