@@ -46,16 +46,16 @@ def cases(draw: st.DrawFn, models: tuple[str, ...], max_devices: int = 64) -> Ca
 SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
-@pytest.mark.slow  # about 15 s: the make test tier
-@settings(max_examples=150, **SETTINGS)
+@pytest.mark.slow  # about 18 s: the make test tier (150 examples took 45 s once OP-Fence also weighs data-parallel plans)
+@settings(max_examples=60, **SETTINGS)
 @given(cases(("gpt-nano", "gpt-micro", "gpt-mini", *ZOO_MODELS)))
 def test_small_models_on_random_clusters(case: Case) -> None:
     out = run_case(case)
     assert out.ok, f"{out.message}\n{case}"
 
 
-@pytest.mark.slow  # about 20 s: the make test tier
-@settings(max_examples=60, **SETTINGS)
+@pytest.mark.slow  # about 20 s: the make test tier (60 examples took 45 s once OP-Fence also weighs data-parallel plans)
+@settings(max_examples=25, **SETTINGS)
 @given(cases(BUILTIN_MODELS[3:], max_devices=64))
 def test_gpt2_family_on_random_clusters(case: Case) -> None:
     out = run_case(case)
