@@ -161,9 +161,10 @@ class SyncOptions(Section):
     overlap_steps: int | None = option(None, "--sync hierarchical: inner steps between a fragment's send and its apply (0: one round); default: "
                                              "the planner's choice.", min=0)
     blocking_sync: bool = option(False, "--sync hierarchical: apply each average right after sending (the inner loop waits for the network).")
-    finalists: int = option(3, "--sync auto: the planner's best candidates by prediction (the synchronous plan, groups x H) that the run "
+    finalists: int = option(0, "--sync auto: the planner's best candidates by prediction (the synchronous plan, groups x H) that the run "
                                "trains a few steps each, from live weights, measuring their tokens/s; it commits to the best measured "
-                               "goodput (docs/scheduler.md). 0 or 1: commit to the best prediction.", min=0)
+                               "goodput (docs/scheduler.md). 0 or 1 (the default until the trials keep the run's learning-rate schedule "
+                               "in tokens): commit to the best prediction.", min=0)
     finalist_steps: int = option(6, "--sync auto: steps each finalist trains (at least one round of its groups and two more: its first "
                                     "two steps are not measured).", min=1)
     recheck_steps: int = option(200, "--sync auto with finalists: every so many steps the run compares the committed plan's measured "
