@@ -72,6 +72,17 @@ def topk_ratio_for(byte_target: float) -> float:
     return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))
 
 
+def parse_ratio(kind: str, arg: str, text: str, example: str) -> CodecSpec:
+    """A sparse codec's spec: ``kind:RATIO`` with the ratio in (0, 1]."""
+    try:
+        ratio = float(arg)
+    except ValueError:
+        ratio = -1.0
+    if not 0 < ratio <= 1:
+        raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. {example}")
+    return CodecSpec(kind, ratio)
+
+
 @register
 class TopK(Codec):
     kinds = ("topk", "topk-token")
@@ -80,13 +91,7 @@ class TopK(Codec):
     sparse = True
 
     def parse(self, kind: str, arg: str, text: str) -> CodecSpec:
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if not 0 < ratio <= 1:
-            raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. topk:0.01")
-        return CodecSpec(kind, ratio)
+        return parse_ratio(kind, arg, text, "topk:0.01")
 
     def text(self, spec: CodecSpec) -> str:
         return f"{spec.kind}:{spec.ratio:g}"

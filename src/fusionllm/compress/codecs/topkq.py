@@ -29,8 +29,9 @@ import numpy as np
 
 from fusionllm.compress.base import Codec, CodecSpec, checked_shape, numel, raw_record, register
 from fusionllm.compress.bitpack import pack, packed_size, unpack
+from fusionllm.compress.codecs.topk import parse_ratio
 from fusionllm.compress.sparse import channel_major, from_bf16_bits, scale_bits, scale_row_len
-from fusionllm.core.errors import ConfigError, WireError
+from fusionllm.core.errors import WireError
 
 BITS = (2, 4, 8)
 MAX_CHUNK, BLOCK = 4096, 256  # a chunk is a scale row up to MAX_CHUNK values, else BLOCK values of the flat tensor
@@ -137,13 +138,7 @@ class TopKQuant(Codec):
     sparse = True
 
     def parse(self, kind: str, arg: str, text: str) -> CodecSpec:
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if not 0 < ratio <= 1:
-            raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. {kind}:0.02")
-        return CodecSpec(kind, ratio)
+        return parse_ratio(kind, arg, text, f"{kind}:0.02")
 
     def text(self, spec: CodecSpec) -> str:
         return f"{spec.kind}:{spec.ratio:g}"
