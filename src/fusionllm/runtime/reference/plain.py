@@ -27,11 +27,8 @@ import torch
 from fusionllm.core.config import TrainConfig, TrainResult, lr_at
 from fusionllm.core.errors import ConfigError
 from fusionllm.core.tensorboard import MetricsWriter
-from fusionllm.data import Batcher
-from fusionllm.data.lm_tokens import load_lm_tokens
 from fusionllm.models.loss import lm_loss
-from fusionllm.models.spec import build_lm, context_length, lm_tokenizer
-from fusionllm.runtime.reference.single import evaluate
+from fusionllm.runtime.reference.single import evaluate, lm_setup
 from fusionllm.runtime.stage.optim import make_adamw
 
 
@@ -40,13 +37,7 @@ def train_plain(config: TrainConfig, on_step: Callable[[dict], None] = lambda _:
     if config.task != "lm":
         raise ConfigError(f"the plain loop trains the built-in language-model task, not --task {config.task!r}")
     torch.set_num_threads(config.threads or 1)
-    tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
-    train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
-    val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
-    model = build_lm(config.model, tokens.vocab_size, seed=config.seed, init_from=config.init_from)
-    block = context_length(model)
-    if isinstance(block, int) and config.seq_len > block:
-        raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
+    train_batches, val_batches, model = lm_setup(config)
     optimizer = make_adamw(model.named_parameters(), config.lr, config.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
     result = TrainResult(num_params=sum(p.numel() for p in model.parameters()))

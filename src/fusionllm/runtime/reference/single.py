@@ -111,6 +111,19 @@ def _user_forward(model: torch.nn.Module) -> bool:
     return any(not type(m).__module__.startswith("torch.nn.modules") for m in model.modules())
 
 
+def lm_setup(config: TrainConfig) -> tuple[Batcher, Batcher, Any]:
+    """The language-model task as one process trains it: train and validation batches, and the model
+    (checked against ``--seq-len``)."""
+    tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
+    train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
+    val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
+    model = build_lm(config.model, tokens.vocab_size, seed=config.seed, init_from=config.init_from)
+    block = context_length(model)
+    if isinstance(block, int) and config.seq_len > block:
+        raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
+    return train_batches, val_batches, model
+
+
 def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *, micro_batches: int = 1,
                  skip: frozenset[int] = frozenset(), task: Task | None = None) -> TrainResult:
     """Train `config.model` (or `config.task`'s model) in this process; one metrics record per optimizer step.
@@ -120,13 +133,7 @@ def train_single(config: TrainConfig, on_step: StepCallback = lambda _: None, *,
         torch.set_num_threads(config.threads)
     if config.task != "lm" or task is not None:
         return train_single_task(config, on_step, micro_batches=micro_batches, skip=skip, task=task)
-    tokens = load_lm_tokens(config.data, lm_tokenizer(config.tokenizer, config.init_from), 0.1)
-    train_batches = Batcher(tokens.train, config.batch_size, config.seq_len, config.seed)
-    val_batches = Batcher(tokens.val, config.batch_size, config.seq_len, config.seed)
-    model = build_lm(config.model, tokens.vocab_size, seed=config.seed, init_from=config.init_from)
-    block = context_length(model)
-    if isinstance(block, int) and config.seq_len > block:
-        raise ConfigError(f"--seq-len {config.seq_len} exceeds the model's block size {block}; use --seq-len {block} or less")
+    train_batches, val_batches, model = lm_setup(config)
     if config.batch_size % micro_batches:
         raise ConfigError(f"--batch-size {config.batch_size} does not split into {micro_batches} micro-batches")
     masks = seeded_masks(model, lambda: trace_lm(copy.deepcopy(model), config.batch_size // micro_batches, config.seq_len, spec=config.model),
