@@ -130,7 +130,7 @@ class Calibrator:
             self.ctx.say(f"calibrated at step {record.step}{where}: the new plan predicted {first:.3f} s/step, {after:.3f} s with the fitted speeds")
         else:
             self.ctx.say(f"calibrated at step {record.step}{where}: predicted {first:.3f} s/step before, {after:.3f} s after, measured "
-                         f"{got.measured_s:.3f} s (median of {got.steps} steps); device speeds x "
+                         f"{got.measured_s:.3f} s (mean of {got.steps} steps); device speeds x "
                          + ", ".join(f"w{w} {f:.2f}" for w, f in sorted(got.speed.items())))
 
     def give_up(self, t: _Tracked, exc: BaseException | None) -> None:

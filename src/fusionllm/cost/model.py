@@ -229,6 +229,27 @@ class CostModel:
             exchange = sends + ends + codec
         return gather + exchange + broadcast, codec
 
+    def site_reduce_cpu(self, nbytes: float, sites: Sequence[Sequence[int]], ratio: float) -> dict[int, float]:
+        """Full-speed CPU seconds each worker spends on ``site_reduce_seconds``' reduce (its wall time
+        counts them at the quota's rate; the calibration needs them per device): a member sends its
+        gradients and takes the total in (two message ends), a leader takes each member's in and sends
+        it the total, and exchanges its encoded sum with every other leader (codec included). Measured
+        on random:41's dp plan (one leader of 3 in a site, 4 x 3.37 MB, benchmarks in docs/scheduler.md):
+        the leader spent 15-17 ms a step more CPU than a lone leader, members none more."""
+        out: dict[int, float] = {}
+        leaders = [site[0] for site in sites]
+        wire = nbytes * ratio
+        for site in sites:
+            lead, members = site[0], list(site[1:])
+            for m in members:
+                out[m] = out.get(m, 0.0) + self.message_cpu_seconds(nbytes, m, lead) + self.message_cpu_seconds(nbytes, lead, m)
+                out[lead] = out.get(lead, 0.0) + self.message_cpu_seconds(nbytes, m, lead) + self.message_cpu_seconds(nbytes, lead, m)
+        if len(leaders) > 1:
+            for w in leaders:
+                codec = nbytes / self.encode_bytes_per_s + len(leaders) * (wire / self.decode_bytes_per_s + nbytes / self.cpu_bytes_per_s) if ratio < 1.0 else 0.0
+                out[w] = out.get(w, 0.0) + codec + 2 * (len(leaders) - 1) * self.message_cpu_seconds(wire)
+        return out
+
     def optimizer_seconds(self, param_bytes: int, device: Device) -> float:
         """What a worker's STEP action costs it: AdamW over its parameters and, on a CPU device, the
         step's own work (``step_cpu_s``: the Step call, the norm reduction, the reply; the

@@ -184,6 +184,8 @@ def simulate(plan: Plan, cost: CostModel, req: Request, *, keep_timeline: bool =
         assert plan.reduce is not None
         sites = [members for site in plan.reduce.sites if (members := [x for x in site if x in group])]
         seconds, codec = cost.site_reduce_seconds(nbytes, sites, reduce_ratio)
+        for m, spent in cost.site_reduce_cpu(nbytes, sites, reduce_ratio).items():  # (its wall time is in ``seconds``)
+            cpu[m].cpu += spent / cpu[m].speed
         start = max(last_backward.get(m, backward_done) for m in group)
         for site in sites:
             for m in site[1:]:
