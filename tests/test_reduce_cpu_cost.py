@@ -15,6 +15,7 @@ from fusionllm.cost.model import CostModel
 from fusionllm.models import build_model
 from fusionllm.planning.calibrate import typical
 from fusionllm.planning.data_parallel import dp_plan, layouts
+from fusionllm.planning.data_parallel import estimate as closed_form
 from fusionllm.runtime.backends.model_graph import trace_lm
 from fusionllm.runtime.backends.profile import estimate
 from fusionllm.schedule.plan import Request
@@ -78,3 +79,16 @@ def test_the_simulator_counts_the_reduce_in_the_leaders_cpu(micro: tuple) -> Non
 def test_a_fit_matches_the_mean_step_without_stalls() -> None:
     assert typical([1.0, 1.0, 1.0, 2.0]) == pytest.approx(1.25)  # a long tail counts: the run's time is the sum
     assert typical([1.0, 1.0, 1.0, 10.0]) == pytest.approx(1.0)  # a stall (a pause, a re-plan) does not
+
+
+def test_a_step_takes_at_least_each_quota_devices_cpu_at_its_quotas_rate(micro: tuple) -> None:
+    graph, work = micro
+    cost = CostModel(graph, work, hardware([0.3, 0.3, 0.3, 0.75], {frozenset((0, 1)), frozenset((0, 2)), frozenset((1, 2))}))
+    layout = next(lay for lay in layouts(cost, REQ) if lay.name == "data parallel on the 4 fastest")
+    plan = dp_plan(cost, REQ, layout, 4)
+    assert plan is not None
+    result = simulate(plan, cost, REQ)
+    bound = max(result.cpu_s[w] / cost.hw.devices[w].cpus for w in plan.workers)
+    # one step from a fresh 100 ms period would burst 30 ms on the small quotas; a run of steps does not
+    assert result.step_time_s == pytest.approx(bound + cost.step_overhead_s, rel=1e-6)
+    assert closed_form(plan, cost, REQ) == pytest.approx(result.step_time_s, rel=0.05)  # the closed form's bound too

@@ -154,14 +154,18 @@ def dp_plan(cost: CostModel, req: Request, layout: Layout, micro_batches: int, s
 def estimate(plan: Plan, cost: CostModel, req: Request) -> float:
     """Closed-form step time of a data-parallel plan: the slowest lane's share (one micro-batch through
     its stages, the rest at its slowest stage's pace), the reduce not hidden behind the last backward
-    (``CostModel.site_reduce_seconds``; the ring within one site), the optimizer."""
+    (``CostModel.site_reduce_seconds``; the ring within one site), the optimizer; never less than a
+    worker's CPU in the step (its share, its reduce, its optimizer) at its quota's rate."""
     scaled = cost.scaled(micro_batch_scale(cost.graph, req, plan.micro_batches))
     first = plan.stages[0]
     shares = first.shares or [len(plan.mbs_of(w)) for w in first.workers]
     compute = 0.0
+    busy: dict[int, float] = {}  # each worker's CPU in a step at its quota's rate: what a run of steps sustains
     for lane, share in enumerate(shares):
         times = [_stage_seconds(scaled, s.nodes, s.workers[lane]) for s in plan.stages]
         compute = max(compute, sum(times) + (share - 1) * max(times))
+        for s, t in zip(plan.stages, times, strict=True):
+            busy[s.workers[lane]] = busy.get(s.workers[lane], 0.0) + share * t
     ratio = byte_ratio(parse_codec(plan.reduce.codec)) if plan.reduce is not None else 1.0
     exposed, seen = 0.0, set()
     for entries in shared_groups(cost.graph, plan).values():
@@ -175,11 +179,14 @@ def estimate(plan: Plan, cost: CostModel, req: Request) -> float:
                                                    + 2 * cost.message_cpu_seconds(nbytes / len(group)) / slowest)
                 continue
             seconds, codec = cost.site_reduce_seconds(nbytes, leader_groups(plan, group), ratio)
+            for w, spent in cost.site_reduce_cpu(nbytes, leader_groups(plan, group), ratio).items():
+                busy[w] = busy.get(w, 0.0) + spent / cost.cpu_rate(cost.hw.devices[w])
             last = max(scaled.mean_compute_seconds(plan.stage_of_worker(w).nodes, cost.hw.devices[w], True) for w in group)
             exposed += max(codec, seconds - last)
-    optim = max(cost.optimizer_seconds(sum(cost.graph.params[p].meta.nbytes for p in plan.stage_params(cost.graph, s.index)), cost.hw.devices[w])
-                for s in plan.stages for w in s.workers)
-    return compute + exposed + optim + cost.step_overhead_s
+    optimizer = {w: cost.optimizer_seconds(sum(cost.graph.params[p].meta.nbytes for p in plan.stage_params(cost.graph, s.index)), cost.hw.devices[w])
+                 for s in plan.stages for w in s.workers}
+    sustained = max(busy.get(w, 0.0) + t / cost.cpu_rate(cost.hw.devices[w]) for w, t in optimizer.items())
+    return max(compute + exposed + max(optimizer.values()), sustained) + cost.step_overhead_s
 
 
 def data_parallel(cost: CostModel, req: Request, *, evaluate: Evaluate | None = None, candidates: int = DP_CANDIDATES,
