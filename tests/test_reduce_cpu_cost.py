@@ -92,3 +92,11 @@ def test_a_step_takes_at_least_each_quota_devices_cpu_at_its_quotas_rate(micro: 
     # one step from a fresh 100 ms period would burst 30 ms on the small quotas; a run of steps does not
     assert result.step_time_s == pytest.approx(bound + cost.step_overhead_s, rel=1e-6)
     assert closed_form(plan, cost, REQ) == pytest.approx(result.step_time_s, rel=0.05)  # the closed form's bound too
+
+
+def test_shares_end_the_slowest_lane_first_not_by_largest_remainders() -> None:
+    from fusionllm.planning.data_parallel import apportion
+
+    assert apportion([2.55, 1.0, 1.0, 1.0], 8) == [5, 1, 1, 1]  # largest remainders: [4, 2, 1, 1], one equal device a straggler
+    assert apportion([1.0, 1.0], 6, [0.0, 2.0]) == [4, 2]  # a lane with 2 s of its own (a leader's reduce) takes fewer
+    assert apportion([1.0, 1.0, 1.0], 2) is None
