@@ -167,7 +167,7 @@ BACKEND = TorchBackend()
 def square_sum(g: torch.Tensor) -> float:
     """A gradient's sum of squares in float64: the same float for the same tensor on any worker and in
     the one-process reference (``runtime/reference/single.py``), where both run torch at the same thread count."""
-    return float(g.detach().double().pow(2).sum())
+    return float(g.detach().double().square_().sum())  # squared in place in the float64 copy: the same float as .pow(2), one copy fewer
 
 
 def gpu_identity(props: Any) -> str:
