@@ -73,7 +73,7 @@ class TorchStage:
         return float(torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum())
 
     def grad_squares(self, names: set[str]) -> list[float]:
-        """Each gradient's squares summed in float64 (each square exact), as ``single.clip_grad_norm`` takes them."""
+        """Each gradient's squared norm (``square_sum``), as ``single.clip_grad_norm`` takes them."""
         params = self.executor.trainable()
         return [square_sum(params[n].grad) for n in sorted(names) if n in params and params[n].grad is not None]
 
