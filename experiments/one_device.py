@@ -110,16 +110,29 @@ def extras(args: argparse.Namespace) -> int:
         norm = math.sqrt(total_sq(stage.grad_squares(set(ex.trainable())))) if float64 else float(torch.nn.utils.clip_grad_norm_(params, 1e9))
         stage.step(min(1.0, 1.0 / (norm + 1e-6)), args.lr)
 
-    variants = {"one micro-batch (the plan)": {}, "random ops not seeded": {"keyed": False}, "float32 norm (torch's clip)": {"float64": False},
+    from fusionllm.models.loss import lm_loss
+    from fusionllm.runtime.stage.optim import make_adamw
+
+    own = copy.deepcopy(model)
+    optimizer = make_adamw(own.named_parameters(), args.lr, 0.1)
+
+    def plain_step(s: int) -> None:  # the plain loop's step, for scale: what none of the runtime's parts cost
+        x, y = batches.arrays(s)
+        optimizer.zero_grad(set_to_none=True)
+        lm_loss(own(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        torch.nn.utils.clip_grad_norm_(own.parameters(), 1.0)
+        optimizer.step()
+
+    variants = {"one micro-batch (the plan)": {}, "the plain loop (model, clip_grad_norm_, AdamW)": {"plain": True}, "random ops not seeded": {"keyed": False}, "float32 norm (torch's clip)": {"float64": False},
                 "4 micro-batches": {"m": 4}, "4 micro-batches + noise-scale norms": {"m": 4, "noise": True}}
     seconds: dict[str, list[float]] = {k: [] for k in variants}
     for v in variants.values():
-        step(0, **v)  # first-step allocations
+        plain_step(0) if v.get("plain") else step(0, **v)  # first-step allocations
     names = list(variants)
     for s in range(1, args.repeats + 1):
         for k in names[s % len(names) :] + names[: s % len(names)]:  # each variant after each other in turn (caches)
             t = time.thread_time()
-            step(s, **variants[k])
+            plain_step(s) if variants[k].get("plain") else step(s, **variants[k])
             seconds[k].append(time.thread_time() - t)
     base = statistics.median(seconds["one micro-batch (the plan)"])
     rows = [{"variant": k, "cpu_s": round(statistics.median(v), 5), "vs_plan": round(statistics.median(v) / base - 1, 4)} for k, v in seconds.items()]

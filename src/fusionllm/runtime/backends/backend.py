@@ -75,7 +75,7 @@ class StageBackend(Protocol):
         """The sum of squares of the gradients of ``names`` (fast: the noise scale takes it after each micro-batch)."""
 
     def grad_squares(self, names: set[str]) -> list[float]:
-        """Each gradient's sum of squares in float64, of ``names`` in name order (the global norm
+        """Each gradient's squared norm as a float (64-bit), of ``names`` in name order (the global norm
         adds them up exactly, ``runtime/stage/global_norm.py``)."""
 
     def step(self, coef: float, lr: float) -> None:

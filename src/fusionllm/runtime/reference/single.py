@@ -33,7 +33,7 @@ StepCallback = Callable[[dict], None]
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip by the global gradient norm as the pipeline does (``runtime/stage/global_norm.py``): each
-    gradient's squares summed in float64, those sums added up exactly (``math.fsum``, whatever the
+    gradient's squared norm (``torch_backend.square_sum``), those added up exactly (``math.fsum``, whatever the
     order or the split), the coefficient ``min(1, max_norm / (norm + 1e-6))``; returns the norm. Not
     ``torch.nn.utils.clip_grad_norm_``: its float32 norm of per-tensor norms rounds differently, and
     AdamW's first steps turn a 1e-7 change of the coefficient into 1e-3 of the loss within a few steps

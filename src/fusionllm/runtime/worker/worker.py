@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from fusionllm.compress.wire import decode_array
 from fusionllm.core.errors import FusionError, WireError
 from fusionllm.runtime.backends.backend import Backend, load_backend
 from fusionllm.runtime.stage.outer import Average, OuterState, hier_exchanges, outer_state
 from fusionllm.runtime.stage.stage_runtime import StageRuntime, StepFailure
 from fusionllm.runtime.worker import process_memory
+from fusionllm.runtime.worker.batch_ahead import BatchAhead, fed
 from fusionllm.runtime.worker.coordinator_link import CoordinatorLink
 from fusionllm.runtime.worker.evaluation import Metric, evaluate, task_metric
 from fusionllm.runtime.worker.nat_link import NatLink
@@ -104,6 +104,7 @@ class Worker:
         self._runs: dict[str, tuple[tuple, asyncio.Task]] = {}  # per method (Step, Evaluate, SaveShard): the last call's key and its run
         self.repeated_calls = 0  # calls asked again (a dropped link broke the coordinator's call) and answered by the same run
         self.data_source: WorkerData | None = None
+        self.ahead = BatchAhead()  # a step's inputs; the next one's batch read during the round trip
         self._state_blob: bytes | None = None
         self._rss_base = 0
         self.outer: OuterState | None = None  # hierarchical mode: the outer weights and momentum (runtime/stage/outer.py)
@@ -275,10 +276,6 @@ class Worker:
             raise FusionError(f"{what} before Assign")
         return self.runtime
 
-    def _fed(self, runtime: StageRuntime, inputs: dict[str, dict[str, bytes]]) -> dict[int, dict[str, Any]]:
-        stage = runtime.backend
-        return {int(mb): {e: stage.from_host(*decode_array(b)) for e, b in feeds.items()} for mb, feeds in inputs.items()}
-
     async def _once(self, method: str, key: tuple, work: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
         """Run ``work`` for a call, once per ``key``. A call asked again (the coordinator's call broke on
         the way: a link dropped, and it called again) gets the reply of the run under way or done,
@@ -309,12 +306,7 @@ class Worker:
             self.peers.attempt = req.attempt  # stamped on the step's tensors (Inbox._seen)
         if runtime.guard is not None:
             runtime.guard.trust_norms = req.trust_norms
-        if req.inputs is not None:
-            inputs = self._fed(runtime, req.inputs)
-        elif self.data_source is not None:
-            inputs = await asyncio.to_thread(lambda: runtime.feeds(*self.data_source.step(req.step)))
-        else:
-            raise FusionError(f"step {req.step}: no batches (this worker reads no data and none were sent)")
+        inputs = await self.ahead.inputs(runtime, req.step, req.inputs, self.data_source)
         ratios = {int(k): v for k, v in req.ratios.items()} if req.ratios is not None else None
         try:
             done = await self.running.run(self.link.counted(req.step, runtime.run_step(req.step, req.lr, inputs, ratios, req.budget_scale, req.budget_cap)))
@@ -323,6 +315,8 @@ class Worker:
             return StepDone(failed=exc.message()).to_wire()
         if done is None:
             return StepDone(aborted=True).to_wire()
+        if req.inputs is None and not done.skipped:  # the next step's batch, read during the round trip
+            self.ahead.read(runtime, req.step + 1, self.data_source)
         done.cpu_s = round(time.process_time(), 4)
         done.rss_base, done.rss_peak = self._rss_base, peak_rss()
         return done.to_wire()
@@ -398,7 +392,7 @@ class Worker:
     async def _run_evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
         async def inputs(j: int) -> dict[int, dict[str, Any]]:
             if req.inputs is not None:
-                return self._fed(runtime, req.inputs.get(str(j), {}))
+                return fed(runtime, req.inputs.get(str(j), {}))
             if self.data_source is not None:
                 return await asyncio.to_thread(lambda: runtime.feeds(*self.data_source.eval_batch(j)))
             raise FusionError("evaluation: this worker reads no data and none was sent")
