@@ -33,7 +33,7 @@ from fusionllm.core.tensorboard import MetricsWriter
 from .calibration import Calibrator
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
-from .finalists import Finalists
+from .finalists import Finalists, alone_device
 from .grouping import Grouping, choose, groupings
 from .hier_setup import GroupingRun, GroupSetup, one_group
 from .hierarchical import Groups
@@ -110,9 +110,10 @@ class Phases:
         are handled here (``Recovery``, ``restart.py``); several groups handle theirs in the loop."""
         ctx = self.ctx
         hr, run = await group_setup.setup_grouping(groups=grouping.groups, first=grouping.first, last=grouping.last, states=states,
-                                                   data_from=data_from, hier=grouping.hier, began=self.began)
+                                                   data_from=data_from, hier=grouping.hier, began=self.began,
+                                                   alone=alone_device(grouping))
         one, offset = run is not None, data_from - grouping.first
-        hr.clock.shift = self.schedule_shift(grouping)
+        hr.clock.shift = self.schedule_shift(grouping, hr.clock.first)
         self.run = run
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
@@ -132,7 +133,7 @@ class Phases:
                         raise
                     run = self.run = await self.recovery.handle(run, exc)  # the same group, planned again
                     hr = one_group(run, ctx.clock.start_step, grouping.last, offset)
-                    hr.clock.shift = self.schedule_shift(grouping)
+                    hr.clock.shift = self.schedule_shift(grouping, hr.clock.first)
                 except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps of one group
                     assert run is not None
                     raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
@@ -158,15 +159,16 @@ class Phases:
             ctx.clock.new_epoch()
         return part, states, data_next, again
 
-    def schedule_shift(self, grouping: Grouping) -> float:
-        """How far the run's tokens so far (in global batches) are ahead of ``grouping.first``: a
+    def schedule_shift(self, grouping: Grouping, first: int) -> float:
+        """How far the run's tokens so far (in global batches) are ahead of step ``first`` (where the
+        grouping, or the plan a recovery or re-plan made inside it, starts): a
         finalist's trial of groups of several H rounds its rounds up and trains more tokens than its
         steps, and every grouping after it reads the learning-rate schedule at the run's tokens (the
         protocol's "lr off", issue 58). 0 for any other grouping (a resumed run counts its tokens anew)."""
         tokens = self.ctx.trained_last[1]
         if not (grouping.trial or grouping.committed) or tokens <= 0:
             return 0.0
-        return tokens / (self.ctx.train.batch_size * self.ctx.task.items_per_row) - grouping.first
+        return tokens / (self.ctx.train.batch_size * self.ctx.task.items_per_row) - first
 
     async def observe(self, run: Run, record: StepRecord, rows: int, one: bool) -> None:
         """Every step record before it is written: the calibration, the finalists' measurement."""

@@ -27,7 +27,10 @@ class RoundClock:
     current: dict[int, int] = field(default_factory=dict)
     end_at: int | None = None
     replan_why: str = ""
-    shift: float = 0.0  # the run's tokens at ``first`` in global batches, less ``first`` (``schedule_step``)
+    # the run's tokens at ``first`` in global batches, less ``first``: where the groupings before this one
+    # trained more tokens than their steps (a finalist's trial of groups of several H rounds its rounds up),
+    # every step reads the learning-rate schedule this much further on, at the run's tokens (phases.py)
+    shift: float = 0.0
 
     @property
     def rounds(self) -> int:
@@ -36,13 +39,6 @@ class RoundClock:
     def user_step(self, g: int, i: int) -> int:
         """The user's step at group ``g``'s inner step ``i`` (of this grouping): its place on ``first`` to ``last``."""
         return self.first + i * (self.last - self.first) // max(1, sum(self.lengths[g]))
-
-    def schedule_step(self, g: int, i: int) -> float:
-        """Where group ``g``'s inner step ``i`` reads the learning-rate schedule: its user's step, moved
-        by ``shift`` where the groupings before this one trained more tokens than their steps (groups
-        of several H round their rounds up: a finalist's trial of a few steps did), so that every step
-        takes the schedule at the run's tokens."""
-        return self.user_step(g, i) + self.shift
 
     def step_at(self, p: int, alive: set[int]) -> int:
         """The user's step once rounds ``0 .. p - 1`` are done: counted in the live group with the
