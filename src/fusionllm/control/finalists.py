@@ -81,7 +81,8 @@ class Finalists:
             return None
         out, at = [], grouping.first
         for f, n in zip(picks, lengths, strict=True):
-            out.append(Grouping(at, at + n, *as_run(f), trial=f))
+            groups, hier = as_run(f)
+            out.append(Grouping(at, at + n, groups, hier=hier, trial=f))
             at += n
         out.append(Grouping(at, grouping.last, [], decide=tuple(picks)))
         self.ctx.event({"event": "finalists", "at_step": grouping.first, "steps": lengths, "finalists": [f.figures() for f in picks]})
@@ -105,7 +106,8 @@ class Finalists:
         """``best`` from ``first`` to the next check (``--recheck-steps``), then the check; or to ``last``."""
         every = self.ctx.cluster.recheck_steps
         end = first + every if every and first + every + every // 2 < last else last  # no check in the last half interval
-        run = Grouping(first, end, *as_run(best), committed=best)
+        groups, hier = as_run(best)
+        run = Grouping(first, end, groups, hier=hier, committed=best)
         return [run] if end == last else [run, Grouping(end, last, [], decide=(best,), committed=best)]
 
     def recheck(self, grouping: Grouping, measured: float | None) -> list[Grouping]:
