@@ -53,6 +53,8 @@ class Phases:
                  recovery: Recovery, stopper: Stopper, began: float) -> None:
         self.ctx, self.setup, self.checkpoints, self.live, self.runner = ctx, setup, checkpoints, live, runner
         self.recovery, self.stopper, self.began = recovery, stopper, began
+        self.trained_until: float | None = None  # when the last grouping's training ended (a regroup's switch is timed from it)
+        self.switch_s: float | None = None  # the last regroup's switch: last step of one grouping to the set-up of the next done
         self.run: Run | None = None
         self.calibrator = Calibrator(ctx, setup)  # predictions fitted to the measured steps
         self.finalists = Finalists(ctx)  # --sync auto: the planner's finalists measured, the best committed to
@@ -95,7 +97,8 @@ class Phases:
                     plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
                     ctx.event({"event": "regroup", "at_step": grouping.first, "from": plan[k - 1].describe(), "to": grouping.describe(),
-                               "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3)})
+                               "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3),
+                               "switch_s": None if self.switch_s is None else round(self.switch_s, 3)})
                 merge(result, part)
                 k += 1
         return result
@@ -112,6 +115,7 @@ class Phases:
         hr, run = await group_setup.setup_grouping(groups=grouping.groups, first=grouping.first, last=grouping.last, states=states,
                                                    data_from=data_from, hier=grouping.hier, began=self.began,
                                                    alone=alone_device(grouping))
+        self.switch_s = None if self.trained_until is None else time.perf_counter() - self.trained_until
         one, offset = run is not None, data_from - grouping.first
         hr.clock.shift = self.schedule_shift(grouping, hr.clock.first)
         self.run = run
@@ -127,6 +131,7 @@ class Phases:
                                 observe=self.observe)
                 try:
                     part = await groups.train(hr)
+                    self.trained_until = time.perf_counter()
                     break
                 except (WorkerLost, Replan, Evict) as exc:
                     if run is None:
