@@ -117,6 +117,7 @@ FUSION: dict[str, Fusion] = {
     "opfence+adatopk": Fusion(("--schedule", "1f1b", "--compress", "adatopk", "--sync", "synchronous")),
     "hierarchical": Fusion(("--schedule", "1f1b", "--compress", "none", "--sync", "hierarchical")),
     "auto": Fusion((), user=True),  # train --cluster FILE: its defaults are --sync auto and the planner on the file (launch/config.default_sync)
+    "auto-f2": Fusion(("--finalists", "2"), user=True),  # auto measuring 2 finalists: the planner's best and the fastest device alone
     # a diagnostic: the planner's groups synced as the efficiency sweep's one-process groups are (each average applied at
     # once, uncompressed, one fragment): what streaming, its delay and the 4-bit codec cost per token
     "hierarchical-exact": Fusion(("--schedule", "1f1b", "--compress", "none", "--sync", "hierarchical", "--blocking-sync", "--outer-codec",

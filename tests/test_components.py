@@ -286,7 +286,7 @@ def test_the_planners_grouping_is_chosen_once_and_one_group_is_a_grouping() -> N
     asked: list[int] = []
 
     def ctx(sync: str) -> Any:
-        cluster = SimpleNamespace(scheduler="opfence", sync=sync, micro_batches=1, token="t", tls=None)
+        cluster = SimpleNamespace(scheduler="opfence", sync=sync, micro_batches=1, token="t", tls=None, finalists=0)
         return SimpleNamespace(cluster=cluster, task=SimpleNamespace(trace=lambda rows: f"graph at {rows}"), say=lambda _: None, event=events.append,
                                membership=SimpleNamespace(members={}, incarnation=0))
 

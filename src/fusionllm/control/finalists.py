@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Any
 
 from fusionllm.core.metrics import StepRecord
 from fusionllm.planning.finalists import (
@@ -69,7 +70,8 @@ class Finalists:
         c = self.ctx.cluster
         if c.sync != "auto" or c.finalists < 2 or grouping.trial is not None or grouping.decide:
             return None
-        picks = shortlist(grouping.candidates, c.finalists)
+        alone = next((f for f in grouping.candidates if f.kind == "alone"), None)
+        picks = shortlist([f for f in grouping.candidates if f is not alone], c.finalists, always=alone)
         if len(picks) < 2:
             return None
         lengths = [trial_steps(f, c.finalist_steps) for f in picks]
@@ -79,7 +81,8 @@ class Finalists:
             return None
         out, at = [], grouping.first
         for f, n in zip(picks, lengths, strict=True):
-            out.append(Grouping(at, at + n, f.groups, hier=copy.deepcopy(f.setup), trial=f))
+            groups, hier = as_run(f)
+            out.append(Grouping(at, at + n, groups, hier=hier, trial=f))
             at += n
         out.append(Grouping(at, grouping.last, [], decide=tuple(picks)))
         self.ctx.event({"event": "finalists", "at_step": grouping.first, "steps": lengths, "finalists": [f.figures() for f in picks]})
@@ -103,7 +106,8 @@ class Finalists:
         """``best`` from ``first`` to the next check (``--recheck-steps``), then the check; or to ``last``."""
         every = self.ctx.cluster.recheck_steps
         end = first + every if every and first + every + every // 2 < last else last  # no check in the last half interval
-        run = Grouping(first, end, best.groups, hier=copy.deepcopy(best.setup), committed=best)
+        groups, hier = as_run(best)
+        run = Grouping(first, end, groups, hier=hier, committed=best)
         return [run] if end == last else [run, Grouping(end, last, [], decide=(best,), committed=best)]
 
     def recheck(self, grouping: Grouping, measured: float | None) -> list[Grouping]:
@@ -121,3 +125,15 @@ class Finalists:
             self.ctx.say(f"finalists: {best.name} moved from {ref:.0f} to {measured:.0f} tokens/s; planning and measuring again")
             return [replace(grouping, groups=[], decide=(), committed=None)]
         return self.segment(best, grouping.first, grouping.last)
+
+
+def as_run(f: Finalist) -> tuple[list[list[int]] | None, Any]:
+    """A finalist's groups and ``HierPlan`` as a grouping trains them: the fastest device alone is one
+    group (no groups, no ``HierPlan``; its set-up is its device, ``alone_device``)."""
+    return (None, None) if f.kind == "alone" else (f.groups, copy.deepcopy(f.setup))
+
+
+def alone_device(grouping: Grouping) -> int | None:
+    """The device a grouping trains on alone (a finalist of kind ``alone``), or None."""
+    f = grouping.trial or grouping.committed
+    return int(f.setup) if f is not None and f.kind == "alone" else None

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fusionllm.planning.finalists import Finalist, left_out
+from fusionllm.planning.finalists import Finalist, alone, left_out
 from fusionllm.transport.control import WORKER_SERVICE
 from fusionllm.transport.rpc import RpcClient
 
@@ -74,10 +74,16 @@ async def choose(ctx: RunContext, group_setup: GroupSetup, grouping: Grouping) -
     kept: list[tuple[Any, dict[str, Any]]] = []
     try:
         hier = await group_setup.schedule(graph, clients, grouping.last - grouping.first, kept)
+        hw = await group_setup.setup.hardware(clients) if c.sync == "auto" and c.finalists >= 2 else None  # (the fastest device alone)
     finally:
         for client in clients.values():
             await client.close()
     candidates = [f for h, cand in kept if (f := finalist(h, cand)) is not None] if c.sync == "auto" else []
+    solo = fastest_alone(hw, candidates) if hw is not None else None
+    sync = next((h for h, cand in kept if cand["grouping"] == "synchronous"), None)
+    if solo is not None and not (sync is not None and [list(g.workers) for g in sync.groups] == solo.groups
+                                 and sync.groups[0].plan.micro_batches == 1):  # (not where the synchronous plan is that already)
+        candidates.append(solo)
     if c.sync == "auto":
         auto_event(ctx, hier, grouping.first)
     if len(hier.groups) == 1 and c.sync == "auto":  # one synchronous group is predicted to reach a target loss first
@@ -98,6 +104,16 @@ def finalist(hier: Any, candidate: dict[str, Any]) -> Finalist | None:
     if candidate["groups"] == 1:
         return Finalist(name, "synchronous", None, tokens, eff) if name == "synchronous" else None
     return Finalist(name, "groups", [list(g.workers) for g in hier.groups], tokens, eff, max(g.inner_steps for g in hier.groups), hier)
+
+
+def fastest_alone(hw: Any, candidates: list[Finalist]) -> Finalist:
+    """The fastest device of ``hw`` alone, as a finalist (``planning/finalists.alone``)."""
+    def speed(d: Any) -> float:
+        return float(d.flops) if d.flops else float(d.cpus or 1.0) * d.speed
+
+    best = max(hw.devices, key=speed)
+    sync = next((f.predicted_tokens_per_s for f in candidates if f.kind == "synchronous"), 0.0)
+    return alone(best.index, speed(best), sum(speed(d) for d in hw.devices), sync)
 
 
 def auto_event(ctx: RunContext, hier: Any, at_step: int) -> None:

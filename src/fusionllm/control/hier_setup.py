@@ -96,11 +96,12 @@ class GroupSetup:
         self.rows: int | None = None  # the groups' rows per inner step, once planned
 
     async def setup_grouping(self, *, groups: list[list[int]] | None, first: int, last: int, states: list[Any] | None, data_from: int,
-                             hier: HierPlan | None, began: float) -> tuple[GroupingRun, Run | None]:
+                             hier: HierPlan | None, began: float, alone: int | None = None) -> tuple[GroupingRun, Run | None]:
         """Any grouping set up: one group (``groups`` None) by ``Setup.setup`` (the run's start, with
         ``--resume``, by ``start_or_resume``), several by ``setup_groups``; and, for one group, its
         plan in force. ``states``: the live weights it starts from (None: the run's start); ``began``:
-        when the coordinator started (the ``resume`` record's seconds)."""
+        when the coordinator started (the ``resume`` record's seconds); ``alone``: one group of this
+        device alone (a finalist, ``control/finalists.py``)."""
         if groups is not None:
             hr = await self.setup_groups(groups=groups or None, first=first, last=last, states=states, data_from=data_from, hier=hier)
             if self.resumed is not None:
@@ -109,7 +110,7 @@ class GroupSetup:
         if states is None:  # the run's start: from scratch, a checkpoint or the workers' live state
             run, self.resume_record = await start_or_resume(self.ctx, self.setup, self.checkpoints, began)
         else:
-            run = await self.setup.setup(carry=(states, first))
+            run = await self.setup.setup(carry=(states, first), alone=alone)
         return one_group(run, self.ctx.clock.start_step, last, data_from - first), run
 
     def group_batch(self) -> int:

@@ -192,7 +192,7 @@ class Groups:
             for j in range(h):
                 at = hr.clock.user_step(g, i)  # where the group is on the run's steps (the schedule, the records)
                 self.stop_if_asked(at)  # Ctrl+C or SIGTERM: stop here, between two steps (restart.py)
-                lr = lr_at(min(t.steps - 1, at), lr=t.lr, steps=t.steps, warmup=t.warmup)
+                lr = lr_at(min(t.steps - 1, at) + hr.clock.shift, lr=t.lr, steps=t.steps, warmup=t.warmup)
                 await self.inner_step(hr, g, run, i, hr.data.batch(g, i), lr, k, user_step=at, cap=budget_cap(min(t.steps - 1, at), t.steps))
                 i += 1
                 for f, off in enumerate(offsets):

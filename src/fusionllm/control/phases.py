@@ -33,7 +33,7 @@ from fusionllm.core.tensorboard import MetricsWriter
 from .calibration import Calibrator
 from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
-from .finalists import Finalists
+from .finalists import Finalists, alone_device
 from .grouping import Grouping, choose, groupings
 from .hier_setup import GroupingRun, GroupSetup, one_group
 from .hierarchical import Groups
@@ -53,6 +53,8 @@ class Phases:
                  recovery: Recovery, stopper: Stopper, began: float) -> None:
         self.ctx, self.setup, self.checkpoints, self.live, self.runner = ctx, setup, checkpoints, live, runner
         self.recovery, self.stopper, self.began = recovery, stopper, began
+        self.trained_until: float | None = None  # when the last grouping's training ended (a regroup's switch is timed from it)
+        self.switch_s: float | None = None  # the last regroup's switch: last step of one grouping to the set-up of the next done
         self.run: Run | None = None
         self.calibrator = Calibrator(ctx, setup)  # predictions fitted to the measured steps
         self.finalists = Finalists(ctx)  # --sync auto: the planner's finalists measured, the best committed to
@@ -95,7 +97,8 @@ class Phases:
                     plan[k:k + 1] = [Grouping(grouping.first, again.first, grouping.groups), again]
                 if regroup:
                     ctx.event({"event": "regroup", "at_step": grouping.first, "from": plan[k - 1].describe(), "to": grouping.describe(),
-                               "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3)})
+                               "groups": grouping.groups, "seconds": round(time.perf_counter() - began, 3),
+                               "switch_s": None if self.switch_s is None else round(self.switch_s, 3)})
                 merge(result, part)
                 k += 1
         return result
@@ -110,8 +113,11 @@ class Phases:
         are handled here (``Recovery``, ``restart.py``); several groups handle theirs in the loop."""
         ctx = self.ctx
         hr, run = await group_setup.setup_grouping(groups=grouping.groups, first=grouping.first, last=grouping.last, states=states,
-                                                   data_from=data_from, hier=grouping.hier, began=self.began)
+                                                   data_from=data_from, hier=grouping.hier, began=self.began,
+                                                   alone=alone_device(grouping))
+        self.switch_s = None if self.trained_until is None else time.perf_counter() - self.trained_until
         one, offset = run is not None, data_from - grouping.first
+        hr.clock.shift = self.schedule_shift(grouping, hr.clock.first)
         self.run = run
         ctx.status.state = "running"
         ctx.metrics.write(self.setup.plan_record)
@@ -125,12 +131,14 @@ class Phases:
                                 observe=self.observe)
                 try:
                     part = await groups.train(hr)
+                    self.trained_until = time.perf_counter()
                     break
                 except (WorkerLost, Replan, Evict) as exc:
                     if run is None:
                         raise
                     run = self.run = await self.recovery.handle(run, exc)  # the same group, planned again
                     hr = one_group(run, ctx.clock.start_step, grouping.last, offset)
+                    hr.clock.shift = self.schedule_shift(grouping, hr.clock.first)
                 except Interrupted as stop:  # Ctrl+C or SIGTERM, between two steps of one group
                     assert run is not None
                     raise await final_checkpoint(self.stopper.stopping, self.checkpoints, self.live, run, stop.done, ctx.say) from None
@@ -155,6 +163,17 @@ class Phases:
         elif not final:
             ctx.clock.new_epoch()
         return part, states, data_next, again
+
+    def schedule_shift(self, grouping: Grouping, first: int) -> float:
+        """How far the run's tokens so far (in global batches) are ahead of step ``first`` (where the
+        grouping, or the plan a recovery or re-plan made inside it, starts): a
+        finalist's trial of groups of several H rounds its rounds up and trains more tokens than its
+        steps, and every grouping after it reads the learning-rate schedule at the run's tokens (the
+        protocol's "lr off", issue 58). 0 for any other grouping (a resumed run counts its tokens anew)."""
+        tokens = self.ctx.trained_last[1]
+        if not (grouping.trial or grouping.committed) or tokens <= 0:
+            return 0.0
+        return tokens / (self.ctx.train.batch_size * self.ctx.task.items_per_row) - first
 
     async def observe(self, run: Run, record: StepRecord, rows: int, one: bool) -> None:
         """Every step record before it is written: the calibration, the finalists' measurement."""

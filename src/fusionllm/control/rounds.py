@@ -27,6 +27,10 @@ class RoundClock:
     current: dict[int, int] = field(default_factory=dict)
     end_at: int | None = None
     replan_why: str = ""
+    # the run's tokens at ``first`` in global batches, less ``first``: where the groupings before this one
+    # trained more tokens than their steps (a finalist's trial of groups of several H rounds its rounds up),
+    # every step reads the learning-rate schedule this much further on, at the run's tokens (phases.py)
+    shift: float = 0.0
 
     @property
     def rounds(self) -> int:

@@ -55,14 +55,16 @@ class Setup:
         self._measured = links
         self._probed = None  # a re-plan measures the links again
 
-    async def setup(self, *, recover: bool = False, carry: tuple[list[Any], int] | None = None, graph: OpGraph | None = None) -> Run:
+    async def setup(self, *, recover: bool = False, carry: tuple[list[Any], int] | None = None, graph: OpGraph | None = None,
+                    alone: int | None = None) -> Run:
         """The plan of a synchronous run (one group) over every member. Its weights: ``carry``
         (a re-plan: the states and the step they are at), the newest checkpoint (``--resume``, or
         ``recover``), or the task's initial state. ``graph``: the model already traced (a restart
-        that checked the workers' live state against it)."""
+        that checked the workers' live state against it); ``alone``: one stage on that worker, one
+        micro-batch (the fastest device alone, a finalist)."""
         t, c, clock = self.train, self.cluster, self.ctx.clock
         if graph is None:
-            graph = await asyncio.to_thread(self.task.trace, t.batch_size // c.micro_batches)  # minutes for a large model: heartbeats go on
+            graph = await asyncio.to_thread(self.task.trace, t.batch_size // (1 if alone is not None else c.micro_batches))  # minutes for a large model: heartbeats go on
         states: list[Any] = []  # safetensors blobs (or TensorSources) holding every tensor; each stage gets its own by name
         load: str | None = None
         clock.start_at(0)
@@ -82,7 +84,11 @@ class Setup:
         if c.scheduler and replicas:
             raise ConfigError("--replicas sets the plan by hand; leave out --scheduler (or --replicas)")
         codec = parse_codec(c.compress)
-        if c.scheduler:
+        if alone is not None:
+            plan = make_plan(graph, 1, schedule=c.schedule, micro_batches=1)
+            plan.stages[0].workers = [alone]
+            cost = await self.cost(graph, clients) if codec.adaptive else None
+        elif c.scheduler:
             graph, plan, cost = await self.schedule(graph, clients)
         else:
             plan = make_plan(graph, len(self.membership.members), replicas=replicas, schedule=c.schedule, micro_batches=c.micro_batches)
