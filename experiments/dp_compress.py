@@ -9,7 +9,8 @@ in rows of ``row_width``); the decoded payloads are added in site order (``leade
 the arithmetic ``SiteReduce`` runs between leaders. Then the global-norm clip and AdamW, as the stage does. ``none`` sums the replicas' gradients raw.
 
 A variant is ``CODEC``, ``CODEC@raw=N`` (the first N steps raw, error feedback starting empty at
-step N) and/or ``@freeze=K`` (AdamW's second moment frozen from step K on: ``frozen_adamw_step``). Per-token efficiency of a variant against ``none`` with the same seed (same weights at
+step N) and/or ``@freeze=K`` (AdamW's second moment frozen from step K on: ``frozen_adamw_step``;
+``@floor=F``: its denominators at least F% of their tensor's mean). Per-token efficiency of a variant against ``none`` with the same seed (same weights at
 step 0, same batches): the tokens ``none`` needs to reach the variant's final validation loss over
 the tokens the variant used (where the variant ends lower: the variant's tokens to reach ``none``'s
 final loss, inverted), on the validation curves interpolated linearly between evaluations.
@@ -40,19 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from benchmarks.common import results_dir, write  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[str, int, int]:
-    """``CODEC[@raw=N][@freeze=K]``: the codec, the raw steps, the step from which AdamW's second moment is frozen (0: never)."""
+def parse_variant(text: str) -> tuple[str, int, int, int]:
+    """``CODEC[@raw=N][@freeze=K][@floor=F]``: the codec, the raw steps, the step from which AdamW's second moment
+    is frozen (0: never), and the frozen denominator's floor in percent of its tensor's mean (0: none)."""
     codec, *rest = text.split("@")
-    got = {"raw": 0, "freeze": 0}
+    got = {"raw": 0, "freeze": 0, "floor": 0}
     for part in rest:
         key, _, value = part.partition("=")
         if key not in got or not value.isdigit():
-            raise SystemExit(f"--variants {text}: write CODEC[@raw=STEPS][@freeze=STEP]")
+            raise SystemExit(f"--variants {text}: write CODEC[@raw=STEPS][@freeze=STEP][@floor=PERCENT]")
         got[key] = int(value)
-    return codec, got["raw"], got["freeze"]
+    return codec, got["raw"], got["freeze"], got["floor"]
 
 
-def frozen_adamw_step(optimizer, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+def frozen_adamw_step(optimizer, floor: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
     """AdamW's step with its second moment (and the second moment's bias correction) as they were when it froze:
     the update is then linear in the gradient, so an error-fed burst moves the weights as far as the steps it
     stood for (1-bit Adam, arXiv 2102.02888), instead of being normalised to one step."""
@@ -66,7 +68,8 @@ def frozen_adamw_step(optimizer, betas: tuple[float, float] = (0.9, 0.95), eps: 
                 state = optimizer.state[p]
                 if "frozen_denom" not in state:
                     t = float(state["step"])
-                    state["frozen_denom"] = (state["exp_avg_sq"] / (1 - betas[1] ** t)).sqrt_().add_(eps)
+                    denom = (state["exp_avg_sq"] / (1 - betas[1] ** t)).sqrt_().add_(eps)
+                    state["frozen_denom"] = denom.clamp_(min=float(denom.mean()) * floor) if floor else denom
                 state["step"] += 1
                 t = float(state["step"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -91,7 +94,7 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, site
     from fusionllm.runtime.stage.optim import make_adamw
 
     torch.set_num_threads(1)
-    codec_text, raw_steps, freeze_at = parse_variant(variant)
+    codec_text, raw_steps, freeze_at, floor = parse_variant(variant)
     spec = parse_codec(codec_text)
     cfg = TrainConfig(model=model_name, steps=steps, batch_size=batch, seq_len=seq, seed=seed)
     tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
@@ -136,7 +139,7 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, site
             offset += p.numel()
         clip_grad_norm(model, cfg.grad_clip)
         if freeze_at and step >= freeze_at:
-            frozen_adamw_step(optimizer)
+            frozen_adamw_step(optimizer, floor / 100)
         else:
             optimizer.step()
         if (step + 1) % eval_every == 0 or step == steps - 1:
