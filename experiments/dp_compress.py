@@ -144,6 +144,7 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, site
             optimizer.step()
         if (step + 1) % eval_every == 0 or step == steps - 1:
             curve.append((step + 1, evaluate(model, val, eval_batches)))
+            print(f"{variant} seed {seed}: step {step + 1} validation {curve[-1][1]:.4f}", file=sys.stderr, flush=True)
     return {"variant": variant, "seed": seed, "curve": curve, "tokens_per_step": batch * seq, "fewer_bytes": raw_bytes / sent_bytes,
             "seconds": time.perf_counter() - started}
 
