@@ -8,8 +8,9 @@ group's), adds its residual and encodes it with the codec (``runtime/dist/site_r
 in rows of ``row_width``); the decoded payloads are added in site order (``leaders_total``): exactly
 the arithmetic ``SiteReduce`` runs between leaders. Then the global-norm clip and AdamW, as the stage does. ``none`` sums the replicas' gradients raw.
 
-A variant is ``CODEC`` or ``CODEC@raw=N`` (the first N steps raw, error feedback starting empty at
-step N). Per-token efficiency of a variant against ``none`` with the same seed (same weights at
+A variant is ``CODEC``, ``CODEC@raw=N`` (the first N steps raw, error feedback starting empty at
+step N) and/or ``@freeze=K`` (AdamW's second moment frozen from step K on: ``frozen_adamw_step``;
+``@floor=F``: its denominators at least F% of their tensor's mean). Per-token efficiency of a variant against ``none`` with the same seed (same weights at
 step 0, same batches): the tokens ``none`` needs to reach the variant's final validation loss over
 the tokens the variant used (where the variant ends lower: the variant's tokens to reach ``none``'s
 final loss, inverted), on the validation curves interpolated linearly between evaluations.
@@ -40,15 +41,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from benchmarks.common import results_dir, write  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[str, int]:
-    codec, _, rest = text.partition("@")
-    raw = 0
-    if rest:
-        key, _, value = rest.partition("=")
-        if key != "raw" or not value.isdigit():
-            raise SystemExit(f"--variants {text}: write CODEC or CODEC@raw=STEPS")
-        raw = int(value)
-    return codec, raw
+def parse_variant(text: str) -> tuple[str, int, int, int]:
+    """``CODEC[@raw=N][@freeze=K][@floor=F]``: the codec, the raw steps, the step from which AdamW's second moment
+    is frozen (0: never), and the frozen denominator's floor in percent of its tensor's mean (0: none)."""
+    codec, *rest = text.split("@")
+    got = {"raw": 0, "freeze": 0, "floor": 0}
+    for part in rest:
+        key, _, value = part.partition("=")
+        if key not in got or not value.isdigit():
+            raise SystemExit(f"--variants {text}: write CODEC[@raw=STEPS][@freeze=STEP][@floor=PERCENT]")
+        got[key] = int(value)
+    return codec, got["raw"], got["freeze"], got["floor"]
+
+
+def frozen_adamw_step(optimizer, floor: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+    """AdamW's step with its second moment (and the second moment's bias correction) as they were when it froze:
+    the update is then linear in the gradient, so an error-fed burst moves the weights as far as the steps it
+    stood for (1-bit Adam, arXiv 2102.02888), instead of being normalised to one step."""
+    import torch
+
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = optimizer.state[p]
+                if "frozen_denom" not in state:
+                    t = float(state["step"])
+                    denom = (state["exp_avg_sq"] / (1 - betas[1] ** t)).sqrt_().add_(eps)
+                    state["frozen_denom"] = denom.clamp_(min=float(denom.mean()) * floor) if floor else denom
+                state["step"] += 1
+                t = float(state["step"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].lerp_(p.grad, 1 - betas[0])
+                p.addcdiv_(state["exp_avg"], state["frozen_denom"], value=-group["lr"] / (1 - betas[0] ** t))
 
 
 def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, sites: int, seed: int, eval_every: int, eval_batches: int,
@@ -68,7 +94,7 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, site
     from fusionllm.runtime.stage.optim import make_adamw
 
     torch.set_num_threads(1)
-    codec_text, raw_steps = parse_variant(variant)
+    codec_text, raw_steps, freeze_at, floor = parse_variant(variant)
     spec = parse_codec(codec_text)
     cfg = TrainConfig(model=model_name, steps=steps, batch_size=batch, seq_len=seq, seed=seed)
     tokens = load_lm_tokens(cfg.data, lm_tokenizer(cfg.tokenizer, cfg.init_from), 0.1)
@@ -112,9 +138,13 @@ def train(model_name: str, steps: int, batch: int, seq: int, replicas: int, site
             p.grad = total[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         clip_grad_norm(model, cfg.grad_clip)
-        optimizer.step()
+        if freeze_at and step >= freeze_at:
+            frozen_adamw_step(optimizer, floor / 100)
+        else:
+            optimizer.step()
         if (step + 1) % eval_every == 0 or step == steps - 1:
             curve.append((step + 1, evaluate(model, val, eval_batches)))
+            print(f"{variant} seed {seed}: step {step + 1} validation {curve[-1][1]:.4f}", file=sys.stderr, flush=True)
     return {"variant": variant, "seed": seed, "curve": curve, "tokens_per_step": batch * seq, "fewer_bytes": raw_bytes / sent_bytes,
             "seconds": time.perf_counter() - started}
 
