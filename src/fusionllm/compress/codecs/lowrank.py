@@ -28,6 +28,7 @@ import struct
 import numpy as np
 
 from fusionllm.compress.base import Codec, CodecSpec, checked_shape, numel, raw_record, register
+from fusionllm.compress.codecs.topk import bounded
 from fusionllm.compress.codecs.topkq import chunk_of
 from fusionllm.compress.sparse import from_bf16_bits, to_bf16_bits
 from fusionllm.core.errors import ConfigError, WireError
@@ -98,11 +99,8 @@ class LowRank(Codec):
     usage = "lowrank:RANK"
 
     def parse(self, kind: str, arg: str, text: str) -> CodecSpec:
-        try:
-            rank = float(arg)
-        except ValueError:
-            rank = -1.0
-        if not 0 < rank <= 1024:
+        rank = bounded(arg, 1024)
+        if rank is None:
             raise ConfigError(f"--compress {text!r}: the rank must be a positive number, e.g. lowrank:4")
         return CodecSpec(kind, step=float(max(1, round(rank))))
 

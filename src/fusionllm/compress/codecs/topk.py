@@ -72,13 +72,19 @@ def topk_ratio_for(byte_target: float) -> float:
     return byte_target if byte_target <= 1 / 16 else min(1.0, 2 * (byte_target - 1 / 32))
 
 
+def bounded(arg: str, high: float) -> float | None:
+    """``arg`` as a number in (0, ``high``], or None: a codec's argument (a ratio, a rank)."""
+    try:
+        value = float(arg)
+    except ValueError:
+        return None
+    return value if 0 < value <= high else None
+
+
 def parse_ratio(kind: str, arg: str, text: str, example: str) -> CodecSpec:
     """A sparse codec's spec: ``kind:RATIO`` with the ratio in (0, 1]."""
-    try:
-        ratio = float(arg)
-    except ValueError:
-        ratio = -1.0
-    if not 0 < ratio <= 1:
+    ratio = bounded(arg, 1.0)
+    if ratio is None:
         raise ConfigError(f"--compress {text!r}: the ratio must be in (0, 1], e.g. {example}")
     return CodecSpec(kind, ratio)
 
