@@ -20,6 +20,7 @@ from fusionllm.planning.finalists import Finalist, alone, shortlist
 BATCH, SEQ, STEPS, WARMUP = 16, 32, 40, 10
 
 
+@pytest.mark.usefixtures("counted_op_times")  # the shortlist from FLOPs: the same finalists on a busy host
 def test_the_plan_committed_after_the_trials_takes_the_schedule_at_its_tokens(tmp_path: Path) -> None:
     """Why it can fail: the trials overshoot their steps in tokens and the committed plan reads the
     schedule at its step (lr off by the overshoot on every record after the commit), or the trials did
