@@ -27,6 +27,7 @@ from fusionllm.transport.rpc import RpcClient
 from .capabilities import backend_of, place
 from .config import Run
 from .context import RunContext
+from .outer_eval import OuterEvals
 from .restart import resume_event, resume_live, start_or_resume
 from .rounds import (
     DataOffsets,
@@ -60,10 +61,11 @@ class GroupingRun:
     round_s: dict[int, float] = field(default_factory=dict)  # the last round's wall time per group
     result: TrainResult = field(default_factory=TrainResult)
     started: float = 0.0
-    paused: float = 0.0  # seconds one group spent evaluating (left out of its clock; several groups never pause it: evaluate_outer)
+    paused: float = 0.0  # seconds one group spent evaluating (left out of its clock; several groups never pause it: outer_eval.py)
     leaving: int = 0  # groups whose workers not to blame are being told to abort (spares once they answer): pauses wait
     loops: dict[int, asyncio.Task] = field(default_factory=dict)
     stopping: bool = False  # the run is over: the pauser ends
+    evals: OuterEvals = field(default_factory=OuterEvals)  # evaluations whose groups' shares are not all in (outer_eval.py)
 
     def step_at(self, p: int) -> int:
         """The user's step once rounds ``0 .. p - 1`` are done (``RoundClock.step_at``, the live groups)."""

@@ -37,6 +37,7 @@ from .config import Evict, Replan, Run, WorkerLost
 from .context import RunContext
 from .hier_pauses import Pauses
 from .hier_setup import GroupingRun, GroupSetup
+from .outer_eval import Part
 from .outer_guard import OuterGuard, OuterStop
 from .outer_rounds import OuterRounds
 from .recovery import evict_event
@@ -144,6 +145,7 @@ class Groups:
         run = hr.runs[g]
         others = [w for w in run.plan.workers if w not in (set(run.plan.workers) if gone is None else gone)]
         hr.alive.discard(g)
+        hr.evals.write(self.ctx, hr, hr.evals.left(hr.alive))  # those that waited on its share alone
         rejoin = bool(others and hr.alive)
         if rejoin:  # before any await: no group passes the join's round, which waits for them (``leaving``)
             self.pauses.schedule_join(hr, others)
@@ -203,15 +205,15 @@ class Groups:
                     pending.remove(due)
                     await self.outer.sync(hr, g, due[1], due[2], 0, [due[2]], send=False)
                 if evaluate is not None and not any(r <= evaluate for _, _, r in pending):
-                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)  # the outer weights of whole rounds
+                    await self.evaluate_outer(hr, g, run, eval_n, evaluate + 1)  # the outer weights of whole rounds
                     evaluate = None
             hr.round_s[g] = time.perf_counter() - began
-            if eval_n and not one and g == min(hr.alive) and ((hr.clock.first + i) // c.eval_every) > ((hr.clock.first + i - h) // c.eval_every) and k + 1 < len(lengths):
-                evaluate = k  # once every fragment of this round is applied
+            if eval_n and not one and k + 1 < len(lengths) and hr.clock.crossed(k, c.eval_every):
+                evaluate = k  # every group, once every fragment of this round is applied: its share of the batches
             if k + 1 in hr.pausing.pauses:  # a checkpoint or a join: every average so far is applied, then the groups wait
                 await self.pauses.pause(hr, g, k + 1, pending)
                 if evaluate is not None:
-                    await self.evaluate_outer(hr, run, eval_n, evaluate + 1)
+                    await self.evaluate_outer(hr, g, run, eval_n, evaluate + 1)
                     evaluate = None
             rounds_done = k + 1
         if rounds_done == start:  # joined at the round where the run ends: nothing to send
@@ -222,8 +224,8 @@ class Groups:
             tail = (lengths[rounds_done - 1] - off) * tokens_per_step
             rounds = sorted(r for _, pf, r in pending if pf == f) + ([end] if tail else [])
             await self.outer.sync(hr, g, f, end, tail, rounds, send=tail > 0, announce=True)
-        if eval_n and not one and g == min(hr.alive):
-            await self.evaluate_outer(hr, run, eval_n, end)
+        if eval_n and not one:
+            await self.evaluate_outer(hr, g, run, eval_n, end)
 
     async def inner_step(self, hr: GroupingRun, g: int, run: Run, i: int, data_step: int, lr: float, k: int, *, user_step: int,
                          cap: float = 1.0) -> None:
@@ -283,17 +285,12 @@ class Groups:
             record.val_metrics[self.ctx.task.metric_name] = run.val_metric
             hr.result.val_metrics.append((done - 1, run.val_metric))
 
-    async def evaluate_outer(self, hr: GroupingRun, run: Run, eval_n: int, rounds: int) -> None:
-        """The validation loss of the outer weights once ``rounds`` rounds are done, in ``run``'s
-        pipeline; recorded at the user's step they reach (``GroupingRun.step_at``)."""
-        step = hr.step_at(rounds)
-        # the clock is not paused: the other groups go on training meanwhile, so leaving these seconds
-        # out would count their training as free (elapsed_s of several groups includes evaluation)
-        val = await self.live.guard(run, self.checkpoints.evaluate(run, eval_n, step, outer=True))
-        hr.result.val_losses.append((step, val))
-        elapsed, tokens = self.ctx.trained(hr.elapsed(), hr.result.tokens)
-        record = {"event": "eval", "step": step, "round": rounds, "val_loss": val, "tokens": tokens, "elapsed_s": round(elapsed, 4)}
-        if run.val_metric is not None:
-            record[f"val_{self.ctx.task.metric_name}"] = run.val_metric
-            hr.result.val_metrics.append((step, run.val_metric))
-        self.ctx.event(record)
+    async def evaluate_outer(self, hr: GroupingRun, g: int, run: Run, eval_n: int, rounds: int) -> None:
+        """Group ``g``'s share of the validation batches on the outer weights once ``rounds`` rounds are
+        done, in ``run``'s pipeline (``outer_eval.py``); the last share in writes the evaluation, at
+        the user's step they reach (``GroupingRun.step_at``)."""
+        ev = hr.evals.share(rounds, hr.step_at(rounds), {x: sum(hr.clock.lengths[x]) for x in hr.expected(rounds - 1)}, eval_n)
+        first, n = ev.share.get(g, (0, 0))
+        if n:  # the clock is not paused: the other groups train meanwhile (elapsed_s of several groups includes evaluation)
+            loss = await self.live.guard(run, self.checkpoints.evaluate(run, n, ev.step, outer=True, first=first))
+            hr.evals.write(self.ctx, hr, [hr.evals.add(rounds, g, Part(n, loss, run.val_metric), hr.alive)])

@@ -46,6 +46,12 @@ class RoundClock:
         ref = min((self.lengths[g] for g in alive), key=sum, default=None)
         return self.first + sum(ref[:p]) if ref is not None else self.first
 
+    def crossed(self, k: int, every: int) -> bool:
+        """Whether round ``k``'s end passes a multiple of ``every`` user steps, counted in the group
+        with the fewest inner steps (of every group that took part, so that all groups agree)."""
+        ref = min(self.lengths.values(), key=sum)
+        return (self.first + sum(ref[: k + 1])) // every > (self.first + sum(ref[:k])) // every
+
     def reached(self) -> int:
         """The user's step where every group ended (``end_at``): counted in the slowest group, on
         ``first`` to ``last``."""

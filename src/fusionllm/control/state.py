@@ -71,15 +71,16 @@ class Checkpoints:
             offset += len(page.data)
         return b"".join(chunks)
 
-    async def evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False) -> float:
-        """Validation loss of the current weights, computed by the workers in the pipeline."""
+    async def evaluate(self, run: Run, batches: int, at_step: int, *, outer: bool = False, first: int = 0) -> float:
+        """Validation loss of the current weights over batches ``first`` to ``first + batches - 1``,
+        computed by the workers in the pipeline (the mean of its micro-batches' losses)."""
         c = self.cluster
 
         async def ask(w: int) -> Evaluated:
             inputs = None
             if w in run.fed:
-                inputs = {str(j): inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(batches)}
-            msg = Evaluate(at_step, batches, inputs, outer).to_wire()  # asked again after a dropped link: the worker answers with the same run
+                inputs = {str(j): inputs_for(run, w, *self.task.eval_batch(j, c.eval_batches)) for j in range(first, first + batches)}
+            msg = Evaluate(at_step, batches, inputs, outer, first).to_wire()  # asked again after a dropped link: the worker answers with the same run
             return Evaluated.from_wire(await run.clients[w].call_retrying("Evaluate", msg, within=c.step_timeout, timeout=c.step_timeout))
 
         replies = await self.live.calls(run, {w: ask(w) for w in run.plan.workers})

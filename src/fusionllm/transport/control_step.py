@@ -69,12 +69,14 @@ class StepDone(Message):
 
 @dataclass
 class Evaluate(Message):
-    """Run the forward-only program over the validation batches (``Batcher.eval_starts``)."""
+    """Run the forward-only program over validation batches ``first`` to ``first + batches - 1``
+    (``Batcher.eval_starts``)."""
 
     at_step: int
     batches: int
     inputs: dict[str, dict[str, dict[str, bytes]]] | None = None  # per batch, per micro-batch, per edge (no own data)
     outer: bool = False  # hierarchical mode: evaluate the outer weights (the model all groups share), not the local ones
+    first: int = 0  # the first batch: each group of a grouping evaluates its share of them (control/outer_eval.py)
 
 
 @dataclass

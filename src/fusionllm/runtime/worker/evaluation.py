@@ -32,7 +32,7 @@ async def evaluate(
     metric: Callable[[int], Metric | None], cancellable: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]],
     *, outer: OuterState | None = None,
 ) -> dict[str, Any]:
-    """``req.batches`` validation batches (``inputs(j)``: batch j as the stage's micro-batches), each
+    """``req.batches`` validation batches from ``req.first`` (``inputs(j)``: batch j as the stage's micro-batches), each
     run as a task ``cancellable`` hands to the coordinator's Abort; the wire form of ``Evaluated``."""
     if outer is None:
         return await _batches(runtime, req, inputs, metric, cancellable)
@@ -50,7 +50,7 @@ async def _batches(
     metric: Callable[[int], Metric | None], cancellable: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]],
 ) -> dict[str, Any]:
     out = Evaluated()
-    for j in range(req.batches):
+    for j in range(req.first, req.first + req.batches):
         fed = await inputs(j)
         try:
             done = await cancellable(runtime.run_eval(-(req.at_step * 1000 + j + 1), fed, metric(j)))

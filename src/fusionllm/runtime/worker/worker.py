@@ -387,7 +387,7 @@ class Worker:
         (hierarchical mode: of the outer weights when asked, the local ones put back after)."""
         runtime = self._runtime("Evaluate")
         req = Evaluate.from_wire(msg)
-        return await self._once("Evaluate", (req.at_step, req.batches, req.outer), lambda: self._run_evaluate(runtime, req))
+        return await self._once("Evaluate", (req.at_step, req.first, req.batches, req.outer), lambda: self._run_evaluate(runtime, req))
 
     async def _run_evaluate(self, runtime: StageRuntime, req: Evaluate) -> dict[str, Any]:
         async def inputs(j: int) -> dict[int, dict[str, Any]]:
