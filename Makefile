@@ -53,7 +53,7 @@ lint: $(VENV)/.installed-dev
 # testbed (as root) and browser included.
 test: $(VENV)/.installed-dev testbed-tools
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # In-process tests only (no `slow`: no subprocesses, root, browser or long runs).
 test-fast: $(VENV)/.installed-dev

@@ -31,6 +31,15 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # `mak
 TESTBED_TURN = Path(tempfile.gettempdir()) / "fusionllm-tests-testbed.lock"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``testbed`` go to one pytest-xdist worker (``--dist loadgroup``, `make test`):
+    they take the machine's testbed one at a time, and spread over two workers one of them waited for
+    the other's turn (80-96 s of a test's set-up in CI) instead of running the other tests."""
+    for item in items:
+        if item.get_closest_marker("testbed") is not None:
+            item.add_marker(pytest.mark.xdist_group("testbed"))
+
+
 @pytest.fixture(autouse=True)
 def _one_testbed_at_a_time(request: pytest.FixtureRequest) -> Any:
     """A machine holds one emulated testbed at a time (a second refuses to start), and other pytest
