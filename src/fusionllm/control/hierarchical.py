@@ -145,7 +145,7 @@ class Groups:
         run = hr.runs[g]
         others = [w for w in run.plan.workers if w not in (set(run.plan.workers) if gone is None else gone)]
         hr.alive.discard(g)
-        hr.evals.write(self.ctx, hr, hr.evals.left(hr.alive))  # those that waited on its share alone
+        hr.evals.write(self.ctx, hr.result, hr.elapsed(), hr.evals.left(hr.alive))  # those that waited on its share alone
         rejoin = bool(others and hr.alive)
         if rejoin:  # before any await: no group passes the join's round, which waits for them (``leaving``)
             self.pauses.schedule_join(hr, others)
@@ -293,4 +293,4 @@ class Groups:
         first, n = ev.share.get(g, (0, 0))
         if n:  # the clock is not paused: the other groups train meanwhile (elapsed_s of several groups includes evaluation)
             loss = await self.live.guard(run, self.checkpoints.evaluate(run, n, ev.step, outer=True, first=first))
-            hr.evals.write(self.ctx, hr, [hr.evals.add(rounds, g, Part(n, loss, run.val_metric), hr.alive)])
+            hr.evals.write(self.ctx, hr.result, hr.elapsed(), [hr.evals.add(rounds, g, Part(n, loss, run.val_metric), hr.alive)])

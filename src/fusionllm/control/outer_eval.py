@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fusionllm.core.config import TrainResult
+
     from .context import RunContext
-    from .hier_setup import GroupingRun
 
 
 def shares(weights: Mapping[int, float], batches: int) -> dict[int, tuple[int, int]]:
@@ -116,13 +117,13 @@ class OuterEvals:
         del self.pending[rounds]
         return ev
 
-    def write(self, ctx: RunContext, hr: GroupingRun, done: list[Evaluation | None]) -> None:
+    def write(self, ctx: RunContext, result: TrainResult, clock: float, done: list[Evaluation | None]) -> None:
         """Evaluations whose shares are all in (or whose missing groups left): into the run's result
-        and its events, with the clock and tokens as they are now."""
+        and its events, with the run's clock (``clock``, seconds) and tokens as they are now."""
         for ev in filter(None, done):
-            elapsed, tokens = ctx.trained(hr.elapsed(), hr.result.tokens)
+            elapsed, tokens = ctx.trained(clock, result.tokens)
             record = ev.record(tokens, elapsed, ctx.task.metric_name)
-            hr.result.val_losses.append((ev.step, record["val_loss"]))
+            result.val_losses.append((ev.step, record["val_loss"]))
             if f"val_{ctx.task.metric_name}" in record:
-                hr.result.val_metrics.append((ev.step, record[f"val_{ctx.task.metric_name}"]))
+                result.val_metrics.append((ev.step, record[f"val_{ctx.task.metric_name}"]))
             ctx.event(record)
