@@ -21,10 +21,21 @@ BATCH, SEQ, STEPS, WARMUP = 16, 32, 40, 10
 
 
 @pytest.mark.usefixtures("counted_op_times")  # the shortlist from FLOPs: the same finalists on a busy host
-def test_the_plan_committed_after_the_trials_takes_the_schedule_at_its_tokens(tmp_path: Path) -> None:
+def test_the_plan_committed_after_the_trials_takes_the_schedule_at_its_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why it can fail: the trials overshoot their steps in tokens and the committed plan reads the
     schedule at its step (lr off by the overshoot on every record after the commit), or the trials did
-    not overshoot at all (then this test shows nothing: it checks that they did)."""
+    not overshoot at all (then this test shows nothing: it checks that they did). Which finalist wins
+    is measured, so it moves with the host's load: the commit goes to a one-group finalist here
+    (what the test reads the schedule of), after every trial ran and was measured."""
+    from fusionllm.control import finalists as control_finalists
+
+    one_group = [None]
+
+    def pick_one_group(finalists: list[Finalist]) -> Finalist:
+        one_group[0] = next(f for f in finalists if f.kind != "groups")
+        return one_group[0]
+
+    monkeypatch.setattr(control_finalists, "pick", pick_one_group)
     hardware = tmp_path / "random41.toml"
     hardware.write_text(random_cluster_toml(41, named_shape("random")))  # 4 devices in 3 sites: groups of several H are finalists
     metrics = tmp_path / "m.jsonl"
@@ -34,6 +45,7 @@ def test_the_plan_committed_after_the_trials_takes_the_schedule_at_its_tokens(tm
     run_in_process(train, cluster)
     m = read_metrics(metrics)
     (chosen,) = m.of("finalist_chosen")
+    assert one_group[0] is not None and one_group[0].measured_tokens_per_s  # measured before the commit
     per_step = BATCH * SEQ
     after = [r for r in m.steps if r["step"] >= chosen["at_step"] and r.get("group") is None]
     assert after, "the committed plan is one group here"
