@@ -17,7 +17,7 @@ from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.local_cluster import read_pids
 from tests.conftest import Started, coordinator_port, eventually
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_cluster")]  # real processes; its module fixture's runs made once, on one pytest-xdist worker (`make test`: --dist loadgroup)
+pytestmark = pytest.mark.slow  # real processes
 
 BASE = [sys.executable, "-m", "fusionllm"]
 COMMON = ["--steps", "6", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]

@@ -18,7 +18,7 @@ from fusionllm.core.metrics import read_metrics
 from fusionllm.launch.local_cluster import read_pids
 from tests.conftest import Started
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_collectives_process")]  # real processes; its module fixture's runs made once, on one pytest-xdist worker (`make test`: --dist loadgroup)
+pytestmark = pytest.mark.slow  # real processes
 
 BASE = [sys.executable, "-m", "fusionllm"]
 RUN = ["--model", "gpt-nano", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--seed", "3"]

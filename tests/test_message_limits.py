@@ -13,8 +13,6 @@ from fusionllm.schedule.plan import Request, make_plan
 from fusionllm.transport.frames import CHUNK
 from fusionllm.transport.messages import MAX_MESSAGE
 
-pytestmark = pytest.mark.xdist_group("test_message_limits")  # its module fixture's runs made once, on one pytest-xdist worker (`make test`: --dist loadgroup)
-
 
 @pytest.fixture(scope="module")
 def xl(tmp_path_factory: pytest.TempPathFactory) -> tuple:

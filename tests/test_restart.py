@@ -98,9 +98,6 @@ def _assert_close(got: dict[int, float], reference: dict[int, float]) -> None:
         assert abs(loss - reference[step]) <= TOL * abs(reference[step]), (step, loss, reference[step])
 
 
-pytestmark = pytest.mark.xdist_group("test_restart")  # its module fixture's runs made once, on one pytest-xdist worker (`make test`: --dist loadgroup)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Losses of an undisturbed run: the same coordinator and workers, nobody stopped."""
